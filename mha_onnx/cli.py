@@ -1,0 +1,101 @@
+"""The mha-onnx command line: parse options, build a config, call one library function,
+print its report. Heavy imports happen inside commands so ``--help`` stays instant."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from typing import Any
+
+import click
+
+from mha_onnx import __version__
+from mha_onnx.errors import MhaOnnxError
+
+
+class _Group(click.Group):
+    """Catches the package's errors once: one line, a hint, an exit code, no traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except MhaOnnxError as exc:
+            if ctx.obj and ctx.obj.get("verbose"):
+                traceback.print_exc()
+            click.echo(f"error: {exc.message}", err=True)
+            if exc.hint:
+                click.echo(f"hint: {exc.hint}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted; no output was written", err=True)
+            ctx.exit(130)
+
+
+def _emit(report: Any, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        click.echo(report.render())
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More logging; -v also shows tracebacks.")
+@click.version_option(__version__, prog_name="mha-onnx")
+@click.pass_context
+def main(ctx: click.Context, verbose: int) -> None:
+    """Multi-head attention from PyTorch to ONNX Runtime: export, fuse, validate, profile."""
+    ctx.obj = {"verbose": verbose}
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if verbose < 2:
+        for noisy in ("onnxscript", "onnx_ir", "torch"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
+
+@main.command()
+@click.option("--preset", default=None, help="Preset name from models/ (base, big).")
+@click.option("--config", "config_file", default=None, help="A TOML/JSON config file instead.")
+@click.option("--attention", type=click.Choice(["self", "cross"]), default=None)
+@click.option("--mask", type=click.Choice(["none", "key-padding", "causal"]), default=None)
+@click.option("--weights", default=None, help="safetensors or torch state_dict (ours or nn.MultiheadAttention).")
+@click.option("--opset", type=int, default=None, help="ONNX opset (default 20).")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default=None)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of random weights.")
+@click.option("-o", "--output", required=True, help="Where to write the .onnx file.")
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def export(preset, config_file, attention, mask, weights, opset, dtype, seed, output, force, as_json):
+    """Export the PyTorch reference to ONNX with dynamic batch and sequence axes."""
+    from mha_onnx.config import load_config_file, load_preset
+    from mha_onnx.errors import ConfigError
+    from mha_onnx.export import export_model
+
+    if preset and config_file:
+        raise ConfigError("--preset and --config exclude each other")
+    config = load_config_file(config_file) if config_file else load_preset(preset or "base")
+    changes = {k: v for k, v in (("attention", attention), ("mask", mask), ("dtype", dtype)) if v}
+    report = export_model(
+        config.replace(**changes), output, weights=weights, opset=opset, force=force, seed=seed
+    )
+    _emit(report, as_json)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect(model, as_json):
+    """Summarise an ONNX model: IO, ops, attention blocks, parameters, metadata."""
+    from mha_onnx.inspect import inspect_model
+
+    _emit(inspect_model(model), as_json)
+
+
+def run() -> None:  # pragma: no cover - console entry point
+    main(prog_name="mha-onnx")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(prog_name="mha-onnx")

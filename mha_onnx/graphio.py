@@ -1,0 +1,239 @@
+"""Safe reading and writing of ONNX files.
+
+Reading refuses what is not a model (missing, empty, a folder, corrupt protobuf) with one clear
+error, and external data that would be read from outside the model's own folder. Writing is
+atomic (temp file in the same folder, fsync, rename), never replaces a file without ``force``
+and moves tensors to external data beside the model when the file would pass protobuf's 2 GB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from mha_onnx.errors import ModelFileError, OutputExistsError
+
+log = logging.getLogger(__name__)
+
+# What onnxruntime 1.31 accepts (measured: IR 14 and opset 27 are refused).
+MAX_IR_VERSION = 13
+MAX_OPSET = 26
+PROTOBUF_LIMIT = 2**31 - 1
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # leave room for the graph itself
+
+
+def check_readable(path: str | os.PathLike[str], what: str = "model") -> Path:
+    """The path as a Path, or ModelFileError saying why it cannot be read."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{what} not found: {path}")
+    if path.is_dir():
+        raise ModelFileError(f"{what} path is a folder, not a file: {path}")
+    if not os.access(path, os.R_OK):
+        raise ModelFileError(f"{what} is not readable: {path}", hint="check its permissions")
+    if path.stat().st_size == 0:
+        raise ModelFileError(f"{what} is empty: {path}")
+    return path
+
+
+def read_model(path: str | os.PathLike[str], *, load_external_data: bool = True) -> onnx.ModelProto:
+    """Parse an ONNX file; external data is loaded only from inside the model's folder."""
+    path = check_readable(path)
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except (DecodeError, RuntimeWarning, ValueError, TypeError) as exc:
+        raise ModelFileError(
+            f"{path} is not a valid ONNX model (protobuf parse failed: {type(exc).__name__})",
+            hint="the file may be truncated or not an .onnx file",
+        ) from exc
+    except OSError as exc:
+        raise ModelFileError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+        raise ModelFileError(
+            f"{path} holds no ONNX graph", hint="the file may be truncated or not an .onnx file"
+        )
+    check_versions(model, path)
+    if load_external_data:
+        load_external(model, path)
+    return model
+
+
+def external_files(model: onnx.ModelProto, path: str | os.PathLike[str]) -> list[Path]:
+    """The external-data files a model refers to (checked to lie in its folder)."""
+    path = Path(path)
+    check_external_data(model, path.parent)
+    locations = {
+        entry.value
+        for tensor in _external_tensors(model)
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    return sorted(path.parent / loc for loc in locations)
+
+
+def load_external(model: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
+    """Load external tensors in place, after checking every location is safe."""
+    if not _has_external_data(model):
+        return
+    check_external_data(model, Path(path).parent)
+    try:
+        onnx.external_data_helper.load_external_data_for_model(model, str(Path(path).parent))
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"cannot read external data of {path}: {exc}") from exc
+
+
+def check_versions(model: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:
+    """Refuse IR versions and opsets that onnxruntime cannot load, naming the limit."""
+    if model.ir_version <= 0:
+        raise ModelFileError(f"{path} has no IR version; it is not a usable ONNX model")
+    if model.ir_version > MAX_IR_VERSION:
+        raise ModelFileError(
+            f"{path} has ONNX IR version {model.ir_version}; onnxruntime reads <= {MAX_IR_VERSION}",
+            hint="re-save it with a lower ir_version",
+        )
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > MAX_OPSET:
+            raise ModelFileError(
+                f"{path} uses opset {opset.version}; onnxruntime supports <= {MAX_OPSET}"
+            )
+        if opset.domain in ("", "ai.onnx") and opset.version < 7:
+            raise ModelFileError(f"{path} uses opset {opset.version}; mha-onnx needs >= 7")
+
+
+def _external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    yield from onnx.external_data_helper._get_all_tensors(model)
+
+
+def _has_external_data(model: onnx.ModelProto) -> bool:
+    return any(onnx.external_data_helper.uses_external_data(t) for t in _external_tensors(model))
+
+
+def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike[str]) -> None:
+    """Every external-data location must resolve inside ``base_dir``; checked before any read."""
+    base = Path(base_dir).resolve()
+    for tensor in _external_tensors(model):
+        if not onnx.external_data_helper.uses_external_data(tensor):
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        if not location:
+            raise ModelFileError(f"tensor {tensor.name!r} has external data without a location")
+        if os.path.isabs(location) or location.startswith(("/", "\\")):
+            raise ModelFileError(
+                f"refused external data of tensor {tensor.name!r}: absolute path {location!r}",
+                hint="external data must lie in the model's own folder",
+            )
+        parts = Path(location.replace("\\", "/")).parts
+        if ".." in parts:
+            raise ModelFileError(
+                f"refused external data of tensor {tensor.name!r}: {location!r} leaves the "
+                "model's folder",
+                hint="external data must lie in the model's own folder",
+            )
+        resolved = (base / location).resolve()
+        if base != resolved and base not in resolved.parents:
+            raise ModelFileError(
+                f"refused external data of tensor {tensor.name!r}: {location!r} resolves to "
+                f"{resolved}, outside {base} (a symlink?)",
+                hint="external data must lie in the model's own folder",
+            )
+        if not resolved.is_file():
+            raise ModelFileError(
+                f"external data {location!r} of tensor {tensor.name!r} not found beside the model"
+            )
+
+
+def prepare_output(path: str | os.PathLike[str], *, force: bool) -> Path:
+    """Check that ``path`` may be written (before any long work) and create its folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputExistsError(f"output path is a folder: {path}")
+    if path.exists() and not force:
+        raise OutputExistsError(f"output exists: {path}", hint="pass --force to replace it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelFileError(f"cannot create folder {path.parent}: {exc.strerror or exc}") from exc
+    return path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], *, force: bool) -> Iterator[Path]:
+    """Yield a temp path beside ``path``; on success fsync it and rename it over ``path``.
+    An exception (Ctrl-C included) removes the temp file and leaves ``path`` untouched."""
+    path = prepare_output(path, force=force)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with tmp.open("rb") as handle:
+            os.fsync(handle.fileno())
+        if path.exists() and not force:  # appeared while we worked
+            raise OutputExistsError(f"output exists: {path}", hint="pass --force to replace it")
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_bytes(data: bytes, path: str | os.PathLike[str], *, force: bool) -> Path:
+    with atomic_path(path, force=force) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def tensor_bytes(model: onnx.ModelProto) -> int:
+    """Bytes held by initializers and constant tensors (what decides the 2 GB limit)."""
+    total = 0
+    for tensor in _external_tensors(model):
+        total += len(tensor.raw_data) if tensor.HasField("raw_data") else tensor.ByteSize()
+    return total
+
+
+def write_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, force: bool) -> Path:
+    """Save ``model`` atomically; beyond ~2 GB the tensors go to ``<name>.data`` beside it."""
+    path = Path(path)
+    if tensor_bytes(model) < EXTERNAL_DATA_THRESHOLD:
+        return write_bytes(model.SerializeToString(), path, force=force)
+    data_name = path.name + ".data"
+    data_path = path.with_name(data_name)
+    if data_path.exists() and not force:
+        raise OutputExistsError(f"output exists: {data_path}", hint="pass --force to replace it")
+    model = _copy(model)
+    onnx.external_data_helper.convert_model_to_external_data(
+        model, all_tensors_to_one_file=True, location=data_name, size_threshold=1024
+    )
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=prepare_output(path, force=force).parent) as tmp_dir:
+        onnx.external_data_helper.write_external_data_tensors(model, tmp_dir)
+        tmp_data = Path(tmp_dir) / data_name
+        with tmp_data.open("rb") as handle:
+            os.fsync(handle.fileno())
+        with atomic_path(path, force=force) as tmp_model:
+            tmp_model.write_bytes(model.SerializeToString())
+            os.replace(tmp_data, data_path)
+    log.info("wrote %s with external data %s", path, data_path)
+    return path
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    clone = onnx.ModelProto()
+    clone.CopyFrom(model)
+    return clone

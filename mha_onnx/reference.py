@@ -1,0 +1,90 @@
+"""The PyTorch reference: the seed's multi-head attention, written out equation by equation.
+
+    head_i = softmax(Q W_i^Q (K W_i^K)^T / sqrt(d_k)) V W_i^V
+    MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O
+
+W_i^Q, W_i^K in R^{d_model x d_k} and W_i^V in R^{d_model x d_v} are stacked head by head
+into one nn.Linear each (rows i*d_k:(i+1)*d_k of ``w_q.weight`` are (W_i^Q)^T), and
+W^O in R^{h d_v x d_model} is ``w_o``. Masked scores are filled with -inf before the softmax,
+so a query whose keys are all masked gives NaN, exactly as torch.nn.MultiheadAttention does.
+
+Dims: B batch, S query length, T key/value length, D d_model, H heads, Dk/Dv head dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mha_onnx.config import MhaConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention of the seed; the module every export and parity check rests on."""
+
+    def __init__(self, config: MhaConfig) -> None:
+        super().__init__()
+        self.config = config
+        d, h = config.d_model, config.num_heads
+        self.w_q = nn.Linear(d, h * config.d_k, bias=config.bias)
+        self.w_k = nn.Linear(d, h * config.d_k, bias=config.bias)
+        self.w_v = nn.Linear(d, h * config.d_v, bias=config.bias)
+        self.w_o = nn.Linear(h * config.d_v, d, bias=config.bias)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool | None = None,
+    ) -> torch.Tensor:
+        """query (B, S, D); key/value (B, T, D) or None for self-attention;
+        key_padding_mask (B, T) bool, True = padded key. Returns (B, S, D)."""
+        cfg = self.config
+        key = query if key is None else key
+        value = key if value is None else value
+        causal = cfg.mask == "causal" if causal is None else causal
+        batch, seq_q, _ = query.shape
+        seq_kv = key.shape[1]
+        h, dk, dv = cfg.num_heads, cfg.d_k, cfg.d_v
+
+        q_BHSDk = self.w_q(query).view(batch, seq_q, h, dk).transpose(1, 2)
+        k_BHTDk = self.w_k(key).view(batch, seq_kv, h, dk).transpose(1, 2)
+        v_BHTDv = self.w_v(value).view(batch, seq_kv, h, dv).transpose(1, 2)
+
+        scores_BHST = (q_BHSDk @ k_BHTDk.transpose(-2, -1)) / math.sqrt(dk)
+        if causal:
+            keep_ST = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=query.device).tril()
+            scores_BHST = scores_BHST.masked_fill(~keep_ST, float("-inf"))
+        if key_padding_mask is not None:
+            padded_B11T = key_padding_mask[:, None, None, :]
+            scores_BHST = scores_BHST.masked_fill(padded_B11T, float("-inf"))
+        weights_BHST = torch.softmax(scores_BHST, dim=-1)
+
+        heads_BHSDv = weights_BHST @ v_BHTDv
+        concat_BSHDv = heads_BHSDv.transpose(1, 2).reshape(batch, seq_q, h * dv)
+        return self.w_o(concat_BSHDv)
+
+
+def build_reference(
+    config: MhaConfig,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    *,
+    seed: int = 0,
+) -> MultiHeadAttention:
+    """The reference module in eval mode and the config's dtype; random weights from ``seed``
+    unless ``state_dict`` (in this module's naming, see :mod:`mha_onnx.weights`) is given."""
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        module = MultiHeadAttention(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    if state_dict is not None:
+        module.load_state_dict(state_dict, strict=True)
+    return module.to(TORCH_DTYPES[config.dtype]).eval()

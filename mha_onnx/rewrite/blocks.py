@@ -1,0 +1,116 @@
+"""Finding attention blocks in any ONNX graph: fused attention ops and unfused
+MatMul -> Softmax -> MatMul chains (subgraphs of Loop/If/Scan included)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+MS_DOMAIN = "com.microsoft"
+# (domain, op_type) of ops that are attention kernels in their own right.
+FUSED_OPS = {
+    (MS_DOMAIN, "MultiHeadAttention"),
+    (MS_DOMAIN, "Attention"),
+    (MS_DOMAIN, "GroupQueryAttention"),
+    (MS_DOMAIN, "PackedMultiHeadAttention"),
+    (MS_DOMAIN, "PackedAttention"),
+    (MS_DOMAIN, "DecoderMaskedMultiHeadAttention"),
+    (MS_DOMAIN, "SparseAttention"),
+    ("", "Attention"),
+}
+# Ops allowed between the Softmax and the MatMul with V.
+PROBS_PASSTHROUGH = {"Cast", "Where", "IsNaN", "Dropout", "Identity"}
+SCORES_WALK_LIMIT = 24
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attention block: ``fused`` (an attention op) or ``unfused`` (a Softmax chain)."""
+
+    kind: str
+    op: str
+    node: str
+    graph: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "op": self.op, "node": self.node, "graph": self.graph}
+
+
+def all_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
+    """The graph and every subgraph held in node attributes, depth first."""
+    yield graph
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield from all_graphs(attr.value)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    yield from all_graphs(sub)
+
+
+def op_label(node: ir.Node) -> str:
+    return f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+
+
+def is_fused_attention(node: ir.Node) -> bool:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    return (domain, node.op_type) in FUSED_OPS
+
+
+def probs_matmul(softmax: ir.Node) -> ir.Node | None:
+    """The MatMul that multiplies this Softmax's probabilities with V, if any."""
+    frontier = [softmax.outputs[0]]
+    for _ in range(4):
+        next_frontier = []
+        for value in frontier:
+            for user, index in value.uses():
+                if user.op_type == "MatMul" and user.domain in ("", "ai.onnx") and index == 0:
+                    return user
+                if user.op_type in PROBS_PASSTHROUGH:
+                    next_frontier.extend(user.outputs[:1])
+        frontier = next_frontier
+    return None
+
+
+def scores_matmul(softmax: ir.Node) -> ir.Node | None:
+    """The MatMul (Q K^T) upstream of the Softmax input, through elementwise ops."""
+    seen: set[int] = set()
+    stack = [softmax.inputs[0]]
+    steps = 0
+    while stack and steps < SCORES_WALK_LIMIT:
+        value = stack.pop()
+        steps += 1
+        if value is None or id(value) in seen:
+            continue
+        seen.add(id(value))
+        producer = value.producer()
+        if producer is None:
+            continue
+        if producer.op_type == "MatMul":
+            return producer
+        if producer.op_type in ("Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh"):
+            stack.extend(v for v in producer.inputs if v is not None)
+    return None
+
+
+def is_attention_softmax(node: ir.Node) -> bool:
+    return (
+        node.op_type == "Softmax"
+        and node.domain in ("", "ai.onnx")
+        and probs_matmul(node) is not None
+        and scores_matmul(node) is not None
+    )
+
+
+def find_blocks(graph: ir.Graph) -> list[Block]:
+    """Every attention block in ``graph`` and its subgraphs."""
+    blocks = []
+    for sub in all_graphs(graph):
+        for node in sub:
+            if is_fused_attention(node):
+                blocks.append(Block("fused", op_label(node), node.name or "", sub.name or ""))
+            elif is_attention_softmax(node):
+                blocks.append(Block("unfused", "MatMul-Softmax-MatMul", node.name or "", sub.name or ""))
+    return blocks

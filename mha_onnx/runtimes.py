@@ -1,0 +1,297 @@
+"""ONNX Runtime sessions per execution provider, strict about which provider really ran.
+
+One small protocol: ``OrtRunner(model, provider)`` builds its session lazily, ``infer(feeds)``
+returns ``{output name: np.ndarray}``, and it is a context manager. A requested provider that
+ORT cannot load raises :class:`ProviderUnavailableError` with ORT's own reason; it is never
+replaced by the CPU behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mha_onnx.errors import ModelFileError, ProviderError
+
+log = logging.getLogger(__name__)
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+SHORT_NAMES = {v: k for k, v in PROVIDERS.items()}
+
+
+class ProviderUnavailableError(ProviderError):
+    """ORT knows the provider but could not start it here (missing libraries, no device)."""
+
+
+def parse_providers(text: str) -> tuple[str, ...]:
+    """``"cpu,cuda"`` -> ("cpu", "cuda"); unknown names raise with the known ones."""
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    if not names:
+        raise ProviderError("no execution provider given", hint="e.g. --providers cpu,cuda")
+    for name in names:
+        if name not in PROVIDERS:
+            raise ProviderError(
+                f"unknown execution provider {name!r}",
+                hint=f"known providers: {', '.join(PROVIDERS)}",
+            )
+    return tuple(dict.fromkeys(names))
+
+
+_PRELOADED = False
+
+
+def import_ort() -> Any:
+    """onnxruntime, with CUDA/cuDNN libraries from pip packages preloaded (once, quietly)
+    when this build lists the CUDA EP, so that the EP can find them."""
+    global _PRELOADED
+    import onnxruntime as ort
+
+    preload = getattr(ort, "preload_dlls", None)
+    if not _PRELOADED and preload is not None and PROVIDERS["cuda"] in ort.get_available_providers():
+        _PRELOADED = True
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(Exception):
+            _capture_native_stderr(preload)
+    return ort
+
+
+def _capture_native_stderr(func: Any) -> tuple[Any, str]:
+    """Run ``func`` while capturing native stderr; returns (result, captured text)."""
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(2)
+        try:
+            os.dup2(sink.fileno(), 2)
+            try:
+                result = func()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+        except Exception:
+            sink.seek(0)
+            log.debug("native stderr: %s", sink.read().decode(errors="replace"))
+            raise
+        sink.seek(0)
+        return result, sink.read().decode(errors="replace")
+
+
+def _ort_reason(captured: str) -> str:
+    """The most telling line of what ORT logged while it failed to start a provider."""
+    lines = [ln.strip() for ln in captured.splitlines() if ln.strip()]
+    for key in ("Failed to load library", "Error loading", "cannot open shared object",
+                "CUDA failure", "no CUDA-capable device", "LoadLibrary"):
+        for line in lines:
+            if key in line:
+                return line[line.find(key) :].strip()
+    return lines[-1] if lines else "onnxruntime did not register it (no reason logged)"
+
+
+class _SessionFailed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    provider: str
+    providers_in_session: tuple[str, ...]
+    create_seconds: float
+    cpu_fallback_allowed: bool
+
+
+class OrtRunner:
+    """One ORT session on one execution provider (plus the CPU only where ORT must place
+    shape ops there, and only when ``strict=False``)."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | bytes,
+        provider: str = "cpu",
+        *,
+        threads: int | None = None,
+        io_binding: bool = False,
+        profile_dir: str | os.PathLike[str] | None = None,
+        strict: bool = True,
+        optimization: str = "all",
+    ) -> None:
+        if provider not in PROVIDERS:
+            raise ProviderError(
+                f"unknown execution provider {provider!r}",
+                hint=f"known providers: {', '.join(PROVIDERS)}",
+            )
+        self.model = model
+        self.provider = provider
+        self.threads = threads
+        self.io_binding = io_binding and provider != "cpu"
+        self.profile_dir = profile_dir
+        self.strict = strict
+        self.optimization = optimization
+        self._session: Any = None
+        self.info: SessionInfo | None = None
+
+    def __enter__(self) -> OrtRunner:
+        self.session  # noqa: B018 (build now)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._session = None
+
+    @property
+    def session(self) -> Any:
+        if self._session is None:
+            self._session = self._create()
+        return self._session
+
+    def _options(self, ort: Any, allow_fallback: bool) -> Any:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if self.threads:
+            options.intra_op_num_threads = self.threads
+            options.inter_op_num_threads = 1
+        levels = {
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        }
+        options.graph_optimization_level = levels[self.optimization]
+        if self.provider != "cpu" and not allow_fallback:
+            options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        if self.profile_dir is not None:
+            options.enable_profiling = True
+            options.profile_file_prefix = str(Path(self.profile_dir) / "ort_profile")
+        return options
+
+    def _create(self) -> Any:
+        ort = import_ort()
+        wanted = PROVIDERS[self.provider]
+        if wanted not in ort.get_available_providers():
+            available = ", ".join(SHORT_NAMES.get(p, p) for p in ort.get_available_providers())
+            raise ProviderUnavailableError(
+                f"execution provider {self.provider} is not in this onnxruntime build",
+                hint=f"available: {available}",
+            )
+        source = self.model if isinstance(self.model, bytes) else str(self.model)
+        start = time.perf_counter()
+        if self.provider == "cpu":
+            session = self._session_or_error(ort, source, [wanted], allow_fallback=True)[0]
+            self.info = SessionInfo("cpu", (wanted,), time.perf_counter() - start, False)
+            return session
+        # First ask for every node on the device, with ORT's CPU fallback disabled.
+        try:
+            session, captured = self._session_or_error(ort, source, [wanted], allow_fallback=False)
+            allow_fallback = False
+        except _SessionFailed as failed:
+            # Either the EP cannot start at all, or some nodes can only run on the CPU.
+            session, captured = self._session_or_error(
+                ort, source, [wanted, PROVIDERS["cpu"]], allow_fallback=True
+            )
+            if wanted in session.get_providers() and self.strict:
+                raise ProviderUnavailableError(
+                    f"execution provider {self.provider} cannot run every node: {failed.reason}",
+                    hint="drop strict mode to let ORT place those nodes on the CPU (reported)",
+                ) from None
+            allow_fallback = True
+        got = tuple(session.get_providers())
+        if wanted not in got:
+            raise ProviderUnavailableError(
+                f"execution provider {self.provider} could not be loaded: {_ort_reason(captured)}",
+                hint="onnxruntime would have run on the CPU instead; that is never reported as "
+                + self.provider,
+            )
+        self.info = SessionInfo(self.provider, got, time.perf_counter() - start, allow_fallback)
+        return session
+
+    def _session_or_error(
+        self, ort: Any, source: Any, providers: list[str], *, allow_fallback: bool
+    ) -> tuple[Any, str]:
+        options = self._options(ort, allow_fallback)
+        try:
+            return _capture_native_stderr(
+                lambda: ort.InferenceSession(source, options, providers=providers)
+            )
+        except Exception as exc:  # onnxruntime raises its own exception types
+            if not type(exc).__module__.startswith("onnxruntime"):
+                raise
+            if not allow_fallback:
+                raise _SessionFailed(_short(str(exc))) from exc
+            raise ModelFileError(f"onnxruntime cannot load the model: {_short(str(exc))}") from exc
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.session.get_inputs()]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.session.get_outputs()]
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run once; outputs come back as numpy arrays on the host."""
+        session = self.session
+        try:
+            if self.io_binding:
+                return self._infer_bound(feeds)
+            values = session.run(None, dict(feeds))
+        except Exception as exc:
+            if type(exc).__module__.startswith("onnxruntime"):
+                raise ModelFileError(f"onnxruntime failed to run the model: {_short(str(exc))}") from exc
+            raise
+        return dict(zip(self.output_names, values, strict=True))
+
+    def _infer_bound(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Inputs copied to the device once, outputs allocated there (IO binding)."""
+        ort = import_ort()
+        device = "cuda"
+        binding = self.session.io_binding()
+        for name, array in feeds.items():
+            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), device, 0)
+            binding.bind_ortvalue_input(name, value)
+        for name in self.output_names:
+            binding.bind_output(name, device, 0)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.copy_outputs_to_cpu()
+        return dict(zip(self.output_names, outputs, strict=True))
+
+    def end_profiling(self) -> str | None:
+        if self._session is None or self.profile_dir is None:
+            return None
+        return self._session.end_profiling()
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) < 400 else text[:400] + "..."
+
+
+def cuda_available() -> tuple[bool, str]:
+    """Whether a CUDA EP session really starts here; the reason when it does not."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    try:
+        with OrtRunner(model.SerializeToString(), "cuda") as runner:
+            runner.infer({"x": np.ones(1, np.float32)})
+    except ProviderError as exc:
+        return False, str(exc)
+    return True, ""

@@ -1,0 +1,37 @@
+"""Shared fixtures: exported models are cached per session (torch.export is the slow part)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+logging.getLogger("onnxscript").setLevel(logging.WARNING)
+logging.getLogger("onnx_ir").setLevel(logging.WARNING)
+
+from mha_onnx.config import MhaConfig  # noqa: E402
+
+SMALL = MhaConfig(d_model=32, num_heads=4, name="small")
+
+
+@pytest.fixture(scope="session")
+def export_cache(tmp_path_factory: pytest.TempPathFactory):
+    """export_cache(config, **kw) -> path of an export of ``config`` (made once per session)."""
+    from mha_onnx.export import export_model
+
+    folder = tmp_path_factory.mktemp("exports")
+    cache: dict[tuple, Path] = {}
+
+    def get(config: MhaConfig, **kwargs) -> Path:
+        key = (config, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            path = folder / f"m{len(cache)}.onnx"
+            export_model(config, path, **kwargs)
+            cache[key] = path
+        return cache[key]
+
+    return get
