@@ -93,6 +93,26 @@ def inspect(model, as_json):
     _emit(inspect_model(model), as_json)
 
 
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", required=True, help="Where to write the fused model.")
+@click.option("--target", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True,
+              help="ort: ONNX Runtime contrib kernels; onnx: the standard Attention op (opset 23).")
+@click.option("--no-verify", is_flag=True, help="Skip the parity check against the original.")
+@click.option("--atol", type=float, default=None, help="Verification tolerance (default by dtype).")
+@click.option("--rtol", type=float, default=None)
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def fuse(model, output, target, no_verify, atol, rtol, force, as_json):
+    """Rewrite every attention block onto the fastest fused kernel, verified against the
+    original on ORT CPU before anything is written."""
+    from mha_onnx.rewrite import fuse_file
+
+    report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
+                       atol=atol, rtol=rtol)
+    _emit(report, as_json)
+
+
 def run() -> None:  # pragma: no cover - console entry point
     main(prog_name="mha-onnx")
 

@@ -1,0 +1,227 @@
+"""``fuse()``: every attention block of any ONNX graph onto one fused kernel, verified.
+
+Pipeline: read -> (opset upgrade for ``--target onnx``) -> shape inference -> stage 1 (attention
+cores -> internal Sdpa) -> stage 2 (Sdpa -> the target's kernel) -> cleanup -> verification
+against the original on ORT CPU -> atomic write. A block that is not fused gets a reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from onnxscript.optimizer import remove_unused_nodes
+from onnxscript.rewriter import RewriteRuleSet
+
+from mha_onnx import __version__
+from mha_onnx.errors import ConfigError, FusionError
+from mha_onnx.graphio import prepare_output, read_model, write_model
+from mha_onnx.rewrite.blocks import MS_DOMAIN, find_blocks
+from mha_onnx.rewrite.core import FUSION_DOMAIN, BlockLog, OnnxAttention, SoftmaxAttention
+from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
+from mha_onnx.rewrite.lower_ort import LowerMergedOutput, LowerSdpa
+from mha_onnx.rewrite.verify import Verification, verify
+from mha_onnx.table import table
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("ort", "onnx")
+
+
+@dataclass(frozen=True)
+class BlockResult:
+    """One attention block: fused into ``form``, or left with ``reason``."""
+
+    block: str
+    status: str  # "fused" | "left" | "already fused"
+    form: str = ""
+    mask: str = ""
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return {"block": self.block, "status": self.status, "form": self.form,
+                "mask": self.mask, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class FuseReport:
+    input: str
+    output: str | None
+    target: str
+    blocks: tuple[BlockResult, ...]
+    verification: Verification | None
+    seconds: float
+    written: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fused(self) -> int:
+        return sum(b.status == "fused" for b in self.blocks)
+
+    @property
+    def left(self) -> int:
+        return sum(b.status == "left" for b in self.blocks)
+
+    def __bool__(self) -> bool:
+        return self.verification is None or self.verification.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input": self.input,
+            "output": self.output,
+            "target": self.target,
+            "written": self.written,
+            "fused": self.fused,
+            "left": self.left,
+            "already_fused": sum(b.status == "already fused" for b in self.blocks),
+            "blocks": [b.to_dict() for b in self.blocks],
+            "verification": None if self.verification is None else self.verification.to_dict(),
+            "seconds": round(self.seconds, 3),
+            "notes": list(self.notes),
+        }
+
+    def render(self) -> str:
+        head = (f"fused {self.fused} of {len(self.blocks)} attention block(s) for target "
+                f"{self.target} in {self.seconds:.1f} s")
+        lines = [head]
+        if self.blocks:
+            rows = [(b.block, b.status, b.form or "-", b.mask or "-", b.reason or "") for b in self.blocks]
+            lines.append(table(["block", "status", "form", "mask", "reason"], rows))
+        if self.verification is None:
+            lines.append("  verification: skipped (--no-verify)")
+        else:
+            worst = self.verification.worst
+            state = "passed" if self.verification.passed else "FAILED"
+            detail = (f"worst max abs {worst.stats.max_abs:.2e} ({worst.output}, {worst.case})"
+                      if worst else "no outputs")
+            lines.append(f"  verification vs original on ORT CPU: {state}; {detail}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        if self.output:
+            lines.append(f"  {'wrote' if self.written else 'did not write'} {self.output}")
+        return "\n".join(lines)
+
+
+def _opset(model: ir.Model) -> int:
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+
+
+def _prepare(model: ir.Model, target: str) -> list[str]:
+    notes = []
+    if model.functions:
+        common_passes.InlinePass()(model)
+    if target == "onnx" and _opset(model) < ONNX_ATTENTION_OPSET:
+        from onnxscript.version_converter import convert_version
+
+        before = _opset(model)
+        convert_version(model, ONNX_ATTENTION_OPSET, fallback=True)
+        model.opset_imports[""] = ONNX_ATTENTION_OPSET
+        notes.append(f"opset upgraded {before} -> {ONNX_ATTENTION_OPSET} for the ONNX Attention op")
+    try:
+        common_passes.ShapeInferencePass()(model)
+    except Exception as exc:  # noqa: BLE001 - shapes only help; rules fail without them
+        log.warning("shape inference failed (%s); fusing with the shapes in the file", exc)
+    return notes
+
+
+def fuse_model(model_proto: onnx.ModelProto, *, target: str = "ort") -> tuple[onnx.ModelProto, list[BlockResult], list[str]]:
+    """Rewrite a model in memory; returns (fused model, per-block results, notes)."""
+    if target not in TARGETS:
+        raise ConfigError(f"unknown target {target!r}", hint="use ort or onnx")
+    model = ir.from_proto(model_proto)
+    notes = _prepare(model, target)
+    before = find_blocks(model.graph)
+    blog = BlockLog()
+    forms: dict[str, str] = {}
+    RewriteRuleSet([SoftmaxAttention.rule(blog, _opset(model))]).apply_to_model(model)
+    RewriteRuleSet([OnnxAttention.rule(blog)]).apply_to_model(model)
+    remove_unused_nodes(model)
+    if target == "ort":
+        RewriteRuleSet([LowerMergedOutput.rule(blog, forms)]).apply_to_model(model)
+        RewriteRuleSet([LowerSdpa.rule(blog, forms)]).apply_to_model(model)
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    else:
+        RewriteRuleSet([LowerToOnnxAttention.rule(forms)]).apply_to_model(model)
+    model.opset_imports.pop(FUSION_DOMAIN, None)
+    remove_unused_nodes(model)
+    common_passes.NameFixPass()(model)
+
+    results = []
+    for block in before:
+        name = block.node
+        if block.kind == "fused":
+            results.append(BlockResult(name, "already fused", form=block.op))
+        elif name in forms:
+            mask = str(blog.matched.get(name, {}).get("mask", ""))
+            results.append(BlockResult(name, "fused", form=forms[name], mask=mask))
+        else:
+            reason = blog.reasons.get(name, "not recognised as attention by any rule")
+            results.append(BlockResult(name, "left", reason=reason))
+    for name, form in forms.items():  # ONNX Attention nodes are both "fused" before and after
+        for i, r in enumerate(results):
+            if r.block == name and r.status == "already fused":
+                results[i] = BlockResult(name, "fused", form=form,
+                                         mask=str(blog.matched.get(name, {}).get("mask", "")))
+    fused = ir.to_proto(model)
+    if fused.ir_version > 10 and model_proto.ir_version <= 10:
+        fused.ir_version = model_proto.ir_version
+    return fused, results, notes
+
+
+def fuse_file(
+    source: str | Path,
+    output: str | Path,
+    *,
+    target: str = "ort",
+    verify_result: bool = True,
+    force: bool = False,
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> FuseReport:
+    """Fuse ``source`` into ``output``; refuses to write when the fused graph's outputs differ
+    from the original's beyond tolerance (unless ``verify_result`` is False)."""
+    started = time.perf_counter()
+    output = prepare_output(output, force=force)
+    original = read_model(source)
+    fused, results, notes = fuse_model(original, target=target)
+    _carry_metadata(original, fused, results, target)
+    if not results:
+        notes.append("the model has no attention block; the output is an unchanged copy")
+    verification = None
+    if verify_result:
+        verification = verify(original, fused, atol=atol, rtol=rtol)
+        failure = verification.first_failure()
+        if failure is not None:
+            raise FusionError(
+                f"fused graph differs from the original: output {failure.output!r} at "
+                f"{failure.case}: max abs error {failure.stats.max_abs:.3g} "
+                f"(atol {failure.stats.atol:g}); nothing was written",
+                hint="please report this model; --no-verify writes it anyway",
+            )
+    write_model(fused, output, force=force)
+    return FuseReport(
+        input=str(source), output=str(output), target=target, blocks=tuple(results),
+        verification=verification, seconds=time.perf_counter() - started, written=True,
+        notes=tuple(notes),
+    )
+
+
+def _carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,
+                    results: list[BlockResult], target: str) -> None:
+    """Keep the original's metadata (mha-onnx's config among it) and record the fusion."""
+    del fused.metadata_props[:]
+    for prop in original.metadata_props:
+        if prop.key != "mha_onnx.fusion":
+            fused.metadata_props.add(key=prop.key, value=prop.value)
+    summary = {
+        "version": __version__,
+        "target": target,
+        "blocks": [r.to_dict() for r in results],
+    }
+    fused.metadata_props.add(key="mha_onnx.fusion", value=json.dumps(summary, sort_keys=True))

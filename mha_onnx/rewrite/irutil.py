@@ -1,0 +1,108 @@
+"""Small helpers over onnx_ir values: constants, producers, symbolic dims."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+Dim = int | str | None
+
+
+def producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
+    """The node (default ONNX domain) producing ``value`` if its op is one of ``op_types``."""
+    if value is None:
+        return None
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    return node if not op_types or node.op_type in op_types else None
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value as a numpy array when it is an initializer or a Constant's output."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        try:
+            return value.const_value.numpy()
+        except Exception:  # noqa: BLE001 - external or odd tensors: not a constant to us
+            return None
+    node = producer(value, "Constant")
+    if node is None:
+        return None
+    for name, attr in node.attributes.items():
+        if name == "value":
+            return attr.value.numpy()
+        if name in ("value_float", "value_int"):
+            return np.array(attr.value)
+        if name in ("value_floats", "value_ints"):
+            return np.array(list(attr.value))
+    return None
+
+
+def const_scalar(value: ir.Value | None) -> float | None:
+    """A constant with one element (any rank), as a float."""
+    array = const_array(value)
+    if array is None or array.size != 1:
+        return None
+    return float(array.reshape(()))
+
+
+def const_ints(value: ir.Value | None) -> list[int] | None:
+    array = const_array(value)
+    if array is None or array.dtype.kind not in "iu":
+        return None
+    return [int(x) for x in array.reshape(-1)]
+
+
+def dims(value: ir.Value | None) -> list[Dim] | None:
+    """The value's dims: ints, symbolic names, or None where unknown; None if rank unknown."""
+    if value is None or value.shape is None:
+        return None
+    out: list[Dim] = []
+    for dim in value.shape:
+        if isinstance(dim, int):
+            out.append(dim)
+        else:
+            out.append(dim.value if dim.value is not None else None)
+    return out
+
+
+def rank(value: ir.Value | None) -> int | None:
+    shape = dims(value)
+    return None if shape is None else len(shape)
+
+
+def same_dim(a: Dim, b: Dim) -> bool:
+    """True only when both dims are known and provably equal."""
+    return a is not None and b is not None and a == b
+
+
+def int_attr(node: ir.Node, name: str, default: int) -> int:
+    attr = node.attributes.get(name)
+    return default if attr is None else int(attr.value)
+
+
+def ints_attr(node: ir.Node, name: str) -> list[int] | None:
+    attr = node.attributes.get(name)
+    return None if attr is None else [int(x) for x in attr.value]
+
+
+def float_attr(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    return default if attr is None else float(attr.value)
+
+
+def consumers(value: ir.Value) -> list[ir.Node]:
+    return [user for user, _ in value.uses()]
+
+
+def is_graph_output(value: ir.Value) -> bool:
+    return value.is_graph_output()
+
+
+def describe(node: ir.Node | None) -> str:
+    if node is None:
+        return "a graph input or constant"
+    label = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+    return f"{label} node {node.name!r}" if node.name else f"{label} node"
