@@ -156,7 +156,7 @@ def _mask(shape: tuple[int, ...], padding: str, rng: np.random.Generator, keep_v
 
 
 def make_inputs(
-    specs: Sequence[InputSpec], case: ShapeCase, *, seed: int = 0, int_high: int = 100
+    specs: Sequence[InputSpec], case: ShapeCase, *, seed: int = 0, int_high: int = 16
 ) -> dict[str, np.ndarray]:
     """Random inputs for ``case``. Bool inputs named like masks get True = padded (PyTorch's
     key_padding_mask); integer masks get 1 = keep (Hugging Face's attention_mask)."""

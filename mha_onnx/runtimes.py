@@ -140,6 +140,7 @@ class OrtRunner:
         self.strict = strict
         self.optimization = optimization
         self._session: Any = None
+        self._quiet_run: Any = None
         self.info: SessionInfo | None = None
 
     def __enter__(self) -> OrtRunner:
@@ -246,12 +247,19 @@ class OrtRunner:
         try:
             if self.io_binding:
                 return self._infer_bound(feeds)
-            values = session.run(None, dict(feeds))
+            values = session.run(None, dict(feeds), self._run_options())
         except Exception as exc:
             if type(exc).__module__.startswith("onnxruntime"):
                 raise ModelFileError(f"onnxruntime failed to run the model: {_short(str(exc))}") from exc
             raise
         return dict(zip(self.output_names, values, strict=True))
+
+    def _run_options(self) -> Any:
+        """Errors come back as exceptions; ORT need not also print them."""
+        if self._quiet_run is None:
+            self._quiet_run = import_ort().RunOptions()
+            self._quiet_run.log_severity_level = 4
+        return self._quiet_run
 
     def _infer_bound(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Inputs copied to the device once, outputs allocated there (IO binding)."""
@@ -263,7 +271,7 @@ class OrtRunner:
             binding.bind_ortvalue_input(name, value)
         for name in self.output_names:
             binding.bind_output(name, device, 0)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self._run_options())
         outputs = binding.copy_outputs_to_cpu()
         return dict(zip(self.output_names, outputs, strict=True))
 
@@ -275,7 +283,7 @@ class OrtRunner:
 
 def _short(text: str) -> str:
     text = " ".join(text.split())
-    return text if len(text) < 400 else text[:400] + "..."
+    return text if len(text) < 500 else text[:240] + " ... " + text[-240:]
 
 
 def cuda_available() -> tuple[bool, str]:

@@ -23,6 +23,10 @@ FUSED_OPS = {
 # Ops allowed between the Softmax and the MatMul with V.
 PROBS_PASSTHROUGH = {"Cast", "Where", "IsNaN", "Dropout", "Identity"}
 SCORES_WALK_LIMIT = 24
+# Ops walked through from the Softmax back to Q·K^T when looking for blocks (wider than what
+# the fusion accepts, so that a block it cannot fuse is still reported with a reason).
+SCORES_WALK_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh", "Relu", "Sigmoid",
+                   "Clip", "Neg", "Abs", "Identity", "Min", "Max", "Pow", "Sqrt", "Exp"}
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def scores_matmul(softmax: ir.Node) -> ir.Node | None:
             continue
         if producer.op_type == "MatMul":
             return producer
-        if producer.op_type in ("Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh"):
+        if producer.op_type in SCORES_WALK_OPS:
             stack.extend(v for v in producer.inputs if v is not None)
     return None
 

@@ -19,6 +19,7 @@ from onnxscript.rewriter import pattern
 from onnxscript.rewriter._basics import MatchResult
 
 from mha_onnx.rewrite.irutil import (
+    const_fill,
     const_scalar,
     dims,
     float_attr,
@@ -162,6 +163,21 @@ def _key_from_transposed(kt: ir.Value, rank: int) -> tuple[ir.Value, str]:
     return kt, "kt"
 
 
+def _key_dims(key: ir.Value, form: str, kt: ir.Value, rank: int) -> list | None:
+    """K's dims in [B, H, T, Dk] order (rank 3: [N, T, Dk]), whichever form K was found in."""
+    if form == "bhtd":
+        kd = dims(key)
+    elif form == "bthd":
+        src = dims(key)
+        kd = None if src is None or len(src) != 4 else [src[0], src[2], src[1], src[3]]
+    else:
+        src = dims(kt)
+        kd = None if src is None else src[:-2] + [src[-1], src[-2]]
+    if kd is None or len(kd) != rank:
+        return None
+    return kd
+
+
 def parse_softmax_attention(matmul: ir.Node, opset: int) -> Core:
     """Recognise ``MatMul(probs, V)`` as an attention core or raise Reject(reason)."""
     probs, value = matmul.inputs[0], matmul.inputs[1]
@@ -237,7 +253,7 @@ def parse_softmax_attention(matmul: ir.Node, opset: int) -> Core:
             terms.append(Term("add", bias, post))
         elif op == "Where":
             cond, a, b = node.inputs
-            ca, cb = const_scalar(a), const_scalar(b)
+            ca, cb = const_fill(a), const_fill(b)
             if ca is not None and cb is None and _reaches_matmul(b):
                 terms.append(Term("replace", cond, post, fill=ca, masked_when=True))
                 current = b
@@ -263,12 +279,12 @@ def parse_softmax_attention(matmul: ir.Node, opset: int) -> Core:
     qd, vd = dims(query), dims(value)
     if qd is None or vd is None or len(qd) != srank or len(vd) != srank:
         raise Reject(f"{block}: Q or V has an unknown shape or a rank other than the scores'")
-    ktd = dims(kt)
-    if ktd is None or len(ktd) != srank:
+    kd = _key_dims(key, key_form, kt, srank)
+    if kd is None:
         raise Reject(f"{block}: K has an unknown shape")
     if srank == 4:
         batch, heads, seq_q, dk = qd
-        if not (same_dim(ktd[0], batch) and same_dim(ktd[1], heads)
+        if not (same_dim(kd[0], batch) and same_dim(kd[1], heads)
                 and same_dim(vd[0], batch) and same_dim(vd[1], heads)):
             raise Reject(
                 f"{block}: Q, K and V do not share batch and head dims (broadcast K/V or "
@@ -277,11 +293,11 @@ def parse_softmax_attention(matmul: ir.Node, opset: int) -> Core:
     else:
         batch, seq_q, dk = qd
         heads = 1
-        if not (same_dim(ktd[0], batch) and same_dim(vd[0], batch)):
+        if not (same_dim(kd[0], batch) and same_dim(vd[0], batch)):
             raise Reject(f"{block}: Q, K and V do not share their leading dim")
     seq_kv, dv = vd[-2], vd[-1]
-    if not same_dim(ktd[-2], dk) or not same_dim(ktd[-1], seq_kv):
-        raise Reject(f"{block}: K^T's shape does not match Q and V")
+    if not same_dim(kd[-1], dk) or not same_dim(kd[-2], seq_kv):
+        raise Reject(f"{block}: K's shape does not match Q and V")
     for name, dim in (("heads", heads), ("d_k", dk), ("d_v", dv)):
         if not isinstance(dim, int):
             raise Reject(f"{block}: the number of {name} is not static ({dim})")

@@ -48,6 +48,25 @@ def const_scalar(value: ir.Value | None) -> float | None:
     return float(array.reshape(()))
 
 
+def const_fill(value: ir.Value | None) -> float | None:
+    """The one value of a constant-filled tensor: a scalar constant, a constant whose
+    elements are all equal, Expand(scalar constant, shape) or ConstantOfShape."""
+    if value is None:
+        return None
+    array = const_array(value)
+    if array is not None:
+        if array.size == 0 or not np.all(array == array.reshape(-1)[0]):
+            return None
+        return float(array.reshape(-1)[0])
+    node = producer(value, "Expand", "ConstantOfShape", "Cast", "Identity")
+    if node is None:
+        return None
+    if node.op_type == "ConstantOfShape":
+        attr = node.attributes.get("value")
+        return 0.0 if attr is None else float(attr.value.numpy().reshape(-1)[0])
+    return const_fill(node.inputs[0])
+
+
 def const_ints(value: ir.Value | None) -> list[int] | None:
     array = const_array(value)
     if array is None or array.dtype.kind not in "iu":

@@ -11,6 +11,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from mha_onnx.rewrite.core import FUSION_DOMAIN
+from mha_onnx.rewrite.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim
 
 ONNX_ATTENTION_OPSET = 23
@@ -23,38 +24,43 @@ def _full_rows(op, x: ir.Value, q: ir.Value) -> ir.Value:
     return op.Expand(x, target)
 
 
-def _special_rows(op, info: SdpaInfo, value: ir.Value) -> ir.Value | None:
-    """[.., 1, Dv]-broadcastable values for rows whose keys are all masked, or None when
-    ORT's own result (zeros) is already what the original computes."""
-    if info.nan_to_zero:
-        return info.const(op, 0.0)
-    if info.fill == -math.inf:
-        return info.const(op, math.nan)
-    if info.fill_mode == "replace":  # all scores equal: uniform weights, the mean of V
-        total = op.ReduceSum(value, op.Constant(value_ints=[2]), keepdims=1)
-        return op.Div(total, op.CastLike(seq_dim(op, value, 2), value))
-    return None  # additive finite fill: ORT computes softmax(s + fill) like the original
+def _mean_v(op, value: ir.Value) -> ir.Value:
+    """[B, H, 1, Dv]: the mean of V over the keys (uniform attention weights)."""
+    total = op.ReduceSum(value, op.Constant(value_ints=[2]), keepdims=1)
+    return op.Div(total, op.CastLike(seq_dim(op, value, 2), value))
+
+
+def _nan_or_zero(op, info: SdpaInfo) -> ir.Value:
+    """Softmax over all -inf is NaN; a NaN guard after the softmax makes it 0."""
+    return info.const(op, 0.0 if info.nan_to_zero else math.nan)
 
 
 def lower_onnx(op, node: ir.Node) -> tuple[ir.Value, str]:
-    """The fused [B, H, S, Dv] output of one Sdpa node and a label of the form used."""
+    """The fused [B, H, S, Dv] output of one Sdpa node and a label of the form used.
+
+    ORT's Attention gives 0 for a query whose keys are all masked (-inf or the lowest float);
+    the original graph gives NaN (-inf), 0 (NaN guard) or the mean of V (one equal finite
+    fill on every key), so those rows are set explicitly.
+    """
     info = SdpaInfo.of(node)
     q, k, v = info.query, info.key, info.value
     kind = info.mask_kind
     if kind == "none":
         return op.Attention(q, k, v, scale=info.scale), "Attention"
-    if kind == "causal":
+    if kind == "causal":  # top-left aligned: no row is ever fully masked
         return op.Attention(q, k, v, scale=info.scale, is_causal=1), "Attention (is_causal)"
     assert info.mask is not None
     if kind == "key_padding":
         padded_b11t = op.Unsqueeze(info.mask, op.Constant(value_ints=[1, 2]))
-        if info.fill == -math.inf or info.nan_to_zero:
+        if info.fill == -math.inf:
             mask = _full_rows(op, op.Not(padded_b11t), q)  # bool, True = attend
+            special = _nan_or_zero(op, info)
         else:
             fill = op.Where(padded_b11t, info.const(op, info.fill), info.const(op, 0.0))
             mask = _full_rows(op, fill, q)
+            uniform = info.fill_mode == "replace" or info.fill <= ABSORBING
+            special = _mean_v(op, v) if uniform else None
         out = op.Attention(q, k, v, mask, scale=info.scale)
-        special = _special_rows(op, info, v)
         if special is not None:
             all_padded = op.ReduceMin(op.Cast(info.mask, to=ir.DataType.INT32),
                                       op.Constant(value_ints=[1]), keepdims=1)
@@ -64,12 +70,13 @@ def lower_onnx(op, node: ir.Node) -> tuple[ir.Value, str]:
         return out, "Attention + key mask [B,1,S,T]"
     bias = _full_rows(op, info.mask, q)
     out = op.Attention(q, k, v, bias, scale=info.scale)
+    row_max = op.ReduceMax(bias, op.Constant(value_ints=[-1]), keepdims=1)
+    neg_inf = op.Equal(row_max, info.const(op, -math.inf))
+    special = op.Where(neg_inf, _nan_or_zero(op, info), _mean_v(op, v))
+    absorbed = op.LessOrEqual(row_max, info.const(op, ABSORBING))
+    out = op.Where(absorbed, special, out)
     if info.nan_to_zero:
         out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)
-    else:
-        row_max = op.ReduceMax(bias, op.Constant(value_ints=[-1]), keepdims=1)
-        all_masked = op.Equal(row_max, info.const(op, -math.inf))
-        out = op.Where(all_masked, info.const(op, math.nan), out)
     return out, "Attention + attention bias"
 
 

@@ -151,7 +151,7 @@ def _all_padded(tape, info: SdpaInfo, q_b, k_b, v_b, is_3d: bool, t_axis: int) -
     rows = tape.op("Shape", [q_b], attributes={"start": 1, "end": 2})
     out_shape = tape.op("Concat", [const(np.array([1], np.int64)), rows,
                                    const(np.array([width], np.int64))], attributes={"axis": 0})
-    if info.nan_to_zero or info.fill == -math.inf:
+    if info.fill == -math.inf:  # softmax of all -inf is NaN; a NaN guard makes it 0
         fill = 0.0 if info.nan_to_zero else math.nan
         return tape.op("Expand", [const(np.array(fill, dtype)), out_shape])
     if info.fill_mode == "replace":  # every score equals the fill: uniform weights, mean of V

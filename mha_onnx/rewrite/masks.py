@@ -21,6 +21,7 @@ import onnx_ir as ir
 from mha_onnx.rewrite.irutil import (
     Dim,
     const_array,
+    const_fill,
     const_scalar,
     dims,
     int_attr,
@@ -54,7 +55,8 @@ class Term:
 @dataclass(frozen=True)
 class BoolMeaning:
     """What a boolean (or 0/1) tensor says about keys: kind "key_padding" (``source`` is
-    [B, T], masked where ``source != 0`` unless ``inverted``), "causal" or "other"."""
+    [B, T], masked where ``source != 0`` unless ``inverted``), "causal", "none" (masks
+    nothing), "all" (masks everything) or "other"."""
 
     kind: str
     source: ir.Value | None = None
@@ -152,6 +154,9 @@ def bool_meaning(value: ir.Value, sd: ScoreDims, outer: ir.Value | None = None) 
         current, layout_ok = strip_layout(current)
         if not layout_ok:
             return BoolMeaning("other")
+        constant = const_fill(current)
+        if constant is not None:  # masks nothing (e.g. an all-True keep mask) or everything
+            return BoolMeaning("all" if (constant != 0) != inverted else "none")
         node = producer(current)
         if node is not None and node.op_type == "Not":
             inverted = not inverted
@@ -211,7 +216,7 @@ def bias_meaning(term: Term, sd: ScoreDims) -> tuple[BoolMeaning, float] | None:
         return None
     if node.op_type == "Where":
         cond, a, b = node.inputs
-        ca, cb = const_scalar(a), const_scalar(b)
+        ca, cb = const_fill(a), const_fill(b)
         if ca is None or cb is None:
             return None
         if cb == 0.0 and ca != 0.0:
@@ -240,11 +245,27 @@ def bias_meaning(term: Term, sd: ScoreDims) -> tuple[BoolMeaning, float] | None:
 def _invert(meaning: BoolMeaning) -> BoolMeaning:
     if meaning.kind == "other":
         return meaning
+    if meaning.kind in ("none", "all"):  # masks nothing <-> masks everything
+        return BoolMeaning("all" if meaning.kind == "none" else "none")
     return BoolMeaning(meaning.kind, meaning.source, not meaning.inverted)
+
+
+def _masks_nothing(term: Term, sd: ScoreDims) -> bool:
+    """A term that provably leaves every score as it is (a zero bias, an all-keep mask)."""
+    if term.mode == "add":
+        if const_fill(term.value) == 0.0:
+            return True
+        found = bias_meaning(term, sd)
+        return found is not None and found[0].kind == "none"
+    meaning = bool_meaning(term.value, sd)
+    if not term.masked_when:
+        meaning = _invert(meaning)
+    return meaning.kind == "none"
 
 
 def plan(terms: list[Term], sd: ScoreDims, nan_to_zero: bool) -> MaskPlan:
     """Reduce the terms of one block to the kind that picks its fused form."""
+    terms = [t for t in terms if not _masks_nothing(t, sd)]
     if not terms:
         return MaskPlan("none")
     if len(terms) == 1:
@@ -257,7 +278,7 @@ def plan(terms: list[Term], sd: ScoreDims, nan_to_zero: bool) -> MaskPlan:
         else:
             found = bias_meaning(term, sd)
             meaning, fill = (found[0], found[1] * term.post) if found else (BoolMeaning("other"), 0.0)
-        if meaning.kind != "other" and (fill <= REMOVES_KEY or fill == -math.inf):
+        if meaning.kind in ("causal", "key_padding") and (fill <= REMOVES_KEY or fill == -math.inf):
             if meaning.kind == "causal":
                 return MaskPlan("causal", fill=fill, mode=term.mode)
             return MaskPlan("key_padding", fill=fill, mode=term.mode, padding=meaning)

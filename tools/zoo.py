@@ -1,0 +1,315 @@
+"""Attention graphs exported from code this project did not write: torch.nn modules,
+F.scaled_dot_product_attention, Transformer layers, Hugging Face models built from configs
+with random weights (nothing is downloaded). Used by the fusion tests and tools/compare_fusers.
+
+Every builder returns an ``onnx.ModelProto`` exported with dynamic batch/sequence dims.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import warnings
+from collections.abc import Callable
+
+import onnx
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
+D, H = 32, 4  # small but real: head dim 8 (a multiple of 8, as ORT's GQA needs)
+
+
+def export(module: nn.Module, args: tuple, dynamic: dict, *, opset: int = 18,
+           names: list[str] | None = None) -> onnx.ModelProto:
+    """torch.onnx dynamo export with dynamic dims, quietly."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module.eval(), args, dynamo=True, dynamic_shapes=dynamic, opset_version=opset,
+            input_names=names, verbose=False, optimize=True,
+        )
+    return program.model_proto
+
+
+def _dims():
+    return torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1), torch.export.Dim("seq_kv", min=1)
+
+
+class _TorchMha(nn.Module):
+    def __init__(self, batch_first: bool, mode: str) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(D, H, batch_first=batch_first)
+        self.mode = mode
+
+    def forward(self, query, key=None, value=None, key_padding_mask=None):
+        if key is None:  # self-attention: the packed in-projection path
+            key = value = query
+        attn_mask = None
+        if self.mode == "causal":
+            n = query.shape[1] if self.mha.batch_first else query.shape[0]
+            attn_mask = torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1)
+        return self.mha(query, key, value, key_padding_mask=key_padding_mask,
+                        attn_mask=attn_mask, need_weights=False)[0]
+
+
+def torch_mha(batch_first: bool = True, mode: str = "self") -> onnx.ModelProto:
+    """nn.MultiheadAttention: mode self | cross | key_padding | causal."""
+    torch.manual_seed(0)
+    batch, seq, seq_kv = _dims()
+    module = _TorchMha(batch_first, mode)
+    b_ax, s_ax = (0, 1) if batch_first else (1, 0)
+
+    def x(n):
+        shape = [2, n, D] if batch_first else [n, 2, D]
+        return torch.randn(shape)
+
+    if mode == "cross":
+        args = (x(5), x(7), x(7))
+        dyn = {"query": {b_ax: batch, s_ax: seq}, "key": {b_ax: batch, s_ax: seq_kv},
+               "value": {b_ax: batch, s_ax: seq_kv}}
+        return export(module, args, dyn)
+    if mode == "key_padding":
+        args = (x(5), None, None, torch.zeros(2, 5, dtype=torch.bool))
+        dyn = {"query": {b_ax: batch, s_ax: seq}, "key": None, "value": None,
+               "key_padding_mask": {0: batch, 1: seq}}
+        return export(module, args, dyn)
+    return export(module, (x(5),), {"query": {b_ax: batch, s_ax: seq}})
+
+
+class _Sdpa(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, q, k, v, mask=None):
+        if self.mode == "causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.mode == "key_padding":  # [B, T] -> [B, 1, 1, T], True = attend
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def sdpa(mode: str = "none", opset: int = 18) -> onnx.ModelProto:
+    """F.scaled_dot_product_attention on [B, H, S, Dh]: none | bool | float | causal |
+    key_padding (a [B, T] keep mask broadcast as [B, 1, 1, T])."""
+    torch.manual_seed(0)
+    batch, seq, seq_kv = _dims()
+    dh = D // H
+    q, k, v = torch.randn(2, H, 5, dh), torch.randn(2, H, 7, dh), torch.randn(2, H, 7, dh)
+    dyn = {"q": {0: batch, 2: seq}, "k": {0: batch, 2: seq_kv}, "v": {0: batch, 2: seq_kv}}
+    if mode == "causal":
+        k, v = torch.randn(2, H, 5, dh), torch.randn(2, H, 5, dh)
+        dyn = {"q": {0: batch, 2: seq}, "k": {0: batch, 2: seq}, "v": {0: batch, 2: seq}}
+        return export(_Sdpa(mode), (q, k, v), dyn, opset=opset)
+    if mode == "none":
+        return export(_Sdpa(mode), (q, k, v), dyn, opset=opset)
+    if mode == "key_padding":
+        mask = torch.ones(2, 7, dtype=torch.bool)
+        return export(_Sdpa(mode), (q, k, v, mask), dict(dyn, mask={0: batch, 1: seq_kv}), opset=opset)
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool) if mode == "bool" else torch.randn(2, 1, 5, 7)
+    return export(_Sdpa(mode), (q, k, v, mask), dict(dyn, mask={0: batch, 2: seq, 3: seq_kv}), opset=opset)
+
+
+class _Scaled(nn.Module):
+    """Hand-written attention with the scale spelled in different ways."""
+
+    def __init__(self, scale: str) -> None:
+        super().__init__()
+        self.scale = scale
+        self.qkv = nn.Linear(D, 3 * D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        dh = D // H
+        if self.scale == "div":
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(dh)
+        elif self.scale == "mul":
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dh))
+        elif self.scale == "split":
+            f = dh ** -0.25
+            scores = (q * f) @ (k * f).transpose(-2, -1)
+        else:
+            scores = q @ k.transpose(-2, -1)
+        out = scores.softmax(dim=-1) @ v
+        return self.out(out.transpose(1, 2).reshape(b, s, D))
+
+
+def scaled(scale: str) -> onnx.ModelProto:
+    """Self-attention with scale as div | mul | split (d^-1/4 on Q and K) | none."""
+    torch.manual_seed(0)
+    batch, seq, _ = _dims()
+    return export(_Scaled(scale), (torch.randn(2, 5, D),), {"x": {0: batch, 1: seq}})
+
+
+class _Bmm(nn.Module):
+    """Rank-3 attention on [B*H, S, Dh] (the bmm form of older exporters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        split = lambda t: t.reshape(b, s, H, D // H).transpose(1, 2).reshape(b * H, s, D // H)  # noqa: E731
+        q, k, v = split(q), split(k), split(v)
+        attn = torch.softmax(torch.bmm(q, k.transpose(1, 2)) / math.sqrt(D // H), dim=-1)
+        return torch.bmm(attn, v).reshape(b, H, s, D // H).transpose(1, 2).reshape(b, s, D)
+
+
+def bmm_attention() -> onnx.ModelProto:
+    torch.manual_seed(0)
+    batch, seq, _ = _dims()
+    return export(_Bmm(), (torch.randn(2, 5, D),), {"x": {0: batch, 1: seq}})
+
+
+class _Encoder(nn.Module):
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True,
+                                           norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, src, src_key_padding_mask):
+        return self.encoder(src, src_key_padding_mask=src_key_padding_mask)
+
+
+def encoder(norm_first: bool) -> onnx.ModelProto:
+    """TransformerEncoder (2 layers) with a source key-padding mask."""
+    torch.manual_seed(0)
+    batch, seq, _ = _dims()
+    args = (torch.randn(2, 5, D), torch.zeros(2, 5, dtype=torch.bool))
+    return export(_Encoder(norm_first), args,
+                  {"src": {0: batch, 1: seq}, "src_key_padding_mask": {0: batch, 1: seq}})
+
+
+class _Decoder(nn.Module):
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        layer = nn.TransformerDecoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True,
+                                           norm_first=norm_first)
+        self.decoder = nn.TransformerDecoder(layer, 2)
+
+    def forward(self, tgt, memory, memory_key_padding_mask):
+        n = tgt.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=tgt.device).triu(1)
+        return self.decoder(tgt, memory, tgt_mask=causal, tgt_is_causal=True,
+                            memory_key_padding_mask=memory_key_padding_mask)
+
+
+def decoder(norm_first: bool) -> onnx.ModelProto:
+    """TransformerDecoder (2 layers): causal self-attention, cross-attention with padding."""
+    torch.manual_seed(0)
+    batch, seq, seq_kv = _dims()
+    args = (torch.randn(2, 5, D), torch.randn(2, 7, D), torch.zeros(2, 7, dtype=torch.bool))
+    return export(_Decoder(norm_first), args, {
+        "tgt": {0: batch, 1: seq}, "memory": {0: batch, 1: seq_kv},
+        "memory_key_padding_mask": {0: batch, 1: seq_kv}})
+
+
+# -- Hugging Face transformers, built from configs with random weights ------------------------
+
+def _hf(model: nn.Module, args: tuple, dynamic: dict, names: list[str]) -> onnx.ModelProto:
+    return export(model, args, dynamic, names=names)
+
+
+class _HfWrap(nn.Module):
+    def __init__(self, model: nn.Module, keys: list[str], output: str) -> None:
+        super().__init__()
+        self.model, self.keys, self.output = model, keys, output
+
+    def forward(self, *args):
+        out = self.model(**dict(zip(self.keys, args, strict=True)), use_cache=False) if "use_cache" in self.model.forward.__code__.co_varnames else self.model(**dict(zip(self.keys, args, strict=True)))
+        return getattr(out, self.output)
+
+
+def hf(name: str, attn: str = "sdpa") -> onnx.ModelProto:
+    """bert | gpt2 | bart | t5 | vit, tiny configs, random weights, attn_implementation ``attn``."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    batch, seq, seq_kv = _dims()
+    ids = torch.randint(0, 99, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.int64)
+    small = dict(attn_implementation=attn)
+    if name == "bert":
+        cfg = tf.BertConfig(vocab_size=99, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
+                            intermediate_size=2 * D, max_position_embeddings=128, **small)
+        model = _HfWrap(tf.BertModel(cfg), ["input_ids", "attention_mask"], "last_hidden_state")
+        dyn = {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})}
+        return export(model, (ids, mask), dyn, names=["input_ids", "attention_mask"])
+    if name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=99, n_embd=D, n_layer=2, n_head=H, n_positions=128, **small)
+        model = _HfWrap(tf.GPT2Model(cfg), ["input_ids", "attention_mask"], "last_hidden_state")
+        dyn = {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})}
+        return export(model, (ids, mask), dyn, names=["input_ids", "attention_mask"])
+    if name == "bart":
+        cfg = tf.BartConfig(vocab_size=99, d_model=D, encoder_layers=1, decoder_layers=1,
+                            encoder_attention_heads=H, decoder_attention_heads=H,
+                            encoder_ffn_dim=2 * D, decoder_ffn_dim=2 * D,
+                            max_position_embeddings=128, **small)
+        dec = torch.randint(0, 99, (2, 5))
+        model = _HfWrap(tf.BartModel(cfg), ["input_ids", "attention_mask", "decoder_input_ids"],
+                        "last_hidden_state")
+        dyn = {"args": ({0: batch, 1: seq_kv}, {0: batch, 1: seq_kv}, {0: batch, 1: seq})}
+        return export(model, (ids, mask, dec), dyn,
+                      names=["input_ids", "attention_mask", "decoder_input_ids"])
+    if name == "t5":
+        cfg = tf.T5Config(vocab_size=99, d_model=D, d_kv=D // H, d_ff=2 * D, num_layers=1,
+                          num_decoder_layers=1, num_heads=H, **small)
+        dec = torch.randint(0, 99, (2, 5))
+        model = _HfWrap(tf.T5Model(cfg), ["input_ids", "attention_mask", "decoder_input_ids"],
+                        "last_hidden_state")
+        dyn = {"args": ({0: batch, 1: seq_kv}, {0: batch, 1: seq_kv}, {0: batch, 1: seq})}
+        return export(model, (ids, mask, dec), dyn,
+                      names=["input_ids", "attention_mask", "decoder_input_ids"])
+    if name == "vit":
+        cfg = tf.ViTConfig(hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
+                           intermediate_size=2 * D, image_size=32, patch_size=8, **small)
+        model = _HfWrap(tf.ViTModel(cfg), ["pixel_values"], "last_hidden_state")
+        pixels = torch.randn(2, 3, 32, 32)
+        return export(model, (pixels,), {"args": ({0: batch},)}, names=["pixel_values"])
+    raise ValueError(name)
+
+
+ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
+    "torch_mha_self_bf": lambda: torch_mha(True, "self"),
+    "torch_mha_self_sf": lambda: torch_mha(False, "self"),
+    "torch_mha_cross_bf": lambda: torch_mha(True, "cross"),
+    "torch_mha_cross_sf": lambda: torch_mha(False, "cross"),
+    "torch_mha_key_padding": lambda: torch_mha(True, "key_padding"),
+    "torch_mha_causal": lambda: torch_mha(True, "causal"),
+    "sdpa18_none": lambda: sdpa("none", 18),
+    "sdpa18_bool": lambda: sdpa("bool", 18),
+    "sdpa18_float": lambda: sdpa("float", 18),
+    "sdpa18_causal": lambda: sdpa("causal", 18),
+    "sdpa18_key_padding": lambda: sdpa("key_padding", 18),
+    "sdpa23_none": lambda: sdpa("none", 23),
+    "sdpa23_bool": lambda: sdpa("bool", 23),
+    "sdpa23_float": lambda: sdpa("float", 23),
+    "sdpa23_causal": lambda: sdpa("causal", 23),
+    "sdpa23_key_padding": lambda: sdpa("key_padding", 23),
+    "scale_div": lambda: scaled("div"),
+    "scale_mul": lambda: scaled("mul"),
+    "scale_split": lambda: scaled("split"),
+    "scale_none": lambda: scaled("none"),
+    "bmm_rank3": bmm_attention,
+    "encoder_post_norm": lambda: encoder(False),
+    "encoder_pre_norm": lambda: encoder(True),
+    "decoder_post_norm": lambda: decoder(False),
+    "decoder_pre_norm": lambda: decoder(True),
+    "hf_bert": lambda: hf("bert"),
+    "hf_bert_eager": lambda: hf("bert", "eager"),
+    "hf_gpt2": lambda: hf("gpt2"),
+    "hf_gpt2_eager": lambda: hf("gpt2", "eager"),
+    "hf_bart": lambda: hf("bart"),
+    "hf_t5": lambda: hf("t5", "eager"),
+    "hf_vit": lambda: hf("vit"),
+}
