@@ -113,6 +113,37 @@ def fuse(model, output, target, no_verify, atol, rtol, force, as_json):
     _emit(report, as_json)
 
 
+@main.command()
+@click.argument("model")
+@click.option("--reference", default=None, help="Another ONNX model to compare with (e.g. the unfused original).")
+@click.option("--providers", default="cpu", show_default=True, help="Comma list: cpu,cuda,tensorrt.")
+@click.option("--shapes", default=None, help="B:S[:T],... (default: a sweep over every dynamic dim).")
+@click.option("--atol", multiple=True, help="Absolute tolerance, or OUTPUT=VALUE for one output.")
+@click.option("--rtol", multiple=True, help="Relative tolerance, or OUTPUT=VALUE for one output.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=None, help="Intra-op threads for ORT.")
+@click.option("--allow-missing", is_flag=True, help="Report providers that cannot run instead of failing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads, allow_missing, as_json):
+    """Parity of MODEL across PyTorch, ORT CPU, CUDA and TensorRT. Exit 0 when everything
+    passed, 1 when outputs differ, 3 when a requested provider could not run."""
+    from mha_onnx.graphio import read_model
+    from mha_onnx.inputs import input_specs, parse_shapes
+    from mha_onnx.parity import ValidateConfig, parse_tolerances, validate_model
+    from mha_onnx.runtimes import parse_providers
+
+    cases = tuple(parse_shapes(shapes, input_specs(read_model(model)))) if shapes else None
+    config = ValidateConfig(
+        providers=parse_providers(providers), shapes=cases,
+        tolerances=parse_tolerances(atol, rtol), seed=seed, allow_missing=allow_missing,
+        reference=reference, threads=threads,
+    )
+    report = validate_model(model, config)
+    _emit(report, as_json)
+    ctx.exit(report.exit_code)
+
+
 def run() -> None:  # pragma: no cover - console entry point
     main(prog_name="mha-onnx")
 

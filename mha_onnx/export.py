@@ -267,6 +267,8 @@ def _torch_export(module: Any, config: MhaConfig, opset: int) -> onnx.ModelProto
             args.append(torch.randn(shape, generator=generator).to(dtype))
         dynamic[spec.name] = {i: dim_of[d] for i, d in enumerate(spec.dims) if d in named}
     names = [s.name for s in graph_inputs(config)]
+    # torch.onnx warns about every absent torchvision op; nothing here uses them
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     sink = io.StringIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(sink):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_onnx.errors import ModelFileError, ProviderError
+from mha_onnx.errors import ConfigError, ModelFileError, ProviderError
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,10 @@ def parse_providers(text: str) -> tuple[str, ...]:
     """``"cpu,cuda"`` -> ("cpu", "cuda"); unknown names raise with the known ones."""
     names = [part.strip().lower() for part in text.split(",") if part.strip()]
     if not names:
-        raise ProviderError("no execution provider given", hint="e.g. --providers cpu,cuda")
+        raise ConfigError("no execution provider given", hint="e.g. --providers cpu,cuda")
     for name in names:
         if name not in PROVIDERS:
-            raise ProviderError(
+            raise ConfigError(
                 f"unknown execution provider {name!r}",
                 hint=f"known providers: {', '.join(PROVIDERS)}",
             )
@@ -303,3 +303,50 @@ def cuda_available() -> tuple[bool, str]:
     except ProviderError as exc:
         return False, str(exc)
     return True, ""
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """One node execution from ORT's profiler."""
+
+    name: str
+    op_type: str
+    provider: str
+    micros: float
+
+
+def read_profile(path: str | os.PathLike[str]) -> list[NodeEvent]:
+    """Node events of an ORT Chrome-trace profile (kernel time per node run)."""
+    import json
+
+    events = json.loads(Path(path).read_text())
+    out = []
+    for event in events:
+        if event.get("cat") != "Node" or not str(event.get("name", "")).endswith("_kernel_time"):
+            continue
+        args = event.get("args", {})
+        out.append(
+            NodeEvent(
+                name=str(event["name"])[: -len("_kernel_time")],
+                op_type=str(args.get("op_name", "?")),
+                provider=SHORT_NAMES.get(str(args.get("provider", "")), str(args.get("provider", "?"))),
+                micros=float(event.get("dur", 0.0)),
+            )
+        )
+    return out
+
+
+def node_placement(
+    model: str | os.PathLike[str] | bytes, provider: str, feeds: Mapping[str, np.ndarray]
+) -> dict[str, tuple[str, str]]:
+    """node name -> (op type, provider that ran it), from one profiled run."""
+    with tempfile.TemporaryDirectory(prefix="mha_onnx_prof_") as folder:
+        runner = OrtRunner(model, provider, profile_dir=folder, io_binding=provider != "cpu")
+        try:
+            runner.infer(feeds)
+            trace = runner.end_profiling()
+        finally:
+            runner.close()
+        if trace is None:
+            return {}
+        return {e.name: (e.op_type, e.provider) for e in read_profile(trace)}

@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from mha_onnx.cli import main
+from mha_onnx.config import MhaConfig
+from mha_onnx.errors import EXIT_MISMATCH, EXIT_OK, EXIT_PROVIDER, InputSpecError
+from mha_onnx.inputs import input_specs, parse_shapes
+from mha_onnx.parity import ValidateConfig, parse_tolerances, validate_model
+from mha_onnx.rewrite import fuse_file
+from mha_onnx.runtimes import cuda_available
+
+CFG = MhaConfig(d_model=32, num_heads=4, name="t", mask="key-padding")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, export_cache):
+    """(unfused export, fused model) with key padding."""
+    folder = tmp_path_factory.mktemp("parity")
+    original = export_cache(CFG)
+    fused = folder / "fused.onnx"
+    fuse_file(original, fused)
+    return original, fused
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_fused_passes_against_original_and_pytorch(pair):
+    original, fused = pair
+    report = validate_model(fused, ValidateConfig(reference=str(original)))
+    assert report.exit_code == EXIT_OK, report.render()
+    against = {c.against for c in report.comparisons}
+    assert against == {"pytorch", "reference"}
+    cases = {c.case.split(" (")[0] for c in report.comparisons}
+    assert {"seq 1", "odd", "pow2", "odd, padded", "pow2, long"} <= cases
+    # fully padded batch entries are reported apart, with each runtime's behaviour
+    assert report.masked_rows
+    assert set(report.masked_rows[0].behaviour.values()) == {"NaN"}
+    stats = report.comparisons[0].stats.to_dict()
+    for key in ("max_abs", "max_rel", "mean_abs", "p99_abs", "mismatch_fraction", "cosine",
+                "nan_actual", "inf_actual"):
+        assert key in stats
+
+
+def test_unfused_export_alone_uses_its_metadata(pair):
+    report = validate_model(pair[0], ValidateConfig())
+    assert report and {c.against for c in report.comparisons} == {"pytorch"}
+
+
+def _perturbed(src, dst, delta=1e-2):
+    model = onnx.load(src)
+    meta = json.loads({p.key: p.value for p in model.metadata_props}["mha_onnx.params"])
+    name = meta["w_o.weight"]["initializer"]
+    for tensor in model.graph.initializer:
+        if tensor.name == name:
+            array = onnx.numpy_helper.to_array(tensor).copy()
+            array.flat[0] += delta
+            tensor.CopyFrom(onnx.numpy_helper.from_array(array, name))
+    onnx.save(model, dst)
+
+
+def test_perturbed_weight_fails_naming_output_and_error(pair, tmp_path):
+    original, fused = pair
+    bad = tmp_path / "bad.onnx"
+    _perturbed(fused, bad)
+    result = cli("validate", bad, "--reference", original)
+    assert result.exit_code == EXIT_MISMATCH
+    assert "FAIL output on cpu" in result.output and "max abs error" in result.output
+    # without the original, the export's checksum still catches it
+    result = cli("validate", bad, "--json")
+    data = json.loads(result.output)
+    assert result.exit_code == EXIT_MISMATCH
+    assert [c for c in data["checks"] if c["name"] == "weights"][0]["passed"] is False
+
+
+@pytest.mark.skipif(cuda_available()[0], reason="this machine has a working CUDA EP")
+def test_cuda_missing_is_never_a_pass(pair):
+    original, fused = pair
+    result = cli("validate", fused, "--providers", "cpu,cuda", "--json")
+    data = json.loads(result.output)
+    assert result.exit_code == EXIT_PROVIDER
+    cuda = [p for p in data["providers"] if p["provider"] == "cuda"][0]
+    assert not cuda["ran"] and cuda["reason"]
+    assert all(c["provider"] == "cpu" for c in data["comparisons"])
+    result = cli("validate", fused, "--providers", "cuda", "--allow-missing")
+    assert result.exit_code == EXIT_OK and "MISSING (allowed)" in result.output
+
+
+def test_shapes_and_tolerances(pair):
+    specs = input_specs(onnx.load(pair[0]))
+    cases = parse_shapes("1:5,3:17", specs)
+    assert [c.dims for c in cases] == [{"batch": 1, "seq_q": 5}, {"batch": 3, "seq_q": 17}]
+    tol = parse_tolerances(["1e-3", "output=5e-2"], ["out2=0.1"])
+    assert tol["*"].atol == 1e-3 and tol["output"].atol == 5e-2 and tol["out2"].rtol == 0.1
+    cfg = ValidateConfig(tolerances=tol)
+    assert cfg.tolerance_for("output", np.dtype(np.float32)) == (5e-2, 0.0)
+    assert cfg.tolerance_for("other", np.dtype(np.float16)) == (1e-3, 1e-2)
+    for bad in ("1:", "a:b", "0:4", "1:2:3:4"):
+        with pytest.raises(InputSpecError):
+            parse_shapes(bad, specs)
+    with pytest.raises(InputSpecError):
+        parse_tolerances(["x=abc"], [])
+    report = validate_model(pair[1], ValidateConfig(shapes=tuple(cases), reference=str(pair[0])))
+    assert {c.case for c in report.comparisons} == {c.describe() for c in cases}
+
+
+def test_tight_tolerance_fails_and_says_what_was_needed(pair):
+    result = cli("validate", pair[1], "--reference", pair[0], "--atol", "0", "--shapes", "2:9")
+    assert result.exit_code == EXIT_MISMATCH
+    assert "would need atol" in result.output
+
+
+def test_model_without_metadata_needs_a_reference(tmp_path, pair):
+    model = onnx.load(pair[0])
+    del model.metadata_props[:]
+    onnx.save(model, tmp_path / "plain.onnx")
+    result = cli("validate", tmp_path / "plain.onnx")
+    assert result.exit_code == 2 and "--reference" in result.output
+    assert cli("validate", tmp_path / "plain.onnx", "--reference", pair[0]).exit_code == EXIT_OK
+
+
+def test_unknown_provider_is_a_usage_error(pair):
+    result = cli("validate", pair[1], "--providers", "cpu,tpu")
+    assert result.exit_code == 2 and "unknown execution provider 'tpu'" in result.output
