@@ -144,6 +144,62 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
     ctx.exit(report.exit_code)
 
 
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    from mha_onnx.errors import ConfigError
+
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"malformed {option} {text!r}", hint=f"e.g. {option} 128,512") from None
+    if not values or any(v < 1 for v in values):
+        raise ConfigError(f"{option} needs positive integers, got {text!r}")
+    return values
+
+
+@main.command()
+@click.argument("models", nargs=-1, required=True)
+@click.option("--providers", default="cpu", show_default=True, help="Comma list: cpu,cuda,tensorrt.")
+@click.option("--batch", "batches", default="1", show_default=True, help="Comma list of batch sizes.")
+@click.option("--seq-lens", default="128,512,2048", show_default=True, help="Comma list of sequence lengths.")
+@click.option("--warmup", type=int, default=2, show_default=True)
+@click.option("--iters", type=int, default=None, help="Timed runs per point (default 10).")
+@click.option("--min-time", type=float, default=None, help="Run each point at least this many seconds.")
+@click.option("--threads", type=int, default=None, help="Intra-op threads.")
+@click.option("--io-binding", is_flag=True, help="Keep inputs/outputs on the device (CUDA).")
+@click.option("--pad-fraction", type=float, default=0.0, show_default=True,
+              help="Fraction of trailing keys padded in mask inputs.")
+@click.option("--no-ops", is_flag=True, help="Skip the per-op breakdown.")
+@click.option("--no-memory-check", is_flag=True, help="Run points whose estimated memory exceeds what is free.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--csv", "csv_path", default=None, help="Also write the points as CSV.")
+@click.option("--plot", "plot_path", default=None, help="Also draw latency/memory vs length (PNG).")
+@click.option("--trace", "trace_dir", default=None, help="Keep ORT's Chrome-trace JSON here.")
+def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threads, io_binding,
+            pad_fraction, no_ops, no_memory_check, as_json, csv_path, plot_path, trace_dir):
+    """Latency percentiles, throughput, GFLOP/s vs roofline, memory and per-op time."""
+    from mha_onnx.profile import ProfileConfig, plot, profile_models
+    from mha_onnx.runtimes import parse_providers
+
+    config = ProfileConfig(
+        providers=parse_providers(providers), batches=_int_list(batches, "--batch"),
+        seq_lens=_int_list(seq_lens, "--seq-lens"), warmup=warmup, iters=iters,
+        min_time=min_time, threads=threads, io_binding=io_binding, trace_dir=trace_dir,
+        pad_fraction=pad_fraction, op_breakdown=not no_ops, memory_check=not no_memory_check,
+    )
+    with click.progressbar(length=len(models) * len(config.providers) * len(config.batches)
+                           * len(config.seq_lens), label="profiling", file=sys.stderr) as bar:
+        def step(done, total, label):
+            bar.label = label
+            bar.update(done - bar.pos)
+
+        report = profile_models(models, config, on_point=step)
+    if csv_path:
+        report.write_csv(csv_path)
+    if plot_path:
+        plot(report, plot_path)
+    _emit(report, as_json)
+
+
 def run() -> None:  # pragma: no cover - console entry point
     main(prog_name="mha-onnx")
 

@@ -199,12 +199,11 @@ class TorchReference:
     """The PyTorch reference rebuilt from an export's metadata and initializers (float32)."""
 
     def __init__(self, source: onnx.ModelProto, label: str) -> None:
+        import torch
         from onnx import numpy_helper
 
         from mha_onnx.reference import build_reference
         from mha_onnx.weights import checksum
-
-        import torch
 
         meta = mha_metadata(source)
         self.config = MhaConfig.from_dict(json.loads(meta["config"]))

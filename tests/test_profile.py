@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mha_onnx.cli import main
+from mha_onnx.config import MhaConfig
+from mha_onnx.errors import ConfigError, ResourceError
+from mha_onnx.profile import (
+    ProfileConfig,
+    attention_flops,
+    check_memory,
+    estimate_bytes,
+    profile_models,
+)
+
+CFG = MhaConfig(d_model=32, num_heads=4, name="p")
+
+
+def test_flops_are_counted_honestly():
+    cfg = MhaConfig(d_model=8, num_heads=2)  # d_k = d_v = 4
+    proj = 2 * 1 * (3 * 8 * 8 * 3 + 3 * 8 * 8)  # q, k, v and output projections, S = T = 3
+    assert attention_flops(cfg, 1, 3, 3) == proj + 2 * 2 * 9 * 8
+    causal = attention_flops(cfg.replace(mask="causal"), 1, 3, 3)
+    assert causal == proj + 2 * 2 * 6 * 8  # 1 + 2 + 3 attended pairs
+    assert attention_flops(cfg, 1, 3, 3, kept=2) == proj + 2 * 2 * 6 * 8
+
+
+def test_profile_points_and_comparison(export_cache, tmp_path):
+    from mha_onnx.rewrite import fuse_file
+
+    unfused = export_cache(CFG)
+    fused = tmp_path / "fused.onnx"
+    fuse_file(unfused, fused)
+    config = ProfileConfig(seq_lens=(8, 33), batches=(1, 2), iters=3, warmup=1, threads=1,
+                           trace_dir=str(tmp_path / "traces"))
+    seen = []
+    report = profile_models([unfused, fused], config, on_point=lambda d, t, label: seen.append(d))
+    assert report and len(report.points) == 8 and seen[-1] == 8
+    for p in report.points:
+        assert p.iters == 3 and 0 < p.min_ms <= p.p50_ms <= p.p90_ms <= p.p99_ms
+        assert p.tokens_per_s > 0 and p.gflops > 0 and p.roofline_fraction > 0
+        assert p.peak_rss_bytes > p.run_rss_bytes >= 0
+        assert p.top_ops and abs(sum(o.share for o in p.top_ops) - 1) < 0.2
+        assert p.trace and (tmp_path / "traces").is_dir()
+    assert {o.op_type for p in report.points if p.model == str(fused) for o in p.top_ops} >= {
+        "MultiHeadAttention"}
+    speed = report.speedups()
+    assert len(speed) == 4 and all(s["speedup"] > 0 for s in speed)
+    assert "cpu float32" in report.roofline_gflops and report.roofline_gflops["cpu float32"] > 0
+
+
+def test_cli_json_csv_plot(export_cache, tmp_path):
+    path = export_cache(CFG)
+    result = CliRunner().invoke(main, ["profile", str(path), "--seq-lens", "16,32", "--iters", "2",
+                                       "--json", "--csv", str(tmp_path / "p.csv"),
+                                       "--plot", str(tmp_path / "p.png"), "--no-ops"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert [p["seq_len"] for p in data["points"]] == [16, 32]
+    assert all(p["p50_ms"] > 0 for p in data["points"])
+    assert (tmp_path / "p.csv").read_text().count("\n") == 3
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seq-lens", "12,x"], "malformed --seq-lens"),
+    (["--seq-lens", "0"], "positive integers"),
+    (["--batch", "-1"], "positive integers"),
+    (["--providers", "gpu"], "unknown execution provider"),
+])
+def test_bad_options(export_cache, args, message):
+    result = CliRunner().invoke(main, ["profile", str(export_cache(CFG)), *args])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_memory_estimate_refuses_huge_unfused_points(export_cache):
+    path = str(export_cache(CFG))
+    assert estimate_bytes(CFG, True, 1, 1024) > estimate_bytes(CFG, False, 1, 1024)
+    with pytest.raises(ResourceError, match="needs about"):
+        check_memory([path], ProfileConfig(seq_lens=(2_000_000,)))
+    check_memory([path], ProfileConfig(seq_lens=(2_000_000,), memory_check=False))
+    with pytest.raises(ConfigError):
+        ProfileConfig(pad_fraction=1.5)
