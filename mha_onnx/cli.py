@@ -16,7 +16,20 @@ from mha_onnx.errors import MhaOnnxError
 
 
 class _Group(click.Group):
-    """Catches the package's errors once: one line, a hint, an exit code, no traceback."""
+    """Catches the package's errors and click's usage errors once: one line with a hint, an
+    exit code, no traceback (``-v`` prints the traceback too)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as exc:  # bad options, missing arguments
+            where = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) else ""
+            click.echo(f"error: {exc.format_message()}{where}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("error: interrupted; no output was written", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -24,12 +37,11 @@ class _Group(click.Group):
         except MhaOnnxError as exc:
             if ctx.obj and ctx.obj.get("verbose"):
                 traceback.print_exc()
-            click.echo(f"error: {exc.message}", err=True)
-            if exc.hint:
-                click.echo(f"hint: {exc.hint}", err=True)
+            hint = f" (hint: {exc.hint})" if exc.hint else ""
+            click.echo(f"error: {exc.message}{hint}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
-            click.echo("interrupted; no output was written", err=True)
+            click.echo("error: interrupted; no output was written", err=True)
             ctx.exit(130)
 
 
@@ -186,13 +198,21 @@ def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threa
         min_time=min_time, threads=threads, io_binding=io_binding, trace_dir=trace_dir,
         pad_fraction=pad_fraction, op_breakdown=not no_ops, memory_check=not no_memory_check,
     )
-    with click.progressbar(length=len(models) * len(config.providers) * len(config.batches)
-                           * len(config.seq_lens), label="profiling", file=sys.stderr) as bar:
-        def step(done, total, label):
-            bar.label = label
-            bar.update(done - bar.pos)
+    bar = None
 
+    def step(done, total, label):  # the bar starts with the first point, after the checks
+        nonlocal bar
+        if bar is None:
+            bar = click.progressbar(length=total, label="profiling", file=sys.stderr)
+            bar.__enter__()
+        bar.label = label
+        bar.update(done - bar.pos)
+
+    try:
         report = profile_models(models, config, on_point=step)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
     if csv_path:
         report.write_csv(csv_path)
     if plot_path:

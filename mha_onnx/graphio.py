@@ -44,7 +44,8 @@ def check_readable(path: str | os.PathLike[str], what: str = "model") -> Path:
 
 
 def read_model(path: str | os.PathLike[str], *, load_external_data: bool = True) -> onnx.ModelProto:
-    """Parse an ONNX file; external data is loaded only from inside the model's folder."""
+    """Parse an ONNX file and check it is a well-formed model (onnx.checker, without shape
+    inference); external data is loaded only from inside the model's folder."""
     path = check_readable(path)
     try:
         model = onnx.load_model(str(path), load_external_data=False)
@@ -62,7 +63,51 @@ def read_model(path: str | os.PathLike[str], *, load_external_data: bool = True)
     check_versions(model, path)
     if load_external_data:
         load_external(model, path)
+        check_structure(model, path)
     return model
+
+
+def _check_text(message, path: str | os.PathLike[str]) -> None:
+    """Every string field must be valid UTF-8 (protobuf's upb parser hands invalid ones back
+    as bytes, which later crash whatever reads them)."""
+    for field, value in message.ListFields():
+        repeated = getattr(field, "is_repeated", None)
+        if repeated is None:  # older protobuf
+            repeated = field.label == field.LABEL_REPEATED
+        items = value if repeated else (value,)
+        if field.type == field.TYPE_MESSAGE:
+            for item in items:
+                _check_text(item, path)
+        elif field.type == field.TYPE_STRING:
+            for item in items:
+                if not isinstance(item, str):
+                    raise ModelFileError(
+                        f"{path} is not a valid ONNX model: field {field.name!r} holds invalid "
+                        f"UTF-8 text {bytes(item)[:24]!r}", hint="the file may be corrupt")
+
+
+def check_structure(model: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:
+    """onnx.checker without shape inference: catches dangling inputs, bad attributes and
+    other corruption (invalid text included) before any rewrite or session sees the graph."""
+    _check_text(model, path)
+    try:
+        if model.ByteSize() < PROTOBUF_LIMIT:
+            onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelFileError(f"{path} is not a valid ONNX model: {first[:300]}",
+                             hint="the file may be corrupt or produced by a broken exporter") from exc
+
+
+def to_ir(model: onnx.ModelProto, path: str | os.PathLike[str] = "<model>"):
+    """onnx_ir's view of a model; a graph it cannot represent is a ModelFileError."""
+    import onnx_ir as ir
+
+    try:
+        return ir.from_proto(model)
+    except Exception as exc:  # noqa: BLE001 - onnx_ir raises many types on malformed graphs
+        raise ModelFileError(f"{path} cannot be read as an ONNX graph: {type(exc).__name__}: "
+                             f"{str(exc)[:200]}") from exc
 
 
 def external_files(model: onnx.ModelProto, path: str | os.PathLike[str]) -> list[Path]:

@@ -121,13 +121,15 @@ def parse_shapes(text: str, specs: Sequence[InputSpec]) -> list[ShapeCase]:
                 hint="use B:S or B:S:T with positive integers, e.g. --shapes 1:128,4:77:33",
             )
         values = [int(f) for f in fields]
+        if len(values) == 3 and len(seq_names) < 2:
+            raise InputSpecError(
+                f"shape {item!r} gives a key length but the model has one sequence dim",
+                hint="use B:S for self-attention models")
         case: dict[str, int] = {n: values[0] for n in batch_names}
         if seq_names:
             case[seq_names[0]] = values[1]
             for n in seq_names[1:]:
                 case[n] = values[2] if len(values) == 3 else values[1]
-        elif len(values) == 3:
-            raise InputSpecError(f"shape {item!r} gives a key length but the model has one sequence dim")
         cases.append(ShapeCase(item, case, padding="some"))
     if not cases:
         raise InputSpecError("--shapes is empty", hint="e.g. --shapes 1:128,4:77:33")

@@ -14,7 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from mha_onnx.export import META_PREFIX
-from mha_onnx.graphio import external_files, load_external, read_model
+from mha_onnx.graphio import check_structure, external_files, load_external, read_model, to_ir
 from mha_onnx.rewrite.blocks import Block, all_graphs, find_blocks
 from mha_onnx.table import human_bytes, table
 
@@ -132,7 +132,7 @@ def _metadata(props: dict[str, str]) -> dict[str, Any]:
 
 
 def summarize(model: onnx.ModelProto, path: str | os.PathLike[str] = "", file_bytes: int = 0) -> ModelSummary:
-    graph_ir = ir.from_proto(model)
+    graph_ir = to_ir(model, path)
     counts: Counter[str] = Counter()
     for graph in all_graphs(graph_ir.graph):
         for node in graph:
@@ -172,4 +172,5 @@ def inspect_model(path: str | os.PathLike[str]) -> ModelSummary:
     model = read_model(path, load_external_data=False)
     data_bytes = sum(f.stat().st_size for f in external_files(model, path))
     load_external(model, path)
+    check_structure(model, path)
     return summarize(model, path, path.stat().st_size + data_bytes)

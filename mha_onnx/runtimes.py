@@ -54,14 +54,16 @@ def parse_providers(text: str) -> tuple[str, ...]:
 _PRELOADED = False
 
 
-def import_ort() -> Any:
-    """onnxruntime, with CUDA/cuDNN libraries from pip packages preloaded (once, quietly)
-    when this build lists the CUDA EP, so that the EP can find them."""
+def import_ort(*, for_gpu: bool = False) -> Any:
+    """onnxruntime; for a GPU session, with CUDA/cuDNN libraries from pip packages preloaded
+    (once, quietly) so that the CUDA EP can find them. CPU sessions skip that: it maps large
+    libraries into the process for nothing."""
     global _PRELOADED
     import onnxruntime as ort
 
     preload = getattr(ort, "preload_dlls", None)
-    if not _PRELOADED and preload is not None and PROVIDERS["cuda"] in ort.get_available_providers():
+    if (for_gpu and not _PRELOADED and preload is not None
+            and PROVIDERS["cuda"] in ort.get_available_providers()):
         _PRELOADED = True
         with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(Exception):
             _capture_native_stderr(preload)
@@ -179,7 +181,7 @@ class OrtRunner:
         return options
 
     def _create(self) -> Any:
-        ort = import_ort()
+        ort = import_ort(for_gpu=self.provider != "cpu")
         wanted = PROVIDERS[self.provider]
         if wanted not in ort.get_available_providers():
             available = ", ".join(SHORT_NAMES.get(p, p) for p in ort.get_available_providers())
@@ -257,13 +259,13 @@ class OrtRunner:
     def _run_options(self) -> Any:
         """Errors come back as exceptions; ORT need not also print them."""
         if self._quiet_run is None:
-            self._quiet_run = import_ort().RunOptions()
+            self._quiet_run = import_ort(for_gpu=self.provider != "cpu").RunOptions()
             self._quiet_run.log_severity_level = 4
         return self._quiet_run
 
     def _infer_bound(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Inputs copied to the device once, outputs allocated there (IO binding)."""
-        ort = import_ort()
+        ort = import_ort(for_gpu=True)
         device = "cuda"
         binding = self.session.io_binding()
         for name, array in feeds.items():

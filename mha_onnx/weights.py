@@ -68,7 +68,7 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise WeightsError(
-            f"refused to load {path}: it needs code execution to unpickle ({_first_line(exc)})",
+            f"refused to load {path}: unpickling it would run code ({_culprit(exc)})",
             hint="save plain tensors (model.state_dict()) or convert to .safetensors",
         ) from exc
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
@@ -81,6 +81,15 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise WeightsError(f"{path} does not hold a state_dict of tensors")
     return dict(loaded)
+
+
+def _culprit(exc: BaseException) -> str:
+    """What torch's weights_only unpickler refused (e.g. ``Unsupported global: posix.system``)."""
+    for line in str(exc).splitlines():
+        line = line.strip()
+        if line.startswith(("Unsupported global", "Unsupported operand", "Unsupported class")):
+            return line.split(". ")[0].rstrip(".")
+    return "not plain tensors"
 
 
 def _first_line(exc: BaseException) -> str:

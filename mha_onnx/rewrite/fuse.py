@@ -22,11 +22,11 @@ from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx import __version__
 from mha_onnx.errors import ConfigError, FusionError
-from mha_onnx.graphio import prepare_output, read_model, write_model
+from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.rewrite.blocks import MS_DOMAIN, find_blocks
 from mha_onnx.rewrite.core import FUSION_DOMAIN, BlockLog, OnnxAttention, SoftmaxAttention
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
-from mha_onnx.rewrite.lower_ort import LowerMergedOutput, LowerSdpa
+from mha_onnx.rewrite.lower_ort import Forms, LowerMergedOutput, LowerSdpa
 from mha_onnx.rewrite.verify import Verification, verify
 from mha_onnx.table import table
 
@@ -134,24 +134,28 @@ def _prepare(model: ir.Model, target: str) -> list[str]:
     return notes
 
 
-def fuse_model(model_proto: onnx.ModelProto, *, target: str = "ort") -> tuple[onnx.ModelProto, list[BlockResult], list[str]]:
-    """Rewrite a model in memory; returns (fused model, per-block results, notes)."""
+def fuse_model(
+    model_proto: onnx.ModelProto, *, target: str = "ort", forms: Forms | None = None
+) -> tuple[onnx.ModelProto, list[BlockResult], list[str]]:
+    """Rewrite a model in memory; returns (fused model, per-block results, notes).
+    ``forms`` overrides the kernel form per mask kind (ORT target; for measurements)."""
     if target not in TARGETS:
         raise ConfigError(f"unknown target {target!r}", hint="use ort or onnx")
-    model = ir.from_proto(model_proto)
+    model = to_ir(model_proto)
     notes = _prepare(model, target)
     before = find_blocks(model.graph)
     blog = BlockLog()
-    forms: dict[str, str] = {}
+    chosen: dict[str, str] = {}
     RewriteRuleSet([SoftmaxAttention.rule(blog, _opset(model))]).apply_to_model(model)
     RewriteRuleSet([OnnxAttention.rule(blog)]).apply_to_model(model)
     remove_unused_nodes(model)
     if target == "ort":
-        RewriteRuleSet([LowerMergedOutput.rule(blog, forms)]).apply_to_model(model)
-        RewriteRuleSet([LowerSdpa.rule(blog, forms)]).apply_to_model(model)
+        policy = forms or Forms()
+        RewriteRuleSet([LowerMergedOutput.rule(blog, chosen, policy)]).apply_to_model(model)
+        RewriteRuleSet([LowerSdpa.rule(blog, chosen, policy)]).apply_to_model(model)
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     else:
-        RewriteRuleSet([LowerToOnnxAttention.rule(forms)]).apply_to_model(model)
+        RewriteRuleSet([LowerToOnnxAttention.rule(chosen)]).apply_to_model(model)
     model.opset_imports.pop(FUSION_DOMAIN, None)
     remove_unused_nodes(model)
     common_passes.NameFixPass()(model)
@@ -161,13 +165,13 @@ def fuse_model(model_proto: onnx.ModelProto, *, target: str = "ort") -> tuple[on
         name = block.node
         if block.kind == "fused":
             results.append(BlockResult(name, "already fused", form=block.op))
-        elif name in forms:
+        elif name in chosen:
             mask = str(blog.matched.get(name, {}).get("mask", ""))
-            results.append(BlockResult(name, "fused", form=forms[name], mask=mask))
+            results.append(BlockResult(name, "fused", form=chosen[name], mask=mask))
         else:
             reason = blog.reasons.get(name, "not recognised as attention by any rule")
             results.append(BlockResult(name, "left", reason=reason))
-    for name, form in forms.items():  # ONNX Attention nodes are both "fused" before and after
+    for name, form in chosen.items():  # ONNX Attention nodes are both "fused" before and after
         for i, r in enumerate(results):
             if r.block == name and r.status == "already fused":
                 results[i] = BlockResult(name, "fused", form=form,

@@ -13,6 +13,7 @@ it fastest, in a form that keeps ORT's fast path (measured, see docs/fusion-form
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -24,6 +25,21 @@ from mha_onnx.rewrite.irutil import dims, same_dim
 from mha_onnx.rewrite.sdpa import SdpaInfo, bsd_source, from_bsd, seq_dim, to_bsd
 
 MS = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class Forms:
+    """Which kernel form each mask kind is lowered to (defaults: fastest measured on CPU,
+    docs/fusion-forms.md). causal: gqa | unidirectional | bias; key_padding: loop | mask | bias."""
+
+    causal: str = "gqa"
+    key_padding: str = "loop"
+
+    def __post_init__(self) -> None:
+        if self.causal not in ("gqa", "unidirectional", "bias"):
+            raise ValueError(f"unknown causal form {self.causal!r}")
+        if self.key_padding not in ("loop", "mask", "bias"):
+            raise ValueError(f"unknown key_padding form {self.key_padding!r}")
 
 
 def _kv_operands(op, info: SdpaInfo) -> tuple[ir.Value, ir.Value, bool]:
@@ -55,7 +71,7 @@ def _causal_bias(op, info: SdpaInfo, q3: ir.Value, k: ir.Value, k_is_3d: bool) -
     return op.Unsqueeze(bias, op.Constant(value_ints=[0, 1]))
 
 
-def lower_ort(op, node: ir.Node) -> tuple[ir.Value, str]:
+def lower_ort(op, node: ir.Node, forms: Forms = Forms()) -> tuple[ir.Value, str]:
     """The fused [B, S, H*Dv] output of one Sdpa node and a label of the form used."""
     info = SdpaInfo.of(node)
     q3 = to_bsd(op, info.query, info.heads)
@@ -64,7 +80,7 @@ def lower_ort(op, node: ir.Node) -> tuple[ir.Value, str]:
         k, v, _ = _kv_operands(op, info)
         return _mha(op, q3, k, v, info), "MultiHeadAttention"
     if kind == "causal":
-        if _gqa_ok(info):
+        if forms.causal == "gqa" and _gqa_ok(info):
             k3, v3 = to_bsd(op, info.key, info.heads), to_bsd(op, info.value, info.heads)
             total = op.Cast(op.Reshape(seq_dim(op, k3, 1), SCALAR_SHAPE(op)), to=ir.DataType.INT32)
             lens = op.Expand(op.Sub(total, op.Constant(value=ir.tensor(np.array(1, np.int32)))),
@@ -75,10 +91,31 @@ def lower_ort(op, node: ir.Node) -> tuple[ir.Value, str]:
             )[0]
             return out, "GroupQueryAttention (causal)"
         k, v, k3d = _kv_operands(op, info)
+        if forms.causal == "unidirectional" and info.self_attention:  # S == T: no alignment issue
+            out = op.MultiHeadAttention(q3, k, v, num_heads=info.heads, scale=info.scale,
+                                        unidirectional=1, _domain=MS)
+            return out, "MultiHeadAttention (unidirectional)"
         bias = _causal_bias(op, info, q3, k, k3d)
         return _mha(op, q3, k, v, info, bias), "MultiHeadAttention + causal bias"
     if kind == "key_padding":
-        return _padding_loop(op, info, q3), "Loop(Compress keys) + MultiHeadAttention"
+        if forms.key_padding == "loop":
+            return _padding_loop(op, info, q3), "Loop(Compress keys) + MultiHeadAttention"
+        k, v, k3d = _kv_operands(op, info)
+        assert info.mask is not None
+        if forms.key_padding == "mask":
+            keep = op.Cast(op.Not(info.mask), to=ir.DataType.INT32)
+            out = op.MultiHeadAttention(q3, k, v, None, keep, num_heads=info.heads,
+                                        scale=info.scale, _domain=MS)
+            label = "MultiHeadAttention + key_padding_mask"
+        else:
+            padded = op.Unsqueeze(info.mask, op.Constant(value_ints=[1, 2]))
+            fill = float(np.finfo(info.np_dtype).min) if info.fill == -math.inf else info.fill
+            bias = op.Where(padded, info.const(op, fill), info.const(op, 0.0))
+            full = op.Concat(op.Constant(value_ints=[1, 1]), seq_dim(op, q3, 1),
+                             op.Constant(value_ints=[1]), axis=0)
+            out = _mha(op, q3, k, v, info, op.Expand(bias, full))
+            label = "MultiHeadAttention + key padding bias"
+        return _fix_all_padded(op, info, out, v, k3d), label
     assert kind == "bias", kind
     k, v, _ = _kv_operands(op, info)
     assert info.mask is not None
@@ -90,6 +127,29 @@ def lower_ort(op, node: ir.Node) -> tuple[ir.Value, str]:
     if info.nan_to_zero:
         out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)
     return out, "MultiHeadAttention + attention_bias"
+
+
+def _fix_all_padded(op, info: SdpaInfo, out3: ir.Value, v: ir.Value, v_is_3d: bool) -> ir.Value:
+    """Rows of batch entries whose keys are all padded, set to what the original computes."""
+    want = info.all_masked_value()
+    if want is None:
+        return out3
+    if want in ("nan", "zero"):
+        special = info.const(op, math.nan if want == "nan" else 0.0)
+    elif v_is_3d:
+        special = op.Div(op.ReduceSum(v, op.Constant(value_ints=[1]), keepdims=1),
+                         op.CastLike(seq_dim(op, v, 1), v))  # [B, 1, H*Dv]
+    else:
+        mean = op.Div(op.ReduceSum(v, op.Constant(value_ints=[2]), keepdims=1),
+                      op.CastLike(seq_dim(op, v, 2), v))  # [B, H, 1, Dv]
+        special = op.Reshape(op.Transpose(mean, perm=[0, 2, 1, 3]),
+                             op.Constant(value_ints=[0, 1, -1]))
+    assert info.mask is not None
+    all_padded = op.ReduceMin(op.Cast(info.mask, to=ir.DataType.INT32),
+                              op.Constant(value_ints=[1]), keepdims=1)
+    all_padded = op.Cast(op.Unsqueeze(all_padded, op.Constant(value_ints=[2])),
+                         to=ir.DataType.BOOL)  # [B, 1, 1]
+    return op.Where(all_padded, special, out3)
 
 
 def _padding_loop(op, info: SdpaInfo, q3: ir.Value) -> ir.Value:
@@ -208,9 +268,9 @@ def _graphs(graph: ir.Graph):
 class LowerMergedOutput(pattern.RewriteRuleClassBase):
     """Reshape(Transpose(Sdpa, [0,2,1,3]), [B, S, H*Dv]) -> the kernel's 3-D output directly."""
 
-    def __init__(self, log: BlockLog, forms: dict[str, str]) -> None:
+    def __init__(self, log: BlockLog, forms: dict[str, str], policy: Forms) -> None:
         super().__init__("LowerMergedOutput")
-        self.log, self.forms = log, forms
+        self.log, self.forms, self.policy = log, forms, policy
 
     def pattern(self, op, q, k, v, shape):
         sdpa = op.Sdpa(q, k, v, _domain=FUSION_DOMAIN, _allow_other_inputs=True,
@@ -230,7 +290,7 @@ class LowerMergedOutput(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, sdpa, merged, **_):
-        out, form = lower_ort(op, sdpa.producer())
+        out, form = lower_ort(op, sdpa.producer(), self.policy)
         self.forms[SdpaInfo.of(sdpa.producer()).block] = form
         return out
 
@@ -238,9 +298,9 @@ class LowerMergedOutput(pattern.RewriteRuleClassBase):
 class LowerSdpa(pattern.RewriteRuleClassBase):
     """Sdpa -> kernel, then back to [B, H, S, Dv] for whatever consumes it."""
 
-    def __init__(self, log: BlockLog, forms: dict[str, str]) -> None:
+    def __init__(self, log: BlockLog, forms: dict[str, str], policy: Forms) -> None:
         super().__init__("LowerSdpa")
-        self.log, self.forms = log, forms
+        self.log, self.forms, self.policy = log, forms, policy
 
     def pattern(self, op, q, k, v):
         return op.Sdpa(q, k, v, _domain=FUSION_DOMAIN, _allow_other_inputs=True,
@@ -249,6 +309,6 @@ class LowerSdpa(pattern.RewriteRuleClassBase):
     def rewrite(self, op, sdpa, **_):
         node = sdpa.producer()
         info = SdpaInfo.of(node)
-        out, form = lower_ort(op, node)
+        out, form = lower_ort(op, node, self.policy)
         self.forms[info.block] = form
         return from_bsd(op, out, info.heads)

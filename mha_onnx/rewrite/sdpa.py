@@ -64,6 +64,19 @@ class SdpaInfo:
             block=str(attrs["block"].value),
         )
 
+    def all_masked_value(self) -> str | None:
+        """What the original computes for a query whose keys are all masked, when a fused
+        form's kernel may compute something else there: "nan", "zero" (a NaN guard), "mean"
+        (one equal score everywhere: uniform weights) or None (softmax(s + fill), which any
+        additive form reproduces)."""
+        from mha_onnx.rewrite.masks import ABSORBING
+
+        if self.fill == -math.inf:
+            return "zero" if self.nan_to_zero else "nan"
+        if self.fill_mode == "replace" or self.fill <= ABSORBING:
+            return "mean"
+        return None
+
     def describe_fill(self) -> str:
         if self.fill == -math.inf:
             return "-inf"

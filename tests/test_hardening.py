@@ -1,0 +1,326 @@
+"""Bad input, as a new user would type it: one line, a non-zero exit, no traceback, no output
+left behind, nothing existing changed, no pickle executed. The table of what was tried and
+what each got is docs/bad-inputs.md (regenerate: MHA_ONNX_UPDATE_DOCS=1 pytest -k bad_inputs)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from mha_onnx.cli import main
+from mha_onnx.config import MhaConfig
+from mha_onnx.errors import MhaOnnxError, ModelFileError
+from mha_onnx.graphio import atomic_path, read_model
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
+TINY = MhaConfig(d_model=16, num_heads=2, name="tiny", mask="key-padding")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/mha_onnx_pickle_ran",))
+
+
+def _external_model(folder: Path, location: str) -> Path:
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0])
+    weight.ClearField("float_data")
+    weight.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", "16")):
+        entry = weight.external_data.add()
+        entry.key, entry.value = key, value
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = folder / f"ext{abs(hash(location)) % 1000}.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, export_cache):
+    root = tmp_path_factory.mktemp("bad")
+    good = root / "good.onnx"
+    good.write_bytes(export_cache(TINY).read_bytes())
+    f = {"good": good, "folder": root / "a_folder"}
+    f["folder"].mkdir()
+    f["empty"] = root / "empty.onnx"
+    f["empty"].write_bytes(b"")
+    f["garbage"] = root / "garbage.onnx"
+    f["garbage"].write_bytes(b"this is not a protobuf \xff\xfe" * 40)
+    data = good.read_bytes()
+    f["truncated"] = root / "truncated.onnx"
+    f["truncated"].write_bytes(data[: len(data) // 2])
+    model = onnx.load(good)
+    model.opset_import[0].version = 30
+    f["opset30"] = root / "opset30.onnx"
+    onnx.save(model, f["opset30"])
+    model = onnx.load(good)
+    model.ir_version = 14
+    f["ir14"] = root / "ir14.onnx"
+    onnx.save(model, f["ir14"])
+    secret = root.parent / "secret.bin"
+    secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    f["secret"] = secret
+    f["ext_dotdot"] = _external_model(root, "../secret.bin")
+    f["ext_abs"] = _external_model(root, str(secret))
+    link = root / "link.bin"
+    link.symlink_to(secret)
+    f["ext_symlink"] = _external_model(root, "link.bin")
+    f["bad_toml"] = root / "bad.toml"
+    f["bad_toml"].write_text("d_model = 500\nnum_heads = 8\n")
+    f["zero_toml"] = root / "zero.toml"
+    f["zero_toml"].write_text("d_model = 0\nnum_heads = 8\n")
+    wrong = MhaConfig(d_model=16, num_heads=2, d_v=4)
+    from mha_onnx.reference import build_reference
+
+    torch.save(build_reference(wrong).state_dict(), root / "wrong_shape.pt")
+    f["wrong_shape"] = root / "wrong_shape.pt"
+    with (root / "evil.pt").open("wb") as handle:
+        pickle.dump({"w_q.weight": _Evil()}, handle)
+    f["evil"] = root / "evil.pt"
+    f["exists"] = root / "exists.onnx"
+    f["exists"].write_bytes(b"keep me")
+    f["out"] = root / "out.onnx"
+    relu = helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    f["no_attention"] = root / "relu.onnx"
+    onnx.save(relu, f["no_attention"])
+    model = onnx.load(good)
+    del model.metadata_props[:]
+    f["no_metadata"] = root / "plain.onnx"
+    onnx.save(model, f["no_metadata"])
+    return f
+
+
+# (label, argv with {names}, expected exit code, text the message must hold)
+CASES = [
+    ("unknown preset", "export --preset huge -o {out}", 2, "unknown preset 'huge'"),
+    ("d_model not divisible by heads", "export --config {bad_toml} -o {out}", 2, "not divisible"),
+    ("zero d_model", "export --config {zero_toml} -o {out}", 2, "must be positive"),
+    ("unknown dtype", "export --dtype bfloat16 -o {out}", 2, "'bfloat16' is not one of"),
+    ("weights with a wrong shape", "export --config {tiny_toml} --weights {wrong_shape} -o {out}", 2,
+     "'w_v.weight' has shape [8, 16], the config needs [16, 16]"),
+    ("pickle that runs code", "export --config {tiny_toml} --weights {evil} -o {out}", 2,
+     "refused to load"),
+    ("missing weights file", "export --weights {folder}/none.pt -o {out}", 2, "weights file not found"),
+    ("output exists", "export --config {tiny_toml} -o {exists}", 2, "output exists"),
+    ("opset out of range", "export --opset 99 -o {out}", 2, "opset 99 is not supported"),
+    ("missing model", "inspect {folder}/missing.onnx", 2, "model not found"),
+    ("model path is a folder", "inspect {folder}", 2, "is a folder"),
+    ("empty file", "inspect {empty}", 2, "is empty"),
+    ("not ONNX bytes", "fuse {garbage} -o {out}", 2, "not a valid ONNX model"),
+    ("truncated protobuf", "validate {truncated}", 2, "ONNX model"),
+    ("opset newer than ORT", "fuse {opset30} -o {out}", 2, "uses opset 30"),
+    ("IR version newer than ORT", "inspect {ir14}", 2, "IR version 14"),
+    ("external data with ..", "inspect {ext_dotdot}", 2, "leaves the model's folder"),
+    ("external data absolute", "fuse {ext_abs} -o {out}", 2, "absolute path"),
+    ("external data via symlink", "validate {ext_symlink}", 2, "outside"),
+    ("fuse output is a folder", "fuse {good} -o {folder}", 2, "output path is a folder"),
+    ("fuse output exists", "fuse {good} -o {exists}", 2, "output exists"),
+    ("validate without reference", "validate {no_metadata}", 2, "--reference"),
+    ("malformed --shapes", "validate {good} --shapes 2:x", 2, "malformed shape '2:x'"),
+    ("--shapes with a key length the model lacks", "validate {good} --shapes 1:4:5", 2,
+     "has one sequence dim"),
+    ("reference with other inputs", "validate {good} --reference {no_attention}", 2, "has inputs"),
+    ("unknown provider", "validate {good} --providers cpu,tpu", 2, "unknown execution provider 'tpu'"),
+    ("malformed --atol", "validate {good} --atol x=abc", 2, "malformed --atol"),
+    ("malformed --seq-lens", "profile {good} --seq-lens 12,x", 2, "malformed --seq-lens"),
+    ("shape too large for memory", "profile {good} --seq-lens 3000000", 2, "needs about"),
+]
+
+
+def _run(args: str, files: dict[str, Path]) -> tuple[int, str]:
+    values = {k: str(v) for k, v in files.items()}
+    argv = args.format(**values).split()
+    result = CliRunner().invoke(main, argv, catch_exceptions=True, prog_name="mha-onnx")
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), (
+        f"{args} raised {result.exception!r}")
+    return result.exit_code, result.output
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+
+
+def test_bad_inputs(files, tmp_path):
+    files = dict(files)
+    files["tiny_toml"] = tmp_path / "tiny.toml"
+    files["tiny_toml"].write_text("d_model = 16\nnum_heads = 2\n")
+    watched = {k: _digest(v) for k, v in files.items() if isinstance(v, Path) and v.is_file()}
+    rows = []
+    for label, args, code, text in CASES:
+        exit_code, output = _run(args, files)
+        lines = [ln for ln in output.splitlines() if ln.strip()]
+        assert exit_code == code, (label, output)
+        assert len(lines) == 1 and lines[0].startswith("error: "), (label, output)
+        assert text in lines[0], (label, lines[0])
+        assert "Traceback" not in output
+        assert not files["out"].exists(), label
+        message = lines[0]
+        for name, path in files.items():
+            message = message.replace(str(path), f"<{name}>")
+        message = re.sub(r"/tmp/pytest-of-[^ ']*", "<tmp>", message)
+        message = re.sub(r"[\d.]+ [KMG]?B is available", "<free memory> is available", message)
+        rows.append(f"| {label} | `mha-onnx {args}` | {exit_code} | {message.replace('|', '/')} |")
+    assert {k: _digest(files[k]) for k in watched} == watched  # nothing existing changed
+    assert not Path("/tmp/mha_onnx_pickle_ran").exists()
+    table = "\n".join([
+        "# Bad inputs and what mha-onnx says",
+        "",
+        "Generated by `tests/test_hardening.py::test_bad_inputs` (run with "
+        "`MHA_ONNX_UPDATE_DOCS=1` to rewrite this file). Every case exits non-zero with one "
+        "line, no traceback, leaves no output file and changes no existing file.",
+        "",
+        "| bad input | command | exit | message |",
+        "|---|---|---|---|",
+        *rows,
+    ]) + "\n"
+    if os.environ.get("MHA_ONNX_UPDATE_DOCS"):
+        DOC.write_text(table)
+    assert DOC.read_text() == table, "docs/bad-inputs.md is stale: MHA_ONNX_UPDATE_DOCS=1"
+
+
+def test_no_attention_model_is_copied(files, tmp_path):
+    out = tmp_path / "copy.onnx"
+    result = CliRunner().invoke(main, ["fuse", str(files["no_attention"]), "-o", str(out)])
+    assert result.exit_code == 0 and "unchanged copy" in result.output and out.exists()
+
+
+def test_verbose_shows_the_traceback(files):
+    result = CliRunner().invoke(main, ["-v", "inspect", str(files["garbage"])])
+    assert result.exit_code == 2 and "Traceback" in result.output
+
+
+def test_interrupt_mid_write_leaves_nothing(tmp_path, monkeypatch, files):
+    target = tmp_path / "model.onnx"
+    target.write_bytes(b"old")
+    with pytest.raises(KeyboardInterrupt), atomic_path(target, force=True) as tmp:
+        tmp.write_bytes(b"half")
+        raise KeyboardInterrupt
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
+
+    import mha_onnx.rewrite.fuse as fuse
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fuse, "write_model", interrupted)
+    out = tmp_path / "fused.onnx"
+    result = CliRunner().invoke(main, ["fuse", str(files["good"]), "-o", str(out)])
+    assert result.exit_code == 130 and "interrupted" in result.output and not out.exists()
+
+
+def test_inputs_are_never_modified(files, tmp_path):
+    good = files["good"]
+    before = _digest(good)
+    for argv in (["inspect", str(good)], ["fuse", str(good), "-o", str(tmp_path / "f.onnx")],
+                 ["validate", str(good), "--shapes", "1:3"],
+                 ["profile", str(good), "--seq-lens", "4", "--iters", "1", "--no-ops"]):
+        assert CliRunner().invoke(main, argv).exit_code == 0, argv
+    assert _digest(good) == before
+
+
+# -- property tests -------------------------------------------------------------------------
+
+configs = st.builds(
+    lambda heads, dk, dv, per_head, attention, mask, bias: MhaConfig(
+        d_model=heads * per_head, num_heads=heads, d_k=dk, d_v=dv, attention=attention,
+        mask=mask, bias=bias, name="prop"),
+    heads=st.integers(1, 4), dk=st.sampled_from([4, 8, 16]), dv=st.sampled_from([4, 8, 12]),
+    per_head=st.sampled_from([4, 8]), attention=st.sampled_from(["self", "cross"]),
+    mask=st.sampled_from(["none", "key-padding", "causal"]), bias=st.booleans(),
+)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cfg=configs, seq=st.integers(1, 19), seq_kv=st.integers(1, 11), batch=st.integers(1, 3))
+def test_export_fuse_validate_stays_at_parity(cfg, seq, seq_kv, batch, tmp_path_factory):
+    from mha_onnx.export import export_model
+    from mha_onnx.inputs import input_specs, parse_shapes
+    from mha_onnx.parity import ValidateConfig, validate_model
+    from mha_onnx.rewrite import fuse_file
+
+    folder = tmp_path_factory.mktemp("prop")
+    export_model(cfg, folder / "m.onnx")
+    report = fuse_file(folder / "m.onnx", folder / "f.onnx")
+    assert report.left == 0
+    shape = f"{batch}:{seq}" + (f":{seq_kv}" if cfg.attention == "cross" else "")
+    cases = tuple(parse_shapes(shape, input_specs(read_model(folder / "m.onnx"))))
+    result = validate_model(folder / "f.onnx", ValidateConfig(shapes=cases, reference=str(folder / "m.onnx")))
+    assert result, result.render()
+
+
+@pytest.fixture(scope="module")
+def small_bytes(export_cache):
+    return export_cache(MhaConfig(d_model=8, num_heads=2, name="fuzz")).read_bytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_models_only_raise_our_errors(small_bytes, data, tmp_path_factory):
+    from mha_onnx.inspect import inspect_model
+    from mha_onnx.parity import ValidateConfig, validate_model
+    from mha_onnx.rewrite import fuse_file
+
+    raw = bytearray(small_bytes)
+    how = data.draw(st.sampled_from(["flip", "truncate", "splice"]))
+    if how == "flip":
+        for _ in range(data.draw(st.integers(1, 8))):
+            i = data.draw(st.integers(0, len(raw) - 1))
+            raw[i] ^= data.draw(st.integers(1, 255))
+    elif how == "truncate":
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    else:
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i:i] = data.draw(st.binary(min_size=1, max_size=16))
+    folder = tmp_path_factory.mktemp("fuzz")
+    path = folder / "m.onnx"
+    path.write_bytes(bytes(raw))
+    for action in (lambda: inspect_model(path),
+                   lambda: fuse_file(path, folder / "out.onnx", force=True),
+                   lambda: validate_model(path, ValidateConfig(shapes=None))):
+        try:
+            action()
+        except MhaOnnxError:
+            pass
+
+
+def test_read_model_rejects_dangling_inputs(tmp_path):
+    graph = helper.make_graph([helper.make_node("Relu", ["nowhere"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    (tmp_path / "d.onnx").write_bytes(model.SerializeToString())
+    with pytest.raises(ModelFileError, match="not a valid ONNX model"):
+        read_model(tmp_path / "d.onnx")
+
+
+@pytest.mark.parametrize("mask", ["key-padding", "causal", "none"])
+def test_float16_has_no_nan_where_float32_has_none(export_cache, mask, tmp_path):
+    from mha_onnx.export import make_feeds
+    from mha_onnx.rewrite import fuse_file
+    from mha_onnx.runtimes import OrtRunner
+
+    cfg = MhaConfig(d_model=64, num_heads=4, mask=mask, dtype="float16", name="h")
+    src = export_cache(cfg)
+    fuse_file(src, tmp_path / "f.onnx")
+    feeds = make_feeds(cfg, 2, 300, 300, pad="some")
+    feeds["query"] = (feeds["query"].astype(np.float32) * 4).astype(np.float16)  # large scores
+    for path in (src, tmp_path / "f.onnx"):
+        out = OrtRunner(str(path)).infer(feeds)["output"]
+        assert np.isfinite(out).all(), path
