@@ -65,7 +65,7 @@ step profile-base $CLI profile "$M/base-float32-none.onnx" "$M/base-float32-none
   "$M/base-float32-causal.fused.onnx" "$M/base-float32-key-padding.fused.onnx" \
   --providers cuda --seq-lens 512,2048,8192 --io-binding --iters 20 --pad-fraction 0.25 \
   --json --plot "$RESULTS/profile-cuda.png"
-step forms-cuda $PY -m tools.fusion_forms --provider cuda --seq-lens 512,2048,8192 --iters 10 \
+step forms-cuda $PY -m tools.fusion_forms --provider cuda --seq-lens 1024,8192 --iters 10 \
   --out "$RESULTS/fusion-forms-cuda.md"
 
 echo "== summary"
