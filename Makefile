@@ -16,8 +16,12 @@ $(VENV)/.installed: pyproject.toml
 
 run: $(VENV)/.installed
 	@mkdir -p $(OUT)
-	$(CLI) export --preset $(PRESET) -o $(OUT)/$(PRESET).onnx --force
+	$(CLI) export --preset $(PRESET) --mask key-padding -o $(OUT)/$(PRESET).onnx --force
 	$(CLI) inspect $(OUT)/$(PRESET).onnx
+	$(CLI) fuse $(OUT)/$(PRESET).onnx -o $(OUT)/$(PRESET).fused.onnx --force
+	$(CLI) validate $(OUT)/$(PRESET).fused.onnx --reference $(OUT)/$(PRESET).onnx
+	$(CLI) profile $(OUT)/$(PRESET).onnx $(OUT)/$(PRESET).fused.onnx --seq-lens 128,512,2048 \
+		--pad-fraction 0.25 --csv $(OUT)/profile.csv --plot $(OUT)/profile.png
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

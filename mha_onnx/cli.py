@@ -135,9 +135,11 @@ def fuse(model, output, target, no_verify, atol, rtol, force, as_json):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="Intra-op threads for ORT.")
 @click.option("--allow-missing", is_flag=True, help="Report providers that cannot run instead of failing.")
+@click.option("--no-memory-check", is_flag=True, help="Run shapes whose estimated memory exceeds what is free.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads, allow_missing, as_json):
+def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads, allow_missing,
+             no_memory_check, as_json):
     """Parity of MODEL across PyTorch, ORT CPU, CUDA and TensorRT. Exit 0 when everything
     passed, 1 when outputs differ, 3 when a requested provider could not run."""
     from mha_onnx.graphio import read_model
@@ -149,7 +151,7 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
     config = ValidateConfig(
         providers=parse_providers(providers), shapes=cases,
         tolerances=parse_tolerances(atol, rtol), seed=seed, allow_missing=allow_missing,
-        reference=reference, threads=threads,
+        reference=reference, threads=threads, memory_check=not no_memory_check,
     )
     report = validate_model(model, config)
     _emit(report, as_json)

@@ -23,6 +23,7 @@ import onnx
 
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import EXIT_MISMATCH, EXIT_OK, EXIT_PROVIDER, InputSpecError, MhaOnnxError
+from mha_onnx.export import CheckResult
 from mha_onnx.graphio import read_model
 from mha_onnx.inputs import InputSpec, ShapeCase, input_specs, make_inputs, symbolic_dims
 from mha_onnx.runtimes import OrtRunner, ProviderError, node_placement
@@ -49,6 +50,7 @@ class ValidateConfig:
     allow_missing: bool = False
     reference: str | None = None
     threads: int | None = None
+    memory_check: bool = True
 
     def tolerance_for(self, output: str, dtype: np.dtype) -> tuple[float, float]:
         default_atol, default_rtol = default_tolerance(dtype)
@@ -98,23 +100,13 @@ class ProviderStatus:
 
 
 @dataclass(frozen=True)
-class Check:
-    name: str
-    passed: bool
-    detail: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail}
-
-
-@dataclass(frozen=True)
 class ValidationReport:
     model: str
     references: tuple[str, ...]
     providers: tuple[ProviderStatus, ...]
     comparisons: tuple[Comparison, ...]
     masked_rows: tuple[MaskedRows, ...]
-    checks: tuple[Check, ...]
+    checks: tuple[CheckResult, ...]
     allow_missing: bool
     seconds: float
 
@@ -295,6 +287,8 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     cases = list(config.shapes) if config.shapes else validation_cases(specs)
     out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
                 for o in model.graph.output}
+    if config.memory_check:
+        _check_memory(model, cases)
 
     references: dict[str, Any] = {}
     labels = []
@@ -314,7 +308,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         torch_ref = TorchReference(*torch_source)
         references["pytorch"] = torch_ref
         labels.append(f"pytorch = {torch_ref.label}")
-        checks.append(Check("weights", torch_ref.digest_ok,
+        checks.append(CheckResult("weights", torch_ref.digest_ok,
                             "weights match the checksum recorded at export" if torch_ref.digest_ok
                             else "weights differ from the checksum recorded at export "
                                  "(the file was modified after export)"))
@@ -322,7 +316,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
             own = mha_metadata(model).get("weights_sha256")
             same = own == mha_metadata(ref_model).get("weights_sha256") if own else None
             if same is False:
-                checks.append(Check("same export", False, "model and --reference record different weights"))
+                checks.append(CheckResult("same export", False, "model and --reference record different weights"))
     if ref_model is not None:
         references["reference"] = OrtRunner(ref_model.SerializeToString(), "cpu", threads=config.threads)
         labels.append(f"reference = {config.reference} on ORT CPU")
@@ -397,6 +391,23 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
     )
+
+
+def _check_memory(model: onnx.ModelProto, cases: Sequence[ShapeCase]) -> None:
+    """Refuse shape cases whose working set (unfused scores included) cannot fit."""
+    from mha_onnx.inputs import BATCH_NAMES
+    from mha_onnx.resources import config_of, ensure_fits, estimate_bytes, has_unfused_attention
+
+    cfg = config_of(model)
+    if cfg is None:
+        return
+    unfused = has_unfused_attention(model)
+    for case in cases:
+        batch = max([v for k, v in case.dims.items() if BATCH_NAMES.search(k)] or [1])
+        lengths = [v for k, v in case.dims.items() if not BATCH_NAMES.search(k)] or [1]
+        need = estimate_bytes(cfg, unfused, batch, lengths[0], lengths[-1])
+        ensure_fits(3 * need, f"shape {case.describe()}",  # model, PyTorch and reference runs
+                    "use smaller --shapes or pass --no-memory-check")
 
 
 def parse_tolerances(atol: Sequence[str], rtol: Sequence[str]) -> dict[str, Tolerance]:

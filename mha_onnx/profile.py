@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from mha_onnx.config import MhaConfig
-from mha_onnx.errors import ConfigError, MhaOnnxError, ResourceError
+from mha_onnx.errors import ConfigError, MhaOnnxError
+from mha_onnx.resources import config_of, ensure_fits, estimate_bytes, has_unfused_attention
 from mha_onnx.table import human_bytes, table
 
 log = logging.getLogger(__name__)
@@ -192,50 +193,23 @@ def attention_flops(cfg: MhaConfig, batch: int, seq_q: int, seq_kv: int, kept: i
 def _config_of(path: str) -> MhaConfig | None:
     import onnx
 
-    model = onnx.load(path, load_external_data=False)
-    meta = {p.key: p.value for p in model.metadata_props}
-    if "mha_onnx.config" not in meta:
-        return None
-    return MhaConfig.from_dict(json.loads(meta["mha_onnx.config"]))
-
-
-def _has_unfused(path: str) -> bool:
-    import onnx_ir as ir
-
-    from mha_onnx.graphio import read_model
-    from mha_onnx.rewrite.blocks import find_blocks
-
-    return any(b.kind == "unfused" for b in find_blocks(ir.from_proto(read_model(path)).graph))
-
-
-def estimate_bytes(cfg: MhaConfig | None, unfused: bool, batch: int, seq: int) -> int:
-    """Working set of one point: the [B, H, S, T] scores (twice: scores and weights) when the
-    attention is not fused, plus activations."""
-    if cfg is None:
-        return 0
-    item = 2 if cfg.dtype == "float16" else 4
-    acts = 8 * batch * seq * max(cfg.d_model, cfg.qk_dim, cfg.v_dim) * item
-    scores = 2 * batch * cfg.num_heads * seq * seq * item if unfused else 0
-    return acts + scores
+    return config_of(onnx.load(path, load_external_data=False))
 
 
 def check_memory(paths: Sequence[str], config: ProfileConfig) -> None:
     """Refuse points whose estimated working set exceeds the memory available now."""
     if not config.memory_check or "cpu" not in config.providers:
         return
-    import psutil
+    from mha_onnx.graphio import read_model
 
-    available = psutil.virtual_memory().available
     for path in paths:
-        cfg, unfused = _config_of(path), _has_unfused(path)
+        model = read_model(path)
+        cfg, unfused = config_of(model), has_unfused_attention(model)
         for batch in config.batches:
             for seq in config.seq_lens:
-                need = estimate_bytes(cfg, unfused, batch, seq)
-                if need > 0.9 * available:
-                    raise ResourceError(
-                        f"{Path(path).name} at batch {batch}, seq {seq} needs about "
-                        f"{human_bytes(need)}; {human_bytes(available)} is available",
-                        hint="lower --seq-lens/--batch, fuse the model, or pass --no-memory-check")
+                ensure_fits(estimate_bytes(cfg, unfused, batch, seq),
+                            f"{Path(path).name} at batch {batch}, seq {seq}",
+                            "lower --seq-lens/--batch, fuse the model, or pass --no-memory-check")
 
 
 # -- one point, in a child process ------------------------------------------------------------

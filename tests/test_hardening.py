@@ -142,6 +142,7 @@ CASES = [
     ("malformed --atol", "validate {good} --atol x=abc", 2, "malformed --atol"),
     ("malformed --seq-lens", "profile {good} --seq-lens 12,x", 2, "malformed --seq-lens"),
     ("shape too large for memory", "profile {good} --seq-lens 3000000", 2, "needs about"),
+    ("validate shape too large for memory", "validate {good} --shapes 1:3000000", 2, "needs about"),
 ]
 
 

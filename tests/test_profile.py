@@ -8,13 +8,8 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError, ResourceError
-from mha_onnx.profile import (
-    ProfileConfig,
-    attention_flops,
-    check_memory,
-    estimate_bytes,
-    profile_models,
-)
+from mha_onnx.profile import ProfileConfig, attention_flops, check_memory, profile_models
+from mha_onnx.resources import estimate_bytes
 
 CFG = MhaConfig(d_model=32, num_heads=4, name="p")
 
