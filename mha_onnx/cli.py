@@ -175,9 +175,11 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 @click.option("--providers", default="cpu", show_default=True, help="Comma list: cpu,cuda,tensorrt.")
 @click.option("--batch", "batches", default="1", show_default=True, help="Comma list of batch sizes.")
 @click.option("--seq-lens", default="128,512,2048", show_default=True, help="Comma list of sequence lengths.")
-@click.option("--warmup", type=int, default=2, show_default=True)
-@click.option("--iters", type=int, default=None, help="Timed runs per point (default 10).")
-@click.option("--min-time", type=float, default=None, help="Run each point at least this many seconds.")
+@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--iters", type=int, default=None,
+              help="Exactly this many timed runs per point (default: >= 10 runs and >= 0.3 s).")
+@click.option("--min-time", type=float, default=None,
+              help="Time each point for at least this many seconds (>= 3 runs).")
 @click.option("--threads", type=int, default=None, help="Intra-op threads.")
 @click.option("--io-binding", is_flag=True, help="Keep inputs/outputs on the device (CUDA).")
 @click.option("--pad-fraction", type=float, default=0.0, show_default=True,
@@ -191,9 +193,11 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threads, io_binding,
             pad_fraction, no_ops, no_memory_check, as_json, csv_path, plot_path, trace_dir):
     """Latency percentiles, throughput, GFLOP/s vs roofline, memory and per-op time."""
-    from mha_onnx.profile import ProfileConfig, plot, profile_models
+    from mha_onnx.profile import DEFAULT_ITERS, DEFAULT_MIN_TIME, ProfileConfig, plot, profile_models
     from mha_onnx.runtimes import parse_providers
 
+    if iters is None and min_time is None:
+        iters, min_time = DEFAULT_ITERS, DEFAULT_MIN_TIME
     config = ProfileConfig(
         providers=parse_providers(providers), batches=_int_list(batches, "--batch"),
         seq_lens=_int_list(seq_lens, "--seq-lens"), warmup=warmup, iters=iters,

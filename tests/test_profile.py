@@ -29,7 +29,7 @@ def test_profile_points_and_comparison(export_cache, tmp_path):
     unfused = export_cache(CFG)
     fused = tmp_path / "fused.onnx"
     fuse_file(unfused, fused)
-    config = ProfileConfig(seq_lens=(8, 33), batches=(1, 2), iters=3, warmup=1, threads=1,
+    config = ProfileConfig(seq_lens=(8, 33), batches=(1, 2), iters=3, min_time=None, warmup=1, threads=1,
                            trace_dir=str(tmp_path / "traces"))
     seen = []
     report = profile_models([unfused, fused], config, on_point=lambda d, t, label: seen.append(d))
