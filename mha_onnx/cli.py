@@ -193,7 +193,13 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threads, io_binding,
             pad_fraction, no_ops, no_memory_check, as_json, csv_path, plot_path, trace_dir):
     """Latency percentiles, throughput, GFLOP/s vs roofline, memory and per-op time."""
-    from mha_onnx.profile import DEFAULT_ITERS, DEFAULT_MIN_TIME, ProfileConfig, plot, profile_models
+    from mha_onnx.profile import (
+        DEFAULT_ITERS,
+        DEFAULT_MIN_TIME,
+        ProfileConfig,
+        plot,
+        profile_models,
+    )
     from mha_onnx.runtimes import parse_providers
 
     if iters is None and min_time is None:
