@@ -24,6 +24,7 @@ run: $(VENV)/.installed
 		--pad-fraction 0.25 --csv $(OUT)/profile.csv --plot $(OUT)/profile.png
 
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check mha_onnx tests tools
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed

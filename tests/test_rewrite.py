@@ -154,14 +154,19 @@ ZOO_FORMS = {
     "bmm_rank3": "MultiHeadAttention",
     "encoder_post_norm": "Loop(Compress keys)",
     "encoder_pre_norm": "Loop(Compress keys)",
-    "decoder_post_norm": None,  # causal self-attention and padded cross-attention
-    "decoder_pre_norm": None,
-    "hf_bert": "MultiHeadAttention",
-    "hf_bert_eager": "MultiHeadAttention",
+    # per block: causal self-attention, padded cross-attention (two layers)
+    "decoder_post_norm": ("GroupQueryAttention", "Loop(Compress keys)") * 2,
+    "decoder_pre_norm": ("GroupQueryAttention", "Loop(Compress keys)") * 2,
+    # Hugging Face builds padding masks with GatherND over aranges: recognised as key padding
+    "hf_bert": "Loop(Compress keys)",
+    "hf_bert_eager": "Loop(Compress keys)",
     "hf_gpt2": "MultiHeadAttention",
     "hf_gpt2_eager": "MultiHeadAttention",
-    "hf_bart": "MultiHeadAttention",
-    "hf_t5": "MultiHeadAttention",
+    # encoder (padding), decoder self (causal and padding: a dense bias), cross (padding)
+    "hf_bart": ("Loop(Compress keys)", "MultiHeadAttention + attention_bias", "Loop(Compress keys)"),
+    # relative position bias on self-attention: dense; cross-attention: padding only
+    "hf_t5": ("MultiHeadAttention + attention_bias", "MultiHeadAttention + attention_bias",
+              "Loop(Compress keys)"),
     "hf_vit": "MultiHeadAttention",
 }
 
@@ -186,9 +191,10 @@ def test_foreign_graphs_fuse_for_ort(zoo, name):
     fused, results = fused_and_checked(model)
     assert results and all(r.status == "fused" for r in results)
     expected = ZOO_FORMS[name]
-    if expected is None:
-        forms = sorted({r.form.split(" ")[0] for r in results})
-        assert forms == ["GroupQueryAttention", "Loop(Compress"]
+    if isinstance(expected, tuple):
+        assert len(results) == len(expected)
+        assert all(r.form.startswith(e) for r, e in zip(results, expected, strict=True)), [
+            r.form for r in results]
     else:
         assert all(r.form.startswith(expected) for r in results), [r.form for r in results]
 

@@ -22,6 +22,7 @@ from mha_onnx.rewrite.irutil import (
     Dim,
     const_array,
     const_fill,
+    const_ints,
     const_scalar,
     dims,
     int_attr,
@@ -29,7 +30,7 @@ from mha_onnx.rewrite.irutil import (
     same_dim,
 )
 
-LAYOUT_OPS = ("Reshape", "Unsqueeze", "Expand", "Identity")
+LAYOUT_OPS = ("Reshape", "Unsqueeze", "Expand", "Identity", "GatherND")
 # A fill at or below this (after scaling) makes exp(fill - max) flush to zero in float32,
 # so masked keys are exactly removed (e^-100 ~ 4e-44 is below float32's normal range).
 REMOVES_KEY = -100.0
@@ -96,8 +97,90 @@ def strip_layout(value: ir.Value) -> tuple[ir.Value, bool]:
             r_in, r_out = _rank(src), _rank(node.outputs[0])
             if r_in is None or r_in != r_out:
                 return current, False
+        if node.op_type == "GatherND" and not _is_broadcast_gather(node):
+            return current, False
         current = node.inputs[0]
     return current, False
+
+
+def _arange_axis(value: ir.Value | None) -> int | None:
+    """The axis along which ``value`` is ``0, 1, 2, ...`` (Range(0, n, 1) unsqueezed and
+    expanded into a larger shape), or None."""
+    current = value
+    for _ in range(8):
+        node = producer(current, "Unsqueeze", "Expand", "Cast")
+        if node is None:
+            break
+        current = node.inputs[0]
+    rng = producer(current, "Range")
+    if rng is None or const_scalar(rng.inputs[0]) != 0 or const_scalar(rng.inputs[2]) != 1:
+        return None
+    # follow the arange back down to ``value``: each Unsqueeze moves it, Expand keeps it
+    axis, rank_now = 0, 1
+    path = []
+    current = value
+    for _ in range(8):
+        node = producer(current, "Unsqueeze", "Expand", "Cast")
+        if node is None:
+            break
+        path.append(node)
+        current = node.inputs[0]
+    for node in reversed(path):
+        if node.op_type == "Unsqueeze":
+            axes = const_ints(node.inputs[1])
+            if axes is None:
+                return None
+            out_rank = rank_now + len(axes)
+            for a in sorted(x % out_rank for x in axes):
+                if a <= axis:
+                    axis += 1
+            rank_now = out_rank
+        elif node.op_type == "Expand":
+            out = _rank(node.outputs[0])
+            if out is None or out != rank_now:
+                return None
+    return axis
+
+
+def _is_broadcast_gather(node: ir.Node) -> bool:
+    """GatherND(data [B, T], indices [..., 2]) whose two index planes are aranges along the
+    output's first and last axes: ``data[b, t]`` broadcast (how Hugging Face builds padding
+    masks). A layout op then."""
+    if int_attr(node, "batch_dims", 0) != 0 or _rank(node.inputs[0]) != 2:
+        return False
+    concat = producer(node.inputs[1], "Concat")
+    out_rank = _rank(node.outputs[0])
+    if concat is None or len(concat.inputs) != 2 or out_rank is None:
+        return False
+    planes = []
+    for part in concat.inputs:
+        squeeze = producer(part, "Unsqueeze")
+        if squeeze is None or const_ints(squeeze.inputs[1]) not in ([-1], [out_rank]):
+            return False
+        planes.append(_arange_axis(squeeze.inputs[0]))
+    return planes == [0, out_rank - 1]
+
+
+def _always_true(value: ir.Value | None) -> bool:
+    """A boolean tensor that is True everywhere: a constant, And of such, or
+    ``arange(0, n) >= c`` with c <= 0 (Hugging Face's trivially true mask terms)."""
+    if value is None:
+        return False
+    constant = const_fill(value)
+    if constant is not None:
+        return constant != 0
+    current, layout_ok = strip_layout(value)
+    if not layout_ok:
+        return False
+    node = producer(current)
+    if node is None:
+        return False
+    if node.op_type == "And":
+        return all(_always_true(v) for v in node.inputs)
+    if node.op_type == "GreaterOrEqual":
+        bound = const_scalar(node.inputs[1])
+        return bound is not None and bound <= 0 and _arange_axis(node.inputs[0]) is not None
+    return False
 
 
 def _rank(value: ir.Value | None) -> int | None:
@@ -158,6 +241,14 @@ def bool_meaning(value: ir.Value, sd: ScoreDims, outer: ir.Value | None = None) 
         if constant is not None:  # masks nothing (e.g. an all-True keep mask) or everything
             return BoolMeaning("all" if (constant != 0) != inverted else "none")
         node = producer(current)
+        if node is not None and node.op_type == "And":  # True & x == x
+            rest = [v for v in node.inputs if not _always_true(v)]
+            if len(rest) == 1:
+                current = rest[0]
+                continue
+            if not rest:
+                return BoolMeaning("all" if not inverted else "none")
+            return BoolMeaning("other")
         if node is not None and node.op_type == "Not":
             inverted = not inverted
             current = node.inputs[0]
