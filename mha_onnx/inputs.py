@@ -7,7 +7,7 @@ Used by ``fuse`` (verification) and ``validate``; no torch here.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,23 +191,3 @@ def iter_feeds(
 ) -> Iterator[tuple[ShapeCase, dict[str, np.ndarray]]]:
     for n, case in enumerate(cases):
         yield case, make_inputs(specs, case, seed=seed + n)
-
-
-def check_feeds(specs: Sequence[InputSpec], feeds: Mapping[str, np.ndarray]) -> None:
-    """Refuse feeds whose names, ranks, static dims or dtypes do not fit the model."""
-    by_name = {s.name: s for s in specs}
-    for name in feeds:
-        if name not in by_name:
-            raise InputSpecError(f"the model has no input {name!r}",
-                                 hint=f"inputs: {', '.join(by_name)}")
-    for spec in specs:
-        if spec.name not in feeds:
-            raise InputSpecError(f"no value for model input {spec.name!r}")
-        array = feeds[spec.name]
-        if array.ndim != len(spec.dims):
-            raise InputSpecError(f"input {spec.name!r} needs rank {len(spec.dims)}, got {array.ndim}")
-        for axis, (want, got) in enumerate(zip(spec.dims, array.shape, strict=True)):
-            if isinstance(want, int) and want != got:
-                raise InputSpecError(f"input {spec.name!r} axis {axis} must be {want}, got {got}")
-        if array.dtype != spec.dtype:
-            raise InputSpecError(f"input {spec.name!r} needs {spec.dtype}, got {array.dtype}")

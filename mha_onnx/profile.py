@@ -146,16 +146,16 @@ class ProfileReport:
         for p in self.points:
             if p.error:
                 rows.append((Path(p.model).name, p.provider, p.batch, p.seq_len, "ERROR", p.error[:60],
-                             "", "", "", "", "", ""))
+                             "", "", "", "", "", "", ""))
                 continue
             mem = human_bytes(p.device_bytes) if p.device_bytes is not None else human_bytes(p.run_rss_bytes)
             rows.append((Path(p.model).name, p.provider, p.batch, p.seq_len, p.p50_ms, p.p90_ms,
                          p.p99_ms, p.min_ms, f"{p.tokens_per_s:,.0f}",
                          "-" if p.gflops is None else f"{p.gflops:.1f}",
                          "-" if p.roofline_fraction is None else f"{100 * p.roofline_fraction:.0f}%",
-                         mem))
+                         mem, f"{p.session_s:.2f}"))
         lines.append(table(["model", "ep", "batch", "seq", "p50 ms", "p90 ms", "p99 ms", "min ms",
-                            "tokens/s", "GFLOP/s", "roofline", "memory"], rows))
+                            "tokens/s", "GFLOP/s", "roofline", "memory", "load s"], rows))
         for s in self.speedups():
             ratio = "" if s["memory_ratio"] is None else f", memory x{s['memory_ratio']:.2f}"
             lines.append(f"  {Path(s['model']).name} vs {Path(self.models[0]).name} "

@@ -87,11 +87,6 @@ def dims(value: ir.Value | None) -> list[Dim] | None:
     return out
 
 
-def rank(value: ir.Value | None) -> int | None:
-    shape = dims(value)
-    return None if shape is None else len(shape)
-
-
 def same_dim(a: Dim, b: Dim) -> bool:
     """True only when both dims are known and provably equal."""
     return a is not None and b is not None and a == b
@@ -110,18 +105,3 @@ def ints_attr(node: ir.Node, name: str) -> list[int] | None:
 def float_attr(node: ir.Node, name: str, default: float) -> float:
     attr = node.attributes.get(name)
     return default if attr is None else float(attr.value)
-
-
-def consumers(value: ir.Value) -> list[ir.Node]:
-    return [user for user, _ in value.uses()]
-
-
-def is_graph_output(value: ir.Value) -> bool:
-    return value.is_graph_output()
-
-
-def describe(node: ir.Node | None) -> str:
-    if node is None:
-        return "a graph input or constant"
-    label = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
-    return f"{label} node {node.name!r}" if node.name else f"{label} node"
