@@ -6,11 +6,12 @@
 # Usage (repository root):  bash ci/gpu-check.sh [RESULTS_DIR]
 #   PYTHON=python3            interpreter to use (default python3)
 #   ORT_WHEEL_DIR=DIR         install onnxruntime-gpu from a local wheel folder (no registry)
-#   RESULTS_DIR / $OUT        where JSON reports, logs and the plot go (default gpu-results/)
+#   RESULTS_DIR               where models, JSON reports, logs and the plot go (default gpu-results/);
+#                             when $OUT is set (a device lease), the summary files are copied there
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-RESULTS=${1:-${OUT:-gpu-results}}
+RESULTS=${1:-gpu-results}
 mkdir -p "$RESULTS"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export PYTHONUNBUFFERED=1
@@ -70,5 +71,10 @@ step forms-cuda $PY -m tools.fusion_forms --provider cuda --seq-lens 1024,8192 -
 
 echo "== summary"
 cat "$RESULTS/matrix.md" 2>/dev/null || echo "no matrix (see matrix.log)"
+if [ -n "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ]; then  # at most a few small files travel back
+  for f in matrix.md matrix.json fusion-forms-cuda.md profile-cuda.png profile-base.log gpu-tests.log; do
+    [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"
+  done
+fi
 echo "gpu-check: overall exit $status"
 exit $status
