@@ -274,7 +274,9 @@ def _behaviour(values: np.ndarray) -> str:
     return "zeros" if not values.any() else "finite"
 
 
-def _cast_feeds(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec]) -> dict[str, np.ndarray]:
+def _cast_feeds(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec] | None) -> dict[str, np.ndarray]:
+    if specs is None:
+        return dict(feeds)
     by_name = {s.name: s for s in specs}
     return {k: v.astype(by_name[k].dtype) if k in by_name else v for k, v in feeds.items()}
 
@@ -285,51 +287,83 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     model = read_model(path)
     specs = input_specs(model)
     cases = list(config.shapes) if config.shapes else validation_cases(specs)
-    out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
-                for o in model.graph.output}
     if config.memory_check:
         _check_memory(model, cases)
+    references, labels, checks, ref_specs = _references(model, str(path), config)
+    runners, statuses = _start_providers(str(path), config, make_inputs(specs, cases[0], seed=config.seed))
+    out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
+                for o in model.graph.output}
+    comparisons: list[Comparison] = []
+    masked: list[MaskedRows] = []
+    try:
+        for n, case in enumerate(cases):
+            feeds = make_inputs(specs, case, seed=config.seed + n)
+            wants = {key: ref.infer(_cast_feeds(feeds, ref_specs) if key == "reference" else feeds)
+                     for key, ref in references.items()}
+            gots = {p: r.infer(feeds) for p, r in runners.items()}
+            special = _fully_masked(specs, feeds)
+            comparisons += _compare_case(case, gots, wants, special, out_dims, config)
+            if special is not None:
+                masked += _masked_rows(case, gots, wants, special, out_dims)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    return ValidationReport(
+        model=str(path), references=tuple(labels), providers=tuple(statuses),
+        comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
+        allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
+    )
 
+
+def _references(model: onnx.ModelProto, path: str, config: ValidateConfig):
+    """{"pytorch": TorchReference, "reference": OrtRunner}, their labels, integrity checks and
+    the reference model's input specs. The PyTorch reference comes from ``--reference``'s
+    metadata when it has some, so a modified file cannot vouch for itself."""
     references: dict[str, Any] = {}
-    labels = []
-    checks = []
+    labels: list[str] = []
+    checks: list[CheckResult] = []
     ref_model = read_model(config.reference) if config.reference else None
     ref_specs = input_specs(ref_model) if ref_model is not None else None
+    specs = input_specs(model)
     if ref_specs is not None and [s.name for s in ref_specs] != [s.name for s in specs]:
         raise InputSpecError(
             f"--reference {config.reference} has inputs {[s.name for s in ref_specs]}, the model "
             f"has {[s.name for s in specs]}")
-    torch_source = None
+    source = None
     if ref_model is not None and "config" in mha_metadata(ref_model):
-        torch_source = (ref_model, f"PyTorch reference rebuilt from {config.reference}")
+        source = (ref_model, f"PyTorch reference rebuilt from {config.reference}")
     elif "config" in mha_metadata(model):
-        torch_source = (model, f"PyTorch reference rebuilt from {path}")
-    if torch_source is not None:
-        torch_ref = TorchReference(*torch_source)
+        source = (model, f"PyTorch reference rebuilt from {path}")
+    if source is not None:
+        torch_ref = TorchReference(*source)
         references["pytorch"] = torch_ref
         labels.append(f"pytorch = {torch_ref.label}")
-        checks.append(CheckResult("weights", torch_ref.digest_ok,
-                            "weights match the checksum recorded at export" if torch_ref.digest_ok
-                            else "weights differ from the checksum recorded at export "
-                                 "(the file was modified after export)"))
-        if torch_source[0] is not model:
-            own = mha_metadata(model).get("weights_sha256")
-            same = own == mha_metadata(ref_model).get("weights_sha256") if own else None
-            if same is False:
-                checks.append(CheckResult("same export", False, "model and --reference record different weights"))
+        detail = ("weights match the checksum recorded at export" if torch_ref.digest_ok else
+                  "weights differ from the checksum recorded at export (the file was modified "
+                  "after export)")
+        checks.append(CheckResult("weights", torch_ref.digest_ok, detail))
+        own = mha_metadata(model).get("weights_sha256")
+        if source[0] is not model and own and own != mha_metadata(ref_model).get("weights_sha256"):
+            checks.append(CheckResult("same export", False,
+                                      "model and --reference record different weights"))
     if ref_model is not None:
-        references["reference"] = OrtRunner(ref_model.SerializeToString(), "cpu", threads=config.threads)
+        references["reference"] = OrtRunner(ref_model.SerializeToString(), "cpu",
+                                            threads=config.threads)
         labels.append(f"reference = {config.reference} on ORT CPU")
     if not references:
         raise MhaOnnxError(
             f"{path} has no mha-onnx metadata to rebuild the PyTorch reference from",
             hint="pass --reference ORIGINAL.onnx (e.g. the unfused model)")
+    return references, labels, checks, ref_specs
 
+
+def _start_providers(path: str, config: ValidateConfig, probe_feeds: dict[str, np.ndarray]):
+    """A runner per provider that starts; a status per provider (ORT's reason when it does
+    not; the nodes ORT put on the CPU under another provider when it does)."""
     statuses: list[ProviderStatus] = []
     runners: dict[str, OrtRunner] = {}
-    first_feeds = make_inputs(specs, cases[0], seed=config.seed)
     for provider in config.providers:
-        runner = OrtRunner(str(path), provider, threads=config.threads,
+        runner = OrtRunner(path, provider, threads=config.threads,
                            io_binding=provider != "cpu", strict=False)
         try:
             runner.session  # noqa: B018
@@ -338,59 +372,48 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
             continue
         cpu_nodes: tuple[str, ...] = ()
         if provider != "cpu":
-            placement = node_placement(str(path), provider, first_feeds)
+            placement = node_placement(path, provider, probe_feeds)
             cpu_nodes = tuple(sorted(f"{name} ({op})" for name, (op, where) in placement.items()
                                      if where == "cpu"))
         runners[provider] = runner
         statuses.append(ProviderStatus(provider, True, cpu_nodes=cpu_nodes,
                                        io_binding=runner.io_binding))
+    return runners, statuses
 
-    comparisons: list[Comparison] = []
-    masked: list[MaskedRows] = []
-    for n, case in enumerate(cases):
-        feeds = make_inputs(specs, case, seed=config.seed + n)
-        wants = {}
-        for key, ref in references.items():
-            ref_feeds = _cast_feeds(feeds, ref_specs) if key == "reference" and ref_specs else feeds
-            wants[key] = ref.infer(ref_feeds)
-        gots = {p: r.infer(feeds) for p, r in runners.items()}
-        special = _fully_masked(specs, feeds)
-        for provider, got in gots.items():
-            for output, actual in got.items():
-                for key, want in wants.items():
-                    if output not in want:
-                        continue
-                    expected = want[output]
-                    a, e = actual, expected
-                    axis = None
-                    if special is not None and special[0] in out_dims.get(output, []):
-                        axis = out_dims[output].index(special[0])
-                        keep = [b for b in range(actual.shape[axis]) if b not in special[1]]
-                        a, e = np.take(actual, keep, axis=axis), np.take(expected, keep, axis=axis)
-                    atol, rtol = config.tolerance_for(output, actual.dtype)
-                    stats = compare(a, e, atol=atol, rtol=rtol)
-                    comparisons.append(Comparison(output, provider, key, case.describe(), stats))
-        if special is not None:
-            for output in model.graph.output:
-                name = output.name
-                if special[0] not in out_dims.get(name, []):
+
+def _compare_case(case: ShapeCase, gots, wants, special, out_dims, config: ValidateConfig) -> list[Comparison]:
+    """Statistics per output x provider x reference, fully masked batch entries left out."""
+    out = []
+    for provider, got in gots.items():
+        for output, actual in got.items():
+            for key, want in wants.items():
+                if output not in want:
                     continue
-                axis = out_dims[name].index(special[0])
-                seen = {}
-                for key, want in wants.items():
-                    if name in want:
-                        seen[key] = _behaviour(
-                            np.take(want[name], special[1], axis=axis))
-                for provider, got in gots.items():
-                    seen[f"ort {provider}"] = _behaviour(np.take(got[name], special[1], axis=axis))
-                masked.append(MaskedRows(case.describe(), name, f"batch entries {special[1]}", seen))
-    for runner in runners.values():
-        runner.close()
-    return ValidationReport(
-        model=str(path), references=tuple(labels), providers=tuple(statuses),
-        comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
-        allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
-    )
+                a, e = actual, want[output]
+                if special is not None and special[0] in out_dims.get(output, []):
+                    axis = out_dims[output].index(special[0])
+                    keep = [b for b in range(actual.shape[axis]) if b not in special[1]]
+                    a, e = np.take(actual, keep, axis=axis), np.take(e, keep, axis=axis)
+                atol, rtol = config.tolerance_for(output, actual.dtype)
+                out.append(Comparison(output, provider, key, case.describe(),
+                                      compare(a, e, atol=atol, rtol=rtol)))
+    return out
+
+
+def _masked_rows(case: ShapeCase, gots, wants, special, out_dims) -> list[MaskedRows]:
+    """What each runtime gives for the batch entries whose keys are all masked."""
+    out = []
+    batch_dim, rows = special
+    for name, dims_ in out_dims.items():
+        if batch_dim not in dims_:
+            continue
+        axis = dims_.index(batch_dim)
+        seen = {key: _behaviour(np.take(want[name], rows, axis=axis))
+                for key, want in wants.items() if name in want}
+        for provider, got in gots.items():
+            seen[f"ort {provider}"] = _behaviour(np.take(got[name], rows, axis=axis))
+        out.append(MaskedRows(case.describe(), name, f"batch entries {rows}", seen))
+    return out
 
 
 def _check_memory(model: onnx.ModelProto, cases: Sequence[ShapeCase]) -> None:
