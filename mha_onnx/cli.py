@@ -62,8 +62,8 @@ def main(ctx: click.Context, verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if verbose < 2:
-        for noisy in ("onnxscript", "onnx_ir", "torch"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
+        for noisy in ("onnxscript", "onnx_ir", "torch"):  # their warnings are not the user's
+            logging.getLogger(noisy).setLevel(logging.ERROR)
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 

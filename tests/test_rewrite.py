@@ -31,6 +31,7 @@ def ops(model: onnx.ModelProto) -> list[str]:
 
 def fused_and_checked(model: onnx.ModelProto, target: str = "ort"):
     fused, results, _ = fuse_model(model, target=target)
+    onnx.checker.check_model(fused, full_check=True)  # types declared, subgraphs included
     summary = summarize(fused)
     assert summary.unfused_blocks == 0, [b for b in summary.blocks if b.kind == "unfused"]
     assert "Softmax" not in ops(fused)

@@ -191,12 +191,16 @@ def _padding_loop(op, info: SdpaInfo, q3: ir.Value) -> ir.Value:
     out_b = body.op("If", [any_kept], attributes={"then_branch": then_graph,
                                                   "else_branch": else_graph})
     cond_out = body.op("Identity", [cond_in])
+    for value in (attn, other_out, out_b):  # subgraph outputs need their type declared
+        value.dtype = info.query.dtype
+    cond_out.dtype = ir.DataType.BOOL
     body_graph = ir.Graph([i, cond_in], [cond_out, out_b], nodes=body.nodes, name="per_batch")
 
     _name_values(body_graph, f"{_safe(info.block)}_loop")
     trip = op.Reshape(seq_dim(op, q3, 0), SCALAR_SHAPE(op))
     always = op.Constant(value=ir.tensor(np.array(True)))
     stacked = op.Loop(trip, always, body=body_graph)  # [B, 1, S, H*Dv]
+    stacked.dtype = info.query.dtype
     return op.Squeeze(stacked, op.Constant(value_ints=[1]))
 
 
