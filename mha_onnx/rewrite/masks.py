@@ -106,18 +106,7 @@ def strip_layout(value: ir.Value) -> tuple[ir.Value, bool]:
 def _arange_axis(value: ir.Value | None) -> int | None:
     """The axis along which ``value`` is ``0, 1, 2, ...`` (Range(0, n, 1) unsqueezed and
     expanded into a larger shape), or None."""
-    current = value
-    for _ in range(8):
-        node = producer(current, "Unsqueeze", "Expand", "Cast")
-        if node is None:
-            break
-        current = node.inputs[0]
-    rng = producer(current, "Range")
-    if rng is None or const_scalar(rng.inputs[0]) != 0 or const_scalar(rng.inputs[2]) != 1:
-        return None
-    # follow the arange back down to ``value``: each Unsqueeze moves it, Expand keeps it
-    axis, rank_now = 0, 1
-    path = []
+    path = []  # from value up to the Range
     current = value
     for _ in range(8):
         node = producer(current, "Unsqueeze", "Expand", "Cast")
@@ -125,20 +114,21 @@ def _arange_axis(value: ir.Value | None) -> int | None:
             break
         path.append(node)
         current = node.inputs[0]
-    for node in reversed(path):
+    rng = producer(current, "Range")
+    if rng is None or const_scalar(rng.inputs[0]) != 0 or const_scalar(rng.inputs[2]) != 1:
+        return None
+    axis, rank_now = 0, 1
+    for node in reversed(path):  # follow the arange's axis down to ``value``
         if node.op_type == "Unsqueeze":
             axes = const_ints(node.inputs[1])
             if axes is None:
                 return None
-            out_rank = rank_now + len(axes)
-            for a in sorted(x % out_rank for x in axes):
+            rank_now += len(axes)
+            for a in sorted(x % rank_now for x in axes):
                 if a <= axis:
                     axis += 1
-            rank_now = out_rank
-        elif node.op_type == "Expand":
-            out = _rank(node.outputs[0])
-            if out is None or out != rank_now:
-                return None
+        elif node.op_type == "Expand" and _rank(node.outputs[0]) != rank_now:
+            return None
     return axis
 
 
