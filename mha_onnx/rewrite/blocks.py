@@ -108,13 +108,30 @@ def is_attention_softmax(node: ir.Node) -> bool:
     )
 
 
+def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+    out = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            out.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            out.extend(attr.value)
+    return out
+
+
 def find_blocks(graph: ir.Graph) -> list[Block]:
-    """Every attention block in ``graph`` and its subgraphs."""
+    """Every attention block in ``graph`` and its subgraphs. A control-flow node whose
+    subgraphs hold fused attention ops (e.g. mha-onnx's Loop form for key padding, whose
+    branches run the kernel on kept keys or on the all-padded rows) is one fused block."""
     blocks = []
-    for sub in all_graphs(graph):
-        for node in sub:
-            if is_fused_attention(node):
-                blocks.append(Block("fused", op_label(node), node.name or "", sub.name or ""))
-            elif is_attention_softmax(node):
-                blocks.append(Block("unfused", "MatMul-Softmax-MatMul", node.name or "", sub.name or ""))
+    for node in graph:
+        inner = [b for sub in _subgraphs(node) for b in find_blocks(sub)]
+        fused_inner = sorted({b.op for b in inner if b.kind == "fused"})
+        if fused_inner:
+            blocks.append(Block("fused", f"{op_label(node)}[{', '.join(fused_inner)}]",
+                                node.name or "", graph.name or ""))
+        blocks.extend(b for b in inner if b.kind == "unfused")
+        if is_fused_attention(node):
+            blocks.append(Block("fused", op_label(node), node.name or "", graph.name or ""))
+        elif is_attention_softmax(node):
+            blocks.append(Block("unfused", "MatMul-Softmax-MatMul", node.name or "", graph.name or ""))
     return blocks
