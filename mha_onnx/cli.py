@@ -110,18 +110,22 @@ def inspect(model, as_json):
 @click.option("-o", "--output", required=True, help="Where to write the fused model.")
 @click.option("--target", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True,
               help="ort: ONNX Runtime contrib kernels; onnx: the standard Attention op (opset 23).")
+@click.option("--form", "forms", multiple=True,
+              help="Override a kernel form (target ort): causal=gqa|unidirectional|bias, "
+                   "key_padding=loop|mask|bias. Defaults: the fastest measured on CPU.")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check against the original.")
 @click.option("--atol", type=float, default=None, help="Verification tolerance (default by dtype).")
 @click.option("--rtol", type=float, default=None)
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def fuse(model, output, target, no_verify, atol, rtol, force, as_json):
+def fuse(model, output, target, forms, no_verify, atol, rtol, force, as_json):
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
     from mha_onnx.rewrite import fuse_file
+    from mha_onnx.rewrite.lower_ort import Forms
 
     report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
-                       atol=atol, rtol=rtol)
+                       atol=atol, rtol=rtol, forms=Forms.parse(forms))
     _emit(report, as_json)
 
 

@@ -304,3 +304,18 @@ def test_mismatch_refuses_to_write(export_cache, tmp_path, monkeypatch):
         fuse_file(path, out)
     assert not out.exists()
     assert fuse_file(path, out, verify_result=False).verification is None
+
+
+def test_form_override_from_the_cli(export_cache, tmp_path):
+    from click.testing import CliRunner
+
+    from mha_onnx.cli import main
+
+    src = export_cache(SMALL.replace(mask="key-padding"))
+    out = tmp_path / "f.onnx"
+    result = CliRunner().invoke(main, ["fuse", str(src), "-o", str(out), "--form", "key_padding=mask",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    assert "key_padding_mask" in result.output and "Loop" not in ops(onnx.load(out))
+    bad = CliRunner().invoke(main, ["fuse", str(src), "-o", str(out), "--form", "causal=fast"])
+    assert bad.exit_code == 2 and "unknown causal form 'fast'" in bad.output

@@ -191,13 +191,14 @@ def fuse_file(
     force: bool = False,
     atol: float | None = None,
     rtol: float | None = None,
+    forms: Forms | None = None,
 ) -> FuseReport:
     """Fuse ``source`` into ``output``; refuses to write when the fused graph's outputs differ
     from the original's beyond tolerance (unless ``verify_result`` is False)."""
     started = time.perf_counter()
     output = prepare_output(output, force=force)
     original = read_model(source)
-    fused, results, notes = fuse_model(original, target=target)
+    fused, results, notes = fuse_model(original, target=target, forms=forms)
     _carry_metadata(original, fused, results, target)
     if not results:
         notes.append("the model has no attention block; the output is an unchanged copy")

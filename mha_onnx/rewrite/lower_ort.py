@@ -13,13 +13,16 @@ it fastest, in a form that keeps ORT's fast path (measured, see docs/fusion-form
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter._basics import MatchResult
 
+from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.core import FUSION_DOMAIN, BlockLog
 from mha_onnx.rewrite.irutil import dims, same_dim
 from mha_onnx.rewrite.sdpa import SdpaInfo, bsd_source, from_bsd, seq_dim, to_bsd
@@ -35,11 +38,27 @@ class Forms:
     causal: str = "gqa"
     key_padding: str = "loop"
 
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"causal": ("gqa", "unidirectional", "bias"), "key_padding": ("loop", "mask", "bias")}
+
     def __post_init__(self) -> None:
-        if self.causal not in ("gqa", "unidirectional", "bias"):
-            raise ValueError(f"unknown causal form {self.causal!r}")
-        if self.key_padding not in ("loop", "mask", "bias"):
-            raise ValueError(f"unknown key_padding form {self.key_padding!r}")
+        for kind, choices in self.CHOICES.items():
+            if getattr(self, kind) not in choices:
+                raise ConfigError(f"unknown {kind} form {getattr(self, kind)!r}",
+                                  hint=f"{kind} forms: {', '.join(choices)}")
+
+    @classmethod
+    def parse(cls, items: Sequence[str]) -> Forms:
+        """``["causal=bias", "key_padding=mask"]`` -> Forms."""
+        values = {}
+        for item in items:
+            kind, _, form = item.partition("=")
+            kind = kind.strip().replace("-", "_")
+            if kind not in cls.CHOICES or not form:
+                raise ConfigError(f"malformed --form {item!r}",
+                                  hint="use causal=gqa|unidirectional|bias or "
+                                       "key_padding=loop|mask|bias")
+            values[kind] = form.strip()
+        return cls(**values)
 
 
 def _kv_operands(op, info: SdpaInfo) -> tuple[ir.Value, ir.Value, bool]:
