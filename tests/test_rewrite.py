@@ -46,7 +46,8 @@ EXPECTED_ORT = {
     ("self", "none"): "MultiHeadAttention",
     ("cross", "none"): "MultiHeadAttention",
     ("self", "causal"): "GroupQueryAttention",
-    ("cross", "causal"): "MultiHeadAttention + causal bias",
+    # top-left causal with S != T: GQA on the first S keys when S <= T, else the general form
+    ("cross", "causal"): "If(S <= T): GroupQueryAttention (causal)",
     ("self", "key-padding"): "Loop(Compress keys)",
     ("cross", "key-padding"): "Loop(Compress keys)",
 }
@@ -61,7 +62,7 @@ def test_own_exports_fuse_fully(export_cache, attention, mask, target):
     assert [r.status for r in results] == ["fused"]
     if target == "ort":
         assert results[0].form.startswith(EXPECTED_ORT[(attention, mask)])
-        kernel = "GroupQueryAttention" if (attention, mask) == ("self", "causal") else "MultiHeadAttention"
+        kernel = "GroupQueryAttention" if mask == "causal" else "MultiHeadAttention"
         assert kernel in ops(fused)
         assert results[0].mask == {"none": "none", "causal": "causal", "key-padding": "key_padding"}[mask]
     else:
@@ -161,12 +162,14 @@ ZOO_FORMS = {
     # Hugging Face builds padding masks with GatherND over aranges: recognised as key padding
     "hf_bert": "Loop(Compress keys)",
     "hf_bert_eager": "Loop(Compress keys)",
-    "hf_gpt2": "MultiHeadAttention",
-    "hf_gpt2_eager": "MultiHeadAttention",
-    # encoder (padding), decoder self (causal and padding: a dense bias), cross (padding)
-    "hf_bart": ("Loop(Compress keys)", "MultiHeadAttention + attention_bias", "Loop(Compress keys)"),
-    # relative position bias on self-attention: dense; cross-attention: padding only
-    "hf_t5": ("MultiHeadAttention + attention_bias", "MultiHeadAttention + attention_bias",
+    # causal + padding: GQA with seqlens_k when right-padded (checked at run time)
+    "hf_gpt2": "If(right padding): GroupQueryAttention (causal)",
+    "hf_gpt2_eager": "If(right padding): GroupQueryAttention (causal)",
+    # encoder (padding), decoder self (causal, no decoder mask given), cross (padding)
+    "hf_bart": ("Loop(Compress keys)", "GroupQueryAttention (causal)", "Loop(Compress keys)"),
+    # encoder: relative position bias + padding (dense); decoder: causal + position bias;
+    # cross-attention: padding only
+    "hf_t5": ("MultiHeadAttention + attention_bias", "GroupQueryAttention (causal, bias)",
               "Loop(Compress keys)"),
     "hf_vit": "MultiHeadAttention",
 }
@@ -227,18 +230,19 @@ def _graph(nodes, inputs, outputs, inits=(), opset=18):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
 
 
-def _qkv(b="B", h=2, s="S", t="T", d=8, kh=None):
+def _qkv(b="B", h=2, s="S", t="T", d=8, kh=None, vh=None):
     f = TensorProto.FLOAT
     return [helper.make_tensor_value_info("q", f, [b, h, s, d]),
             helper.make_tensor_value_info("k", f, [b, kh or h, t, d]),
-            helper.make_tensor_value_info("v", f, [b, kh or h, t, d])]
+            helper.make_tensor_value_info("v", f, [b, vh or kh or h, t, d])]
 
 
-def _attention(axis=-1, scale_input=None, extra_output=False, kh=None, between="Identity"):
+def _attention(axis=-1, scale_input=None, extra_output=False, kh=None, vh=None,
+               between="Identity"):
     f = TensorProto.FLOAT
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              helper.make_node("MatMul", ["q", "kt"], ["qk"])]
-    inputs = _qkv(kh=kh)
+    inputs = _qkv(kh=kh, vh=vh)
     if scale_input:
         inputs.append(helper.make_tensor_value_info("scale", f, []))
         nodes.append(helper.make_node("Mul", ["qk", "scale"], ["scores"]))
@@ -258,9 +262,9 @@ def _attention(axis=-1, scale_input=None, extra_output=False, kh=None, between="
         ({"axis": 2}, "not over the keys"),
         ({"scale_input": True}, "non-constant"),
         ({"extra_output": True}, "also used elsewhere"),
-        ({"kh": 1}, "do not share batch and head"),
+        ({"kh": 1, "vh": 2}, "not grouped"),  # K broadcast over heads, V not: no kernel
     ],
-    ids=["softmax-axis", "dynamic-scale", "weights-returned", "grouped-heads"],
+    ids=["softmax-axis", "dynamic-scale", "weights-returned", "heads-mismatch"],
 )
 def test_rules_do_not_fire_and_say_why(kwargs, reason):
     model = _attention(**kwargs)

@@ -1,11 +1,11 @@
-"""Stage 1: recognise attention cores and replace them by one internal op.
+"""Stage 1: recognise attention cores and replace each by one internal op.
 
-``MatMul(Softmax(mask(scale(Q·K^T))), V)`` in its many spellings (scale as Div, Mul, split
-over Q and K, or absent; K transposed in three ways; masks as Add or Where; a NaN guard or a
-Cast after the Softmax) and the ONNX ``Attention`` op become
-``mha_onnx.fusion.Sdpa(Q[B,H,S,Dk], K[B,H,T,Dk], V[B,H,T,Dv], mask?)`` with attributes that
-say everything the lowering needs (scale, heads, mask kind and fill, NaN guard). The check of
-each rule says why a candidate was left.
+``MatMul(Softmax(mask(softcap(scale(Q·K^T)))), V)`` in its many spellings and the ONNX
+``Attention`` op become ``mha_onnx.fusion.Sdpa`` (see :mod:`mha_onnx.rewrite.sdpa`), whose
+attributes say everything the lowering needs: scale, heads and K/V heads, soft-cap, and the
+mask's meaning. The recognisers live in :mod:`~mha_onnx.rewrite.scores` (everything but the
+mask), :mod:`~mha_onnx.rewrite.masks` and :mod:`~mha_onnx.rewrite.oracle` (the mask); a
+candidate that is not fused is logged with the reason.
 """
 
 from __future__ import annotations
@@ -13,391 +13,232 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter._basics import MatchResult
 
-from mha_onnx.rewrite.irutil import (
-    const_fill,
-    const_scalar,
-    dims,
-    float_attr,
-    int_attr,
-    ints_attr,
-    producer,
-    same_dim,
+from mha_onnx.rewrite.irutil import dims, float_attr, int_attr, same_dim
+from mha_onnx.rewrite.masks import ScoreDims, Term
+from mha_onnx.rewrite.meaning import Causal, MaskMeaning, Unsupported, plan
+from mha_onnx.rewrite.oracle import Oracle
+from mha_onnx.rewrite.scores import (
+    Reject,
+    broadcast_heads,
+    key_dims,
+    key_from_transposed,
+    probs_tail,
+    repeated_heads,
+    score_chain,
+    strip_scale,
 )
-from mha_onnx.rewrite.masks import (
-    REMOVES_KEY,
-    MaskPlan,
-    ScoreDims,
-    Term,
-    bias_meaning,
-    bool_meaning,
-    plan,
-)
+from mha_onnx.rewrite.sdpa import emit_sdpa
 
-FUSION_DOMAIN = "mha_onnx.fusion"
 SUPPORTED_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-PROBS_OPS = ("Cast", "Dropout", "Identity")
-MAX_SCORE_OPS = 32
-
-
-class Reject(Exception):
-    """A candidate block that cannot be fused, and why."""
 
 
 @dataclass
 class BlockLog:
-    """What happened to each attention block (keyed by its Softmax node)."""
+    """What happened to each attention block (keyed by its Softmax or Attention node)."""
 
     reasons: dict[str, str] = field(default_factory=dict)
-    matched: dict[str, dict[str, object]] = field(default_factory=dict)
+    matched: dict[str, Core] = field(default_factory=dict)
 
     def reject(self, block: str, reason: str) -> None:
         self.reasons.setdefault(block, reason)
 
-    def match(self, block: str, info: dict[str, object]) -> None:
-        self.matched[block] = info
-        self.reasons.pop(block, None)
+    def match(self, core: Core) -> None:
+        self.matched[core.block] = core
+        self.reasons.pop(core.block, None)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Core:
     """One recognised attention core, ready to become an Sdpa node."""
 
     block: str
-    query: ir.Value
-    key: ir.Value
-    key_form: str  # "bhtd" | "bthd" (needs a transpose) | "kt" (K^T given)
-    value: ir.Value
+    query: ir.Value  # [B, H, S, Dk] (rank 3: [N, S, Dk])
+    key: ir.Value  # K in ``key_form``: [B, G, T, Dk], [B, T, G, Dk] or K^T
+    key_form: str  # "bhtd" | "bthd" | "kt"
+    value: ir.Value  # [B, G, T, Dv]
     rank: int
     heads: int
-    dk: int
-    dv: int
+    kv_heads: int
     scale: float
-    mask: MaskPlan
+    mask: MaskMeaning
     nan_to_zero: bool
     self_attention: bool
     dims: ScoreDims
+    softcap: float = 0.0
+
+    def describe(self) -> str:
+        """e.g. ``causal + key padding, window 4096, 8 q heads / 2 kv heads, softcap 50``."""
+        text = self.mask.describe()
+        if self.kv_heads != self.heads:
+            text += f", {self.heads} q heads / {self.kv_heads} kv heads"
+        if self.softcap:
+            text += f", softcap {self.softcap:g}"
+        return text
 
 
-def _scalar_factor(node: ir.Node) -> tuple[ir.Value, float] | None:
-    """For Mul/Div by a constant scalar: (the other operand, the factor)."""
-    a, b = node.inputs[0], node.inputs[1]
-    if node.op_type == "Mul":
-        for x, c in ((a, b), (b, a)):
-            value = const_scalar(c)
-            if value is not None and math.isfinite(value) and value != 0:
-                return x, value
-    if node.op_type == "Div":
-        value = const_scalar(b)
-        if value is not None and math.isfinite(value) and value != 0:
-            return a, 1.0 / value
+@dataclass(frozen=True)
+class _Operands:
+    query: ir.Value
+    key: ir.Value
+    key_form: str
+    value: ir.Value
+    heads: int
+    kv_heads: int
+    scale: float
+    dims: ScoreDims
+
+
+def _score_rank(softmax: ir.Node, opset: int, block: str) -> int:
+    score_dims = dims(softmax.inputs[0])
+    if score_dims is None or len(score_dims) not in (3, 4):
+        raise Reject(block, "the scores' rank is unknown or not 3/4 (shape inference failed)")
+    rank = len(score_dims)
+    axis = int_attr(softmax, "axis", -1 if opset >= 13 else 1)
+    if axis not in (-1, rank - 1):
+        raise Reject(block, f"Softmax over axis {axis}, not over the keys (last axis)")
+    return rank
+
+
+def _grouping(key: ir.Value, key_form: str, value: ir.Value, heads: object
+              ) -> tuple[ir.Value, ir.Value, int] | None:
+    """K and V repeated from (or broadcast over) the same G < H heads: their [B, G, T, D]
+    sources and G."""
+    if key_form != "bhtd" or not isinstance(heads, int):
+        return None
+    for find in (repeated_heads, broadcast_heads):
+        k, v = find(key, heads), find(value, heads)
+        if k is not None and v is not None and k.kv_heads == v.kv_heads:
+            return k.source, v.source, k.kv_heads
     return None
 
 
-def _reaches_matmul(value: ir.Value) -> bool:
-    """Does ``value`` come from a MatMul through the ops allowed between Q·K^T and Softmax?"""
-    current = value
-    for _ in range(MAX_SCORE_OPS):
-        node = producer(current)
-        if node is None:
-            return False
-        if node.op_type == "MatMul":
-            return True
-        if node.op_type in ("Mul", "Div"):
-            found = _scalar_factor(node)
-            if found is None:
-                return False
-            current = found[0]
-        elif node.op_type == "Add":
-            return any(_reaches_matmul(v) for v in node.inputs)
-        elif node.op_type == "Where":
-            return _reaches_matmul(node.inputs[1]) or _reaches_matmul(node.inputs[2])
-        elif node.op_type == "Cast":
-            current = node.inputs[0]
-        else:
-            return False
-    return False
-
-
-def _strip_scale(value: ir.Value) -> tuple[ir.Value, float]:
-    factor = 1.0
-    for _ in range(4):
-        node = producer(value, "Mul", "Div")
-        found = _scalar_factor(node) if node is not None else None
-        if found is None:
-            break
-        value, f = found
-        factor *= f
-    return value, factor
-
-
-def _key_from_transposed(kt: ir.Value, rank: int) -> tuple[ir.Value, str]:
-    """K in [B, H, T, Dk] (or the BTHD source) from the K^T operand of Q·K^T."""
-    node = producer(kt, "Transpose")
-    if node is not None:
-        perm = ints_attr(node, "perm")
-        if rank == 4 and perm == [0, 1, 3, 2]:
-            return node.inputs[0], "bhtd"
-        if rank == 4 and perm == [0, 2, 3, 1]:
-            return node.inputs[0], "bthd"
-        if rank == 3 and perm == [0, 2, 1]:
-            return node.inputs[0], "bhtd"
-    node = producer(kt, "Reshape")
-    if node is not None and rank == 4:
-        inner = producer(node.inputs[0], "Transpose")
-        if inner is not None and ints_attr(inner, "perm") == [0, 2, 1]:
-            flat = producer(inner.inputs[0], "Reshape")
-            if flat is not None:
-                k4 = flat.inputs[0]
-                kd, ktd = dims(k4), dims(kt)
-                if (
-                    kd is not None and ktd is not None and len(kd) == 4
-                    and same_dim(kd[0], ktd[0]) and same_dim(kd[1], ktd[1])
-                    and same_dim(kd[2], ktd[3]) and same_dim(kd[3], ktd[2])
-                ):
-                    return k4, "bhtd"
-    return kt, "kt"
-
-
-def _key_dims(key: ir.Value, form: str, kt: ir.Value, rank: int) -> list | None:
-    """K's dims in [B, H, T, Dk] order (rank 3: [N, T, Dk]), whichever form K was found in."""
-    if form == "bhtd":
-        kd = dims(key)
-    elif form == "bthd":
-        src = dims(key)
-        kd = None if src is None or len(src) != 4 else [src[0], src[2], src[1], src[3]]
-    else:
-        src = dims(kt)
-        kd = None if src is None else src[:-2] + [src[-1], src[-2]]
-    if kd is None or len(kd) != rank:
-        return None
-    return kd
-
-
-def parse_softmax_attention(matmul: ir.Node, opset: int) -> Core:
-    """Recognise ``MatMul(probs, V)`` as an attention core or raise Reject(reason)."""
-    probs, value = matmul.inputs[0], matmul.inputs[1]
-    chain: list[ir.Node] = [matmul]
-    nan_to_zero = False
-    current = probs
-    softmax = None
-    for _ in range(6):
-        node = producer(current)
-        if node is None:
-            break
-        if node.op_type == "Softmax":
-            softmax = node
-            break
-        if node.op_type == "Where" and const_scalar(node.inputs[1]) == 0.0:
-            isnan = producer(node.inputs[0], "IsNaN")
-            if isnan is not None and isnan.inputs[0] is node.inputs[2]:
-                nan_to_zero = True
-                chain += [node, isnan]
-                current = node.inputs[2]
-                continue
-        if node.op_type in PROBS_OPS:
-            chain.append(node)
-            current = node.inputs[0]
-            continue
-        break
-    if softmax is None:
-        raise Reject("not attention: the MatMul's left input is not a Softmax")
-    block = softmax.name or "softmax"
-    chain.append(softmax)
-    chain_set = set(chain)
-    for node in chain[1:]:
-        for out in node.outputs:
-            if out.is_graph_output() or any(u not in chain_set for u, _ in out.uses()):
-                raise Reject(
-                    f"{block}: the attention weights are also used elsewhere (an output or "
-                    "another node); fusing would not remove them"
-                )
-
-    scores_in = softmax.inputs[0]
-    score_dims = dims(scores_in)
-    if score_dims is None or len(score_dims) not in (3, 4):
-        raise Reject(f"{block}: the scores' rank is unknown or not 3/4 (shape inference failed)")
-    srank = len(score_dims)
-    axis = int_attr(softmax, "axis", -1 if opset >= 13 else 1)
-    if axis not in (-1, srank - 1):
-        raise Reject(f"{block}: Softmax over axis {axis}, not over the keys (last axis)")
-
-    post = 1.0
-    terms: list[Term] = []
-    current = scores_in
-    mm = None
-    for _ in range(MAX_SCORE_OPS):
-        node = producer(current)
-        if node is None:
-            raise Reject(f"{block}: the Softmax input does not come from Q·K^T")
-        op = node.op_type
-        if op == "MatMul":
-            mm = node
-            break
-        if op in ("Mul", "Div"):
-            found = _scalar_factor(node)
-            if found is None:
-                raise Reject(f"{block}: scores are scaled by a non-constant or zero ({op})")
-            current, factor = found
-            post *= factor
-        elif op == "Add":
-            a, b = node.inputs
-            ra, rb = _reaches_matmul(a), _reaches_matmul(b)
-            if ra == rb:
-                raise Reject(f"{block}: cannot tell scores from mask in an Add")
-            current, bias = (a, b) if ra else (b, a)
-            terms.append(Term("add", bias, post))
-        elif op == "Where":
-            cond, a, b = node.inputs
-            ca, cb = const_fill(a), const_fill(b)
-            if ca is not None and cb is None and _reaches_matmul(b):
-                terms.append(Term("replace", cond, post, fill=ca, masked_when=True))
-                current = b
-            elif cb is not None and ca is None and _reaches_matmul(a):
-                terms.append(Term("replace", cond, post, fill=cb, masked_when=False))
-                current = a
-            else:
-                raise Reject(f"{block}: a Where between Q·K^T and Softmax is not a masked fill")
-        elif op == "Cast":
-            current = node.inputs[0]
-        elif op == "Tanh":
-            raise Reject(f"{block}: soft-capped scores (Tanh) have no fused kernel here")
-        else:
-            raise Reject(f"{block}: {op} between Q·K^T and Softmax is not an attention pattern")
-    if mm is None:
-        raise Reject(f"{block}: the Softmax input does not come from Q·K^T")
-
-    query, q_scale = _strip_scale(mm.inputs[0])
-    kt, k_scale = _strip_scale(mm.inputs[1])
-    key, key_form = _key_from_transposed(kt, srank)
-    scale = post * q_scale * k_scale
-
+def _operands(qk: ir.Node, value: ir.Value, rank: int, block: str) -> _Operands:
+    """Q, K, V and their heads from Q·K^T and the V operand."""
+    query, q_scale = strip_scale(qk.inputs[0])
+    kt, k_scale = strip_scale(qk.inputs[1])
+    key, key_form = key_from_transposed(kt, rank)
     qd, vd = dims(query), dims(value)
-    if qd is None or vd is None or len(qd) != srank or len(vd) != srank:
-        raise Reject(f"{block}: Q or V has an unknown shape or a rank other than the scores'")
-    kd = _key_dims(key, key_form, kt, srank)
-    if kd is None:
-        raise Reject(f"{block}: K has an unknown shape")
-    if srank == 4:
-        batch, heads, seq_q, dk = qd
-        if not (same_dim(kd[0], batch) and same_dim(kd[1], heads)
-                and same_dim(vd[0], batch) and same_dim(vd[1], heads)):
-            raise Reject(
-                f"{block}: Q, K and V do not share batch and head dims (broadcast K/V or "
-                "grouped heads are not fused)"
-            )
-    else:
-        batch, seq_q, dk = qd
-        heads = 1
-        if not (same_dim(kd[0], batch) and same_dim(vd[0], batch)):
-            raise Reject(f"{block}: Q, K and V do not share their leading dim")
+    kd = key_dims(key, key_form, kt, rank)
+    if qd is None or vd is None or kd is None or len(qd) != rank or len(vd) != rank:
+        raise Reject(block, "Q, K or V has an unknown shape or a rank other than the scores'")
+    batch, seq_q, dk = qd[0], qd[-2], qd[-1]
+    heads = qd[1] if rank == 4 else 1
+    if not (same_dim(kd[0], batch) and same_dim(vd[0], batch)):
+        raise Reject(block, "Q, K and V do not share their leading (batch) dim")
+    kv_heads = heads
+    if rank == 4:
+        grouped = _grouping(key, key_form, value, heads)
+        if grouped is not None:
+            key, value, kv_heads = grouped
+        elif not (same_dim(kd[1], heads) and same_dim(vd[1], heads)):
+            raise Reject(block, "Q, K and V do not share head dims and K/V are not grouped "
+                         "(repeated or broadcast) heads")
     seq_kv, dv = vd[-2], vd[-1]
     if not same_dim(kd[-1], dk) or not same_dim(kd[-2], seq_kv):
-        raise Reject(f"{block}: K's shape does not match Q and V")
+        raise Reject(block, "K's shape does not match Q and V")
     for name, dim in (("heads", heads), ("d_k", dk), ("d_v", dv)):
         if not isinstance(dim, int):
-            raise Reject(f"{block}: the number of {name} is not static ({dim})")
-    if query.dtype not in SUPPORTED_DTYPES or value.dtype != query.dtype:
-        raise Reject(f"{block}: dtype {query.dtype} has no fused attention kernel here")
+            raise Reject(block, f"the number of {name} is not static ({dim})")
+    sd = ScoreDims(batch, heads, seq_q, seq_kv, rank)
+    return _Operands(query, key, key_form, value, int(heads), int(kv_heads),  # type: ignore[arg-type]
+                     q_scale * k_scale, sd)
 
-    sd = ScoreDims(batch, heads if srank == 4 else 1, seq_q, seq_kv, srank)
-    mask = plan(terms, sd, nan_to_zero)
-    if mask.kind == "unsupported":
-        raise Reject(f"{block}: {mask.reason}")
+
+def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core:
+    """Recognise ``MatMul(probs, V)`` as an attention core or raise Reject(reason)."""
+    tail = probs_tail(matmul)
+    block = tail.block
+    rank = _score_rank(tail.softmax, opset, block)
+    chain = score_chain(tail.softmax, block)
+    ops = _operands(chain.matmul, matmul.inputs[1], rank, block)
+    if ops.query.dtype not in SUPPORTED_DTYPES or ops.value.dtype != ops.query.dtype:
+        raise Reject(block, f"dtype {ops.query.dtype} has no fused attention kernel here")
+    try:
+        mask = plan(list(chain.terms), ops.dims, oracle)
+    except Unsupported as exc:
+        raise Reject(block, str(exc)) from None
     return Core(
-        block=block, query=query, key=key, key_form=key_form, value=value, rank=srank,
-        heads=int(heads), dk=int(dk), dv=int(dv), scale=scale, mask=mask,
-        nan_to_zero=nan_to_zero, self_attention=same_dim(seq_q, seq_kv), dims=sd,
+        block=block, query=ops.query, key=ops.key, key_form=ops.key_form, value=ops.value,
+        rank=rank, heads=ops.heads, kv_heads=ops.kv_heads, scale=chain.scale * ops.scale,
+        mask=mask, nan_to_zero=tail.nan_to_zero,
+        self_attention=same_dim(ops.dims.seq_q, ops.dims.seq_kv), dims=ops.dims,
+        softcap=chain.softcap,
     )
 
 
-def emit_sdpa(op, core: Core) -> ir.Value:
-    """Build the Sdpa node for ``core``; returns the [B,H,S,Dv] (rank-3: [N,S,Dv]) output."""
-    query, key, value = core.query, core.key, core.value
-    if core.key_form == "bthd":
-        key = op.Transpose(key, perm=[0, 2, 1, 3])
-    elif core.key_form == "kt":
-        key = op.Transpose(key, perm=[0, 1, 3, 2] if core.rank == 4 else [0, 2, 1])
-    if core.rank == 3:  # one head per (batch x head) row: [N, 1, S, D]
-        axis = op.Constant(value_ints=[1])
-        query, key, value = (op.Unsqueeze(x, axis) for x in (query, key, value))
-    inputs = [query, key, value]
-    mask = core.mask
-    attrs = {
-        "scale": float(core.scale),
-        "num_heads": core.heads,
-        "mask_kind": mask.kind,
-        "fill": float(mask.fill),
-        "fill_mode": mask.mode,
-        "nan_to_zero": int(core.nan_to_zero),
-        "self_attention": int(core.self_attention),
-        "block": core.block,
-    }
-    if mask.kind == "key_padding":
-        inputs.append(_padded_keys(op, mask))
-    elif mask.kind == "bias":
-        inputs.append(_dense_bias(op, core))
-    out = op.Sdpa(*inputs, _domain=FUSION_DOMAIN, **attrs)
-    if core.rank == 3:
-        out = op.Squeeze(out, op.Constant(value_ints=[1]))
-    return out
+def parse_onnx_attention(node: ir.Node, block: str, oracle: Oracle) -> Core:
+    """The ONNX ``Attention`` op (4-D inputs) as a core; grouped K/V and is_causal kept."""
+    inputs = list(node.inputs) + [None] * (7 - len(node.inputs))
+    query, key, value, mask = inputs[:4]
+    if any(v is not None for v in inputs[4:7]) or any(
+            o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+        raise Reject(block, "Attention with past key/value or extra outputs is left as is")
+    if int_attr(node, "qk_matmul_output_mode", 0):
+        raise Reject(block, "Attention with a qk output mode is left as is")
+    qd, kd, vd = dims(query), dims(key), dims(value)
+    if any(d is None or len(d) != 4 for d in (qd, kd, vd)):
+        raise Reject(block, "only 4-D [B, H, S, D] Attention inputs are rewritten")
+    batch, heads, seq_q, dk = qd  # type: ignore[misc]
+    kv_heads, seq_kv, dv = kd[1], vd[2], vd[3]  # type: ignore[index]
+    if not all(isinstance(d, int) for d in (heads, kv_heads, dk, dv)) or heads % kv_heads:
+        raise Reject(block, "head counts or head sizes are not static, or not grouped evenly")
+    if not same_dim(vd[1], kv_heads) or query.dtype not in SUPPORTED_DTYPES:  # type: ignore[index]
+        raise Reject(block, f"K/V heads differ or dtype {query.dtype} has no fused kernel")
+    sd = ScoreDims(batch, heads, seq_q, seq_kv, 4)
+    causal = int_attr(node, "is_causal", 0) == 1
+    if causal and mask is not None:
+        raise Reject(block, "Attention with both is_causal and a mask is left as is")
+    if causal:
+        align = "square" if same_dim(seq_q, seq_kv) else "top-left"
+        meaning = MaskMeaning(causal=Causal(0, align))
+    elif mask is None:
+        meaning = MaskMeaning()
+    else:  # bool: True = take part; float: added
+        term = (Term("replace", mask, 1.0, -math.inf, False) if mask.dtype == ir.DataType.BOOL
+                else Term("add", mask, 1.0))
+        try:
+            meaning = plan([term], sd, oracle)
+        except Unsupported as exc:
+            raise Reject(block, str(exc)) from None
+    return Core(
+        block=block, query=query, key=key, key_form="bhtd", value=value, rank=4,
+        heads=int(heads), kv_heads=int(kv_heads), scale=float_attr(node, "scale", 1 / math.sqrt(dk)),
+        mask=meaning, nan_to_zero=mask is not None,  # ORT runs fully masked rows to zeros
+        self_attention=same_dim(seq_q, seq_kv), dims=sd,
+        softcap=float_attr(node, "softcap", 0.0),
+    )
 
 
-def _padded_keys(op, mask: MaskPlan) -> ir.Value:
-    """bool [B, T], True where the key is padded."""
-    meaning = mask.padding
-    assert meaning is not None and meaning.source is not None
-    source = meaning.source
-    if source.dtype == ir.DataType.BOOL:
-        return op.Not(source) if meaning.inverted else source
-    is_zero = op.Equal(source, op.CastLike(op.Constant(value_float=0.0), source))
-    return is_zero if meaning.inverted else op.Not(is_zero)
+def check_softcap(core: Core, target: str, causal_form: str) -> None:
+    """Soft-capped scores have one fused kernel: GroupQueryAttention (``--target ort``), for
+    causal self-attention whose head sizes it takes and no position bias."""
+    if not core.softcap:
+        return
+    causal = core.mask.causal
+    fits = (target == "ort" and causal_form == "gqa" and causal is not None
+            and causal.alignment == "square" and not core.mask.biases and not core.mask.reason
+            and core.query is not None and _head_sizes_fit(core))
+    if not fits:
+        raise Reject(core.block, "soft-capped scores are fused only onto GroupQueryAttention "
+                     "(--target ort): causal self-attention, d_k = d_v a multiple of 8, no bias")
 
 
-def _dense_bias(op, core: Core) -> ir.Value:
-    """The sum of all mask terms as one additive bias, rank 4, in the query's dtype."""
-    dtype = core.query.dtype
-    np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
-    total = None
-    for term in core.mask.terms:
-        if term.mode == "add":
-            piece = term.value
-            if piece.dtype != dtype:
-                piece = op.Cast(piece, to=dtype)
-            if term.post != 1.0:
-                piece = op.Mul(piece, op.Constant(value=ir.tensor(np.array(term.post, np_dtype))))
-        else:
-            fill = np.array(term.fill * term.post, np_dtype)
-            zero = np.array(0.0, np_dtype)
-            on, off = (fill, zero) if term.masked_when else (zero, fill)
-            cond = term.value
-            if cond.dtype != ir.DataType.BOOL:
-                cond = op.Cast(cond, to=ir.DataType.BOOL)
-            piece = op.Where(cond, op.Constant(value=ir.tensor(on)), op.Constant(value=ir.tensor(off)))
-        total = piece if total is None else op.Add(total, piece)
-    assert total is not None
-    shape = dims(total) or dims(core.mask.terms[0].value)
-    r = len(shape) if shape is not None else core.rank
-    if core.rank == 3:
-        if r < 3:
-            total = op.Unsqueeze(total, op.Constant(value_ints=list(range(3 - r))))
-        return op.Unsqueeze(total, op.Constant(value_ints=[1]))
-    if r < 4:
-        total = op.Unsqueeze(total, op.Constant(value_ints=list(range(4 - r))))
-    return total
+def _head_sizes_fit(core: Core) -> bool:
+    dk, dv = (dims(core.query) or [0])[-1], (dims(core.value) or [0])[-1]
+    return dk == dv and isinstance(dk, int) and dk % 8 == 0
 
 
 class SoftmaxAttention(pattern.RewriteRuleClassBase):
     """MatMul(Softmax(...), V) -> Sdpa; see parse_softmax_attention for what is accepted."""
 
-    def __init__(self, log: BlockLog, opset: int) -> None:
+    def __init__(self, log: BlockLog, opset: int, oracle: Oracle, target: str, forms) -> None:
         super().__init__("SoftmaxAttention", remove_nodes=False)
-        self.log = log
-        self.opset = opset
+        self.log, self.opset, self.oracle = log, opset, oracle
+        self.target, self.causal_form = target, forms.causal
         self._core: Core | None = None
 
     def pattern(self, op, probs, value):
@@ -406,28 +247,28 @@ class SoftmaxAttention(pattern.RewriteRuleClassBase):
     def check(self, context, probs, value, attn, **_):
         result = MatchResult()
         try:
-            self._core = parse_softmax_attention(attn.producer(), self.opset)
+            self._core = parse_softmax_attention(attn.producer(), self.opset, self.oracle)
+            check_softcap(self._core, self.target, self.causal_form)
         except Reject as exc:
-            message = str(exc)
-            if not message.startswith("not attention"):
-                self.log.reject(message.split(":")[0], message.split(": ", 1)[-1])
-            return result.fail(message)
+            if exc.candidate:
+                self.log.reject(exc.block, exc.reason)
+            return result.fail(str(exc))
         return result
 
     def rewrite(self, op, probs, value, attn, **_):
-        core = self._core
-        assert core is not None
-        self.log.match(core.block, {"mask": core.mask.kind, "heads": core.heads})
-        return emit_sdpa(op, core)
+        assert self._core is not None
+        self.log.match(self._core)
+        return emit_sdpa(op, self._core)
 
 
 class OnnxAttention(pattern.RewriteRuleClassBase):
     """The ONNX ``Attention`` op (opset 23+, e.g. from torch's SDPA export) -> Sdpa, so the
     same lowering picks ORT's fastest kernel and repairs mask shapes ORT refuses."""
 
-    def __init__(self, log: BlockLog) -> None:
+    def __init__(self, log: BlockLog, oracle: Oracle, target: str, forms) -> None:
         super().__init__("OnnxAttention", remove_nodes=True)
-        self.log = log
+        self.log, self.oracle = log, oracle
+        self.target, self.causal_form = target, forms.causal
         self._core: Core | None = None
 
     def pattern(self, op, query, key, value):
@@ -439,65 +280,14 @@ class OnnxAttention(pattern.RewriteRuleClassBase):
         node = attn.producer()
         block = node.name or "Attention"
         try:
-            self._core = _parse_onnx_attention(node, block)
+            self._core = parse_onnx_attention(node, block, self.oracle)
+            check_softcap(self._core, self.target, self.causal_form)
         except Reject as exc:
-            self.log.reject(block, str(exc))
+            self.log.reject(block, exc.reason)
             return result.fail(str(exc))
         return result
 
     def rewrite(self, op, query, key, value, attn, **_):
-        core = self._core
-        assert core is not None
-        self.log.match(core.block, {"mask": core.mask.kind, "heads": core.heads})
-        return emit_sdpa(op, core)
-
-
-def _parse_onnx_attention(node: ir.Node, block: str) -> Core:
-    inputs = list(node.inputs) + [None] * (7 - len(node.inputs))
-    query, key, value, mask = inputs[:4]
-    if any(v is not None for v in inputs[4:7]) or len(node.outputs) > 1 and any(
-        o.uses() or o.is_graph_output() for o in node.outputs[1:]
-    ):
-        raise Reject("Attention with past key/value or extra outputs is left as is")
-    if float_attr(node, "softcap", 0.0) != 0.0 or int_attr(node, "qk_matmul_output_mode", 0):
-        raise Reject("Attention with softcap or qk output mode is left as is")
-    qd, kd, vd = dims(query), dims(key), dims(value)
-    if qd is None or kd is None or vd is None or len(qd) != 4 or len(kd) != 4 or len(vd) != 4:
-        raise Reject("only 4-D [B, H, S, D] Attention inputs are rewritten")
-    batch, heads, seq_q, dk = qd
-    if not (same_dim(kd[1], heads) and same_dim(vd[1], heads)):
-        raise Reject("grouped-query Attention (fewer K/V heads) is left as is")
-    seq_kv, dv = vd[2], vd[3]
-    if not all(isinstance(d, int) for d in (heads, dk, dv)):
-        raise Reject("head count or head size is not static")
-    if query.dtype not in SUPPORTED_DTYPES:
-        raise Reject(f"dtype {query.dtype} has no fused attention kernel here")
-    scale = float_attr(node, "scale", 1.0 / math.sqrt(dk))
-    causal = int_attr(node, "is_causal", 0) == 1
-    sd = ScoreDims(batch, heads, seq_q, seq_kv, 4)
-    if causal and mask is not None:
-        raise Reject("Attention with both is_causal and a mask is left as is")
-    if causal:
-        plan_ = MaskPlan("causal", fill=-math.inf)
-    elif mask is None:
-        plan_ = MaskPlan("none")
-    elif mask.dtype == ir.DataType.BOOL:  # True = take part in attention
-        meaning = bool_meaning(mask, sd)
-        if meaning.kind == "key_padding":
-            meaning = type(meaning)(meaning.kind, meaning.source, not meaning.inverted)
-            plan_ = MaskPlan("key_padding", fill=-math.inf, mode="add", padding=meaning)
-        else:
-            plan_ = MaskPlan("bias", terms=(Term("replace", mask, 1.0, -math.inf, False),))
-    else:
-        term = Term("add", mask, 1.0)
-        found = bias_meaning(term, sd)
-        if found and found[0].kind == "key_padding" and found[1] <= REMOVES_KEY:
-            plan_ = MaskPlan("key_padding", fill=found[1], mode="add", padding=found[0])
-        else:
-            plan_ = MaskPlan("bias", terms=(term,))
-    # ORT runs Attention's fully masked rows to zeros; keep that behaviour.
-    return Core(
-        block=block, query=query, key=key, key_form="bhtd", value=value, rank=4,
-        heads=int(heads), dk=int(dk), dv=int(dv), scale=scale, mask=plan_,
-        nan_to_zero=mask is not None, self_attention=same_dim(seq_q, seq_kv), dims=sd,
-    )
+        assert self._core is not None
+        self.log.match(self._core)
+        return emit_sdpa(op, self._core)

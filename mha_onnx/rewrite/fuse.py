@@ -23,10 +23,13 @@ from onnxscript.rewriter import RewriteRuleSet
 from mha_onnx import __version__
 from mha_onnx.errors import ConfigError, FusionError
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
-from mha_onnx.rewrite.blocks import MS_DOMAIN, find_blocks
-from mha_onnx.rewrite.core import FUSION_DOMAIN, BlockLog, OnnxAttention, SoftmaxAttention
+from mha_onnx.rewrite.blocks import find_blocks
+from mha_onnx.rewrite.core import BlockLog, OnnxAttention, SoftmaxAttention
+from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower_ort import Forms, LowerMergedOutput, LowerSdpa
+from mha_onnx.rewrite.oracle import Oracle
+from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from mha_onnx.rewrite.verify import Verification, verify
 from mha_onnx.table import table
 
@@ -42,12 +45,15 @@ class BlockResult:
     block: str
     status: str  # "fused" | "left" | "already fused"
     form: str = ""
-    mask: str = ""
+    mask: str = ""  # the mask family: none | causal | key_padding | bias
     reason: str = ""
+    meaning: str = ""  # the block as understood, e.g. "causal + key padding, 8 q / 2 kv heads"
+    details: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, Any]:
         return {"block": self.block, "status": self.status, "form": self.form,
-                "mask": self.mask, "reason": self.reason}
+                "mask": self.mask, "meaning": self.meaning, "reason": self.reason,
+                **self.details}
 
 
 @dataclass(frozen=True)
@@ -92,8 +98,9 @@ class FuseReport:
                 f"{self.target} in {self.seconds:.1f} s")
         lines = [head]
         if self.blocks:
-            rows = [(b.block, b.status, b.form or "-", b.mask or "-", b.reason or "") for b in self.blocks]
-            lines.append(table(["block", "status", "form", "mask", "reason"], rows))
+            rows = [(b.block, b.status, b.form or "-", b.meaning or b.mask or "-", b.reason or "")
+                    for b in self.blocks]
+            lines.append(table(["block", "status", "form", "understood as", "reason"], rows))
         if self.verification is None:
             lines.append("  verification: skipped (--no-verify)")
         else:
@@ -146,40 +153,52 @@ def fuse_model(
     before = find_blocks(model.graph)
     blog = BlockLog()
     chosen: dict[str, str] = {}
-    RewriteRuleSet([SoftmaxAttention.rule(blog, _opset(model))]).apply_to_model(model)
-    RewriteRuleSet([OnnxAttention.rule(blog)]).apply_to_model(model)
+    oracle = Oracle(model)
+    policy = forms or Forms()
+    RewriteRuleSet([SoftmaxAttention.rule(blog, _opset(model), oracle, target, policy)]
+                   ).apply_to_model(model)
+    RewriteRuleSet([OnnxAttention.rule(blog, oracle, target, policy)]).apply_to_model(model)
     remove_unused_nodes(model)
     if target == "ort":
-        policy = forms or Forms()
-        RewriteRuleSet([LowerMergedOutput.rule(blog, chosen, policy)]).apply_to_model(model)
-        RewriteRuleSet([LowerSdpa.rule(blog, chosen, policy)]).apply_to_model(model)
+        RewriteRuleSet([LowerMergedOutput.rule(chosen, policy)]).apply_to_model(model)
+        RewriteRuleSet([LowerSdpa.rule(chosen, policy)]).apply_to_model(model)
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     else:
         RewriteRuleSet([LowerToOnnxAttention.rule(chosen)]).apply_to_model(model)
     model.opset_imports.pop(FUSION_DOMAIN, None)
     remove_unused_nodes(model)
     common_passes.NameFixPass()(model)
-
-    results = []
-    for block in before:
-        name = block.node
-        if block.kind == "fused":
-            results.append(BlockResult(name, "already fused", form=block.op))
-        elif name in chosen:
-            mask = str(blog.matched.get(name, {}).get("mask", ""))
-            results.append(BlockResult(name, "fused", form=chosen[name], mask=mask))
-        else:
-            reason = blog.reasons.get(name, "not recognised as attention by any rule")
-            results.append(BlockResult(name, "left", reason=reason))
-    for name, form in chosen.items():  # ONNX Attention nodes are both "fused" before and after
-        for i, r in enumerate(results):
-            if r.block == name and r.status == "already fused":
-                results[i] = BlockResult(name, "fused", form=form,
-                                         mask=str(blog.matched.get(name, {}).get("mask", "")))
+    results = _results(before, blog, chosen)
     fused = ir.to_proto(model)
     if fused.ir_version > 10 and model_proto.ir_version <= 10:
         fused.ir_version = model_proto.ir_version
     return fused, results, notes
+
+
+def _fused_result(name: str, blog: BlockLog, form: str) -> BlockResult:
+    core = blog.matched.get(name)
+    if core is None:
+        return BlockResult(name, "fused", form=form)
+    details = {"heads": core.heads, "kv_heads": core.kv_heads, "softcap": core.softcap,
+               "mask_meaning": core.mask.to_dict()}
+    return BlockResult(name, "fused", form=form, mask=core.mask.kind, meaning=core.describe(),
+                       details=details)
+
+
+def _results(before, blog: BlockLog, chosen: dict[str, str]) -> list[BlockResult]:
+    """One result per block found before fusing (ONNX Attention nodes are "fused" both
+    before and after; rewritten ones are reported as fused into their new form)."""
+    results = []
+    for block in before:
+        name = block.node
+        if name in chosen:
+            results.append(_fused_result(name, blog, chosen[name]))
+        elif block.kind == "fused":
+            results.append(BlockResult(name, "already fused", form=block.op))
+        else:
+            reason = blog.reasons.get(name, "not recognised as attention by any rule")
+            results.append(BlockResult(name, "left", reason=reason))
+    return results
 
 
 def fuse_file(

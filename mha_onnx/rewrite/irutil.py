@@ -6,6 +6,10 @@ import numpy as np
 import onnx_ir as ir
 
 Dim = int | str | None
+MS_DOMAIN = "com.microsoft"
+# How far any walk over the graph goes (score chains, mask expressions, layout ops): one limit,
+# so that a block the fusion would accept is always also found and reported.
+WALK_LIMIT = 32
 
 
 def producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:

@@ -1,7 +1,8 @@
 """Stage 2 for ``--target onnx``: each Sdpa becomes the standard ONNX ``Attention`` op
 (opset 23), in a form ONNX Runtime accepts: masks broadcast to [B, 1, S, T] (ORT refuses
 [B, 1, 1, T]), and fully masked rows set explicitly to what the original graph gives there
-(ORT's Attention returns zeros for them; the spec's reference gives NaN)."""
+(ORT's Attention returns zeros for them; the spec's reference gives NaN). Grouped K/V stay
+grouped (the op takes fewer K/V heads); causal masks without padding use ``is_causal``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import math
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from mha_onnx.rewrite.core import FUSION_DOMAIN
+from mha_onnx.rewrite.lower_common import causal_bias, mean_over_keys
 from mha_onnx.rewrite.masks import ABSORBING
-from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim
+from mha_onnx.rewrite.sdpa import FUSION_DOMAIN, SdpaInfo, seq_dim
 
 ONNX_ATTENTION_OPSET = 23
 
@@ -24,15 +25,53 @@ def _full_rows(op, x: ir.Value, q: ir.Value) -> ir.Value:
     return op.Expand(x, target)
 
 
-def _mean_v(op, value: ir.Value) -> ir.Value:
-    """[B, H, 1, Dv]: the mean of V over the keys (uniform attention weights)."""
-    total = op.ReduceSum(value, op.Constant(value_ints=[2]), keepdims=1)
-    return op.Div(total, op.CastLike(seq_dim(op, value, 2), value))
-
-
 def _nan_or_zero(op, info: SdpaInfo) -> ir.Value:
     """Softmax over all -inf is NaN; a NaN guard after the softmax makes it 0."""
     return info.const(op, 0.0 if info.nan_to_zero else math.nan)
+
+
+def _attention(op, info: SdpaInfo, *extra: ir.Value, **attrs) -> ir.Value:
+    if info.softcap:
+        attrs["softcap"] = info.softcap
+    return op.Attention(info.query, info.key, info.value, *extra, scale=info.scale, **attrs)
+
+
+def _key_padding(op, info: SdpaInfo) -> ir.Value:
+    assert info.padded is not None
+    q, v = info.query, info.value
+    padded_b11t = op.Unsqueeze(info.padded, op.Constant(value_ints=[1, 2]))
+    if info.fill == -math.inf:
+        mask = _full_rows(op, op.Not(padded_b11t), q)  # bool, True = attend
+        special = _nan_or_zero(op, info)
+    else:
+        fill = op.Where(padded_b11t, info.const(op, info.fill), info.const(op, 0.0))
+        mask = _full_rows(op, fill, q)
+        uniform = info.fill_mode == "replace" or info.fill <= ABSORBING
+        special = mean_over_keys(op, v, 2) if uniform else None
+    out = _attention(op, info, mask)
+    if special is None:
+        return out
+    all_padded = op.ReduceMin(op.Cast(info.padded, to=ir.DataType.INT32),
+                              op.Constant(value_ints=[1]), keepdims=1)
+    all_padded = op.Cast(op.Reshape(all_padded, op.Constant(value_ints=[-1, 1, 1, 1])),
+                         to=ir.DataType.BOOL)
+    return op.Where(all_padded, special, out)
+
+
+def _dense(op, info: SdpaInfo) -> ir.Value:
+    q = info.query
+    dense = info.dense
+    if dense is None:  # is_causal that cannot stay is_causal (never met so far)
+        dense = causal_bias(op, info, seq_dim(op, q, 2), seq_dim(op, info.key, 2))
+    bias = _full_rows(op, dense, q)
+    out = _attention(op, info, bias)
+    row_max = op.ReduceMax(bias, op.Constant(value_ints=[-1]), keepdims=1)
+    neg_inf = op.Equal(row_max, info.const(op, -math.inf))
+    special = op.Where(neg_inf, _nan_or_zero(op, info), mean_over_keys(op, info.value, 2))
+    out = op.Where(op.LessOrEqual(row_max, info.const(op, ABSORBING)), special, out)
+    if info.nan_to_zero:
+        out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)
+    return out
 
 
 def lower_onnx(op, node: ir.Node) -> tuple[ir.Value, str]:
@@ -43,41 +82,16 @@ def lower_onnx(op, node: ir.Node) -> tuple[ir.Value, str]:
     fill on every key), so those rows are set explicitly.
     """
     info = SdpaInfo.of(node)
-    q, k, v = info.query, info.key, info.value
     kind = info.mask_kind
     if kind == "none":
-        return op.Attention(q, k, v, scale=info.scale), "Attention"
-    if kind == "causal":  # top-left aligned: no row is ever fully masked
-        return op.Attention(q, k, v, scale=info.scale, is_causal=1), "Attention (is_causal)"
-    assert info.mask is not None
+        return _attention(op, info), "Attention"
+    plain_causal = (info.causal and info.padded is None and info.bias is None
+                    and not info.window and info.alignment in ("square", "top-left"))
+    if plain_causal:  # top-left aligned, as the op's is_causal: no row is ever fully masked
+        return _attention(op, info, is_causal=1), "Attention (is_causal)"
     if kind == "key_padding":
-        padded_b11t = op.Unsqueeze(info.mask, op.Constant(value_ints=[1, 2]))
-        if info.fill == -math.inf:
-            mask = _full_rows(op, op.Not(padded_b11t), q)  # bool, True = attend
-            special = _nan_or_zero(op, info)
-        else:
-            fill = op.Where(padded_b11t, info.const(op, info.fill), info.const(op, 0.0))
-            mask = _full_rows(op, fill, q)
-            uniform = info.fill_mode == "replace" or info.fill <= ABSORBING
-            special = _mean_v(op, v) if uniform else None
-        out = op.Attention(q, k, v, mask, scale=info.scale)
-        if special is not None:
-            all_padded = op.ReduceMin(op.Cast(info.mask, to=ir.DataType.INT32),
-                                      op.Constant(value_ints=[1]), keepdims=1)
-            all_padded = op.Cast(op.Reshape(all_padded, op.Constant(value_ints=[-1, 1, 1, 1])),
-                                 to=ir.DataType.BOOL)
-            out = op.Where(all_padded, special, out)
-        return out, "Attention + key mask [B,1,S,T]"
-    bias = _full_rows(op, info.mask, q)
-    out = op.Attention(q, k, v, bias, scale=info.scale)
-    row_max = op.ReduceMax(bias, op.Constant(value_ints=[-1]), keepdims=1)
-    neg_inf = op.Equal(row_max, info.const(op, -math.inf))
-    special = op.Where(neg_inf, _nan_or_zero(op, info), _mean_v(op, v))
-    absorbed = op.LessOrEqual(row_max, info.const(op, ABSORBING))
-    out = op.Where(absorbed, special, out)
-    if info.nan_to_zero:
-        out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)
-    return out, "Attention + attention bias"
+        return _key_padding(op, info), "Attention + key mask [B,1,S,T]"
+    return _dense(op, info), "Attention + attention bias"
 
 
 class LowerToOnnxAttention(pattern.RewriteRuleClassBase):
@@ -93,5 +107,3 @@ class LowerToOnnxAttention(pattern.RewriteRuleClassBase):
         out, form = lower_onnx(op, sdpa.producer())
         self.forms[SdpaInfo.of(sdpa.producer()).block] = form
         return out
-
-

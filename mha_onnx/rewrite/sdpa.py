@@ -1,5 +1,12 @@
-"""The internal ``mha_onnx.fusion.Sdpa`` op that stage 1 emits and stage 2 lowers, and the
-layout helpers both lowerings share."""
+"""The internal ``mha_onnx.fusion.Sdpa`` op between the two stages: how stage 1 writes it
+(:func:`emit_sdpa`), how stage 2 reads it (:class:`SdpaInfo`), and the layout helpers both
+lowerings share.
+
+``Sdpa(Q [B, H, S, Dk], K [B, G, T, Dk], V [B, G, T, Dv], padded?, bias?, dense?)``:
+``padded`` bool [B, T] (True = padded key), ``bias`` the position biases (rank 4, added as
+they are), ``dense`` every mask term summed into one additive bias (rank 4): the general form
+that is always exact. Stage 2 uses what its form needs; the rest is removed as unused.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +18,27 @@ import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import dims, ints_attr, producer, same_dim
 
+FUSION_DOMAIN = "mha_onnx.fusion"
+
 
 @dataclass(frozen=True)
 class SdpaInfo:
     """The attributes and operands of one Sdpa node."""
 
     query: ir.Value  # [B, H, S, Dk]
-    key: ir.Value  # [B, H, T, Dk]
-    value: ir.Value  # [B, H, T, Dv]
-    mask: ir.Value | None  # bool [B, T] (key_padding) or float bias rank 4 (bias)
+    key: ir.Value  # [B, G, T, Dk]
+    value: ir.Value  # [B, G, T, Dv]
+    padded: ir.Value | None  # bool [B, T], True = padded key
+    bias: ir.Value | None  # position biases, rank 4
+    dense: ir.Value | None  # every mask term as one additive bias, rank 4
     scale: float
     heads: int
+    kv_heads: int
+    softcap: float
     mask_kind: str
+    causal: bool
+    window: int
+    alignment: str
     fill: float
     fill_mode: str
     nan_to_zero: bool
@@ -47,21 +63,16 @@ class SdpaInfo:
 
     @classmethod
     def of(cls, node: ir.Node) -> SdpaInfo:
-        attrs = node.attributes
-        inputs = list(node.inputs)
+        a = {k: v.value for k, v in node.attributes.items()}
+        inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
         return cls(
-            query=inputs[0],
-            key=inputs[1],
-            value=inputs[2],
-            mask=inputs[3] if len(inputs) > 3 else None,
-            scale=float(attrs["scale"].value),
-            heads=int(attrs["num_heads"].value),
-            mask_kind=str(attrs["mask_kind"].value),
-            fill=float(attrs["fill"].value),
-            fill_mode=str(attrs["fill_mode"].value),
-            nan_to_zero=bool(attrs["nan_to_zero"].value),
-            self_attention=bool(attrs["self_attention"].value),
-            block=str(attrs["block"].value),
+            query=inputs[0], key=inputs[1], value=inputs[2], padded=inputs[3], bias=inputs[4],
+            dense=inputs[5], scale=float(a["scale"]), heads=int(a["num_heads"]),
+            kv_heads=int(a["kv_heads"]), softcap=float(a["softcap"]),
+            mask_kind=str(a["mask_kind"]), causal=bool(a["causal"]), window=int(a["window"]),
+            alignment=str(a["alignment"]), fill=float(a["fill"]), fill_mode=str(a["fill_mode"]),
+            nan_to_zero=bool(a["nan_to_zero"]), self_attention=bool(a["self_attention"]),
+            block=str(a["block"]),
         )
 
     def all_masked_value(self) -> str | None:
@@ -77,11 +88,88 @@ class SdpaInfo:
             return "mean"
         return None
 
-    def describe_fill(self) -> str:
-        if self.fill == -math.inf:
-            return "-inf"
-        return f"{self.fill:g}"
 
+# -- stage 1: writing an Sdpa node ------------------------------------------------------------
+
+def emit_sdpa(op, core) -> ir.Value:
+    """Build the Sdpa node for a :class:`~mha_onnx.rewrite.core.Core`; returns its
+    [B, H, S, Dv] (rank 3: [N, S, Dv]) output."""
+    query, key, value = core.query, core.key, core.value
+    if core.key_form == "bthd":
+        key = op.Transpose(key, perm=[0, 2, 1, 3])
+    elif core.key_form == "kt":
+        key = op.Transpose(key, perm=[0, 1, 3, 2] if core.rank == 4 else [0, 2, 1])
+    if core.rank == 3:  # one head per (batch x head) row: [N, 1, S, D]
+        axis = op.Constant(value_ints=[1])
+        query, key, value = (op.Unsqueeze(x, axis) for x in (query, key, value))
+    mask = core.mask
+    padded = _padded_keys(op, mask.padding) if mask.padding is not None else None
+    bias = _sum_terms(op, core, [_bias_term(b) for b in mask.biases]) if mask.biases else None
+    dense = _sum_terms(op, core, list(mask.terms)) if mask.terms else None
+    causal = mask.causal
+    attrs = {
+        "scale": float(core.scale), "num_heads": core.heads, "kv_heads": core.kv_heads,
+        "softcap": float(core.softcap), "mask_kind": mask.kind, "causal": int(causal is not None),
+        "window": causal.window if causal else 0, "alignment": causal.alignment if causal else "",
+        "fill": float(mask.fill), "fill_mode": mask.mode, "nan_to_zero": int(core.nan_to_zero),
+        "self_attention": int(core.self_attention), "block": core.block,
+    }
+    inputs = [query, key, value, padded, bias, dense]
+    while inputs[-1] is None:
+        inputs.pop()
+    out = op.Sdpa(*inputs, _domain=FUSION_DOMAIN, **attrs)
+    if core.rank == 3:
+        out = op.Squeeze(out, op.Constant(value_ints=[1]))
+    return out
+
+
+def _padded_keys(op, padding) -> ir.Value:
+    """bool [B, T], True where the key is padded."""
+    source = padding.source
+    if source.dtype == ir.DataType.BOOL:
+        return op.Not(source) if padding.inverted else source
+    is_zero = op.Equal(source, op.CastLike(op.Constant(value_float=0.0), source))
+    return is_zero if padding.inverted else op.Not(is_zero)
+
+
+def _bias_term(leaf):
+    from mha_onnx.rewrite.masks import Term
+
+    return Term("add", leaf.value, leaf.post)
+
+
+def _sum_terms(op, core, terms: list) -> ir.Value:
+    """The terms as one additive bias of rank 4, in the query's dtype."""
+    dtype = core.query.dtype
+    np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
+    total = None
+    for term in terms:
+        if term.mode == "add":
+            piece = term.value if term.value.dtype == dtype else op.Cast(term.value, to=dtype)
+            if term.post != 1.0:
+                piece = op.Mul(piece, op.Constant(value=ir.tensor(np.array(term.post, np_dtype))))
+        else:
+            fill, zero = np.array(term.fill * term.post, np_dtype), np.array(0.0, np_dtype)
+            on, off = (fill, zero) if term.masked_when else (zero, fill)
+            cond = term.value
+            if cond.dtype != ir.DataType.BOOL:
+                cond = op.Cast(cond, to=ir.DataType.BOOL)
+            piece = op.Where(cond, op.Constant(value=ir.tensor(on)),
+                             op.Constant(value=ir.tensor(off)))
+        total = piece if total is None else op.Add(total, piece)
+    assert total is not None
+    shape = dims(total) or dims(terms[0].value)
+    r = len(shape) if shape is not None else core.rank
+    if core.rank == 3:
+        if r < 3:
+            total = op.Unsqueeze(total, op.Constant(value_ints=list(range(3 - r))))
+        return op.Unsqueeze(total, op.Constant(value_ints=[1]))
+    if r < 4:
+        total = op.Unsqueeze(total, op.Constant(value_ints=list(range(4 - r))))
+    return total
+
+
+# -- layouts ----------------------------------------------------------------------------------
 
 def bsd_source(x4: ir.Value, heads: int) -> ir.Value | None:
     """The [B, S, H*D] tensor that ``x4`` [B, H, S, D] was split from by Reshape+Transpose."""
@@ -114,6 +202,17 @@ def from_bsd(op, x3: ir.Value, heads: int) -> ir.Value:
     """[B, S, H*D] -> [B, H, S, D]."""
     split = op.Reshape(x3, op.Constant(value_ints=[0, 0, heads, -1]))
     return op.Transpose(split, perm=[0, 2, 1, 3])
+
+
+def repeat_heads(op, x4: ir.Value, rep: int) -> ir.Value:
+    """[B, G, T, D] -> [B, G*rep, T, D], each K/V head serving ``rep`` consecutive heads."""
+    if rep == 1:
+        return x4
+    wide = op.Unsqueeze(x4, op.Constant(value_ints=[2]))  # [B, G, 1, T, D]
+    merged = op.Expand(wide, op.Constant(value_ints=[1, 1, rep, 1, 1]))  # [B, G, rep, T, D]
+    shape = op.Concat(seq_dim(op, x4, 0), op.Constant(value_ints=[-1]),
+                      op.Shape(x4, start=2, end=4), axis=0)
+    return op.Reshape(merged, shape)
 
 
 def seq_dim(op, x: ir.Value, axis: int) -> ir.Value:

@@ -1,0 +1,177 @@
+"""What the lowerings share: an ``op``-style builder over an onnx-ir tape (so one form can be
+built in the main graph by the rewriter or inside an If/Loop branch), copying a value's
+producers into a branch so that it is computed only when that branch runs, unique names for
+subgraph values, and the values a fully masked query gets."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim
+
+# A branch copies at most this many producer nodes of an outer value; beyond, it uses the
+# outer value itself (computed whichever branch runs).
+MAX_CLONED_NODES = 400
+
+
+class TapeOps:
+    """``ops.MatMul(a, b, _domain=..., _outputs=n, **attributes)`` on an ``ir.tape.Tape``:
+    the calling convention of the onnxscript rewriter's ``op`` builder."""
+
+    def __init__(self, tape: ir.tape.Tape | None = None) -> None:
+        self.tape = tape if tape is not None else ir.tape.Tape()
+
+    def __getattr__(self, op_type: str) -> Callable[..., Any]:
+        if op_type.startswith("_"):
+            raise AttributeError(op_type)
+
+        def build(*inputs: ir.Value | None, _domain: str = "", _outputs: int = 1, **attrs: Any):
+            attributes = {k: v for k, v in attrs.items() if v is not None}
+            if _outputs == 1:
+                return self.tape.op(op_type, list(inputs), attributes, domain=_domain)
+            return self.tape.op_multi_out(op_type, list(inputs), attributes,
+                                          num_outputs=_outputs, domain=_domain)
+
+        return build
+
+
+def branch(name: str, build: Callable[[TapeOps], ir.Value], dtype: ir.DataType) -> ir.Graph:
+    """A subgraph without inputs whose one output is ``build(ops)`` (typed, as ONNX needs)."""
+    ops = TapeOps()
+    out = build(ops)
+    out.dtype = dtype
+    return ir.Graph([], [out], nodes=ops.tape.nodes, name=name)
+
+
+def _cheap(value: ir.Value) -> bool:
+    """Values a branch may read from outside: inputs, constants, shapes (rank <= 1)."""
+    if value.producer() is None or value.const_value is not None:
+        return True
+    shape = value.shape
+    return shape is not None and len(shape) <= 1
+
+
+def clone_into(ops: TapeOps, value: ir.Value) -> ir.Value:
+    """``value`` recomputed inside the branch ``ops`` builds: its producers are copied back to
+    cheap values (graph inputs, constants, rank <= 1 shapes), which are read from outside."""
+    order = _producers_in_order(value)
+    if not order:
+        return value
+    mapping: dict[int, ir.Value] = {}
+    for node in order:
+        inputs = [None if v is None else mapping.get(id(v), v) for v in node.inputs]
+        attrs = dict(node.attributes)
+        if len(node.outputs) == 1:
+            outs = [ops.tape.op(node.op_type, inputs, attrs, domain=node.domain,
+                                version=node.version)]
+        else:
+            outs = ops.tape.op_multi_out(node.op_type, inputs, attrs, domain=node.domain,
+                                         version=node.version, num_outputs=len(node.outputs))
+        for old, new in zip(node.outputs, outs, strict=True):
+            if old.type is not None and old.dtype is not None:
+                new.type, new.shape = old.type, old.shape
+            mapping[id(old)] = new
+    return mapping[id(value)]
+
+
+def _producers_in_order(value: ir.Value) -> list[ir.Node] | None:
+    """The nodes to copy for ``value``, producers first; None when it should not be copied
+    (a node holding subgraphs, or too many nodes)."""
+    order: list[ir.Node] = []
+    visiting: set[int] = set()
+    stack: list[tuple[ir.Value, bool]] = [(value, False)]
+    while stack:
+        current, expanded = stack.pop()
+        node = current.producer()
+        if expanded:
+            order.append(node)  # type: ignore[arg-type]
+            continue
+        if node is None or _cheap(current) or id(node) in visiting:
+            continue
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+               for a in node.attributes.values()) or len(visiting) >= MAX_CLONED_NODES:
+            return None
+        visiting.add(id(node))
+        stack.append((current, True))
+        stack.extend((v, False) for v in node.inputs if v is not None)
+    return order
+
+
+def name_values(graph: ir.Graph, prefix: str) -> None:
+    """Unique names for every value and node of a subgraph and its own subgraphs: ONNX needs
+    names to be unique across nesting levels, which the tape leaves to us."""
+    from mha_onnx.rewrite.blocks import all_graphs
+
+    counter = 0
+    for sub in all_graphs(graph):
+        for value in sub.inputs:
+            value.name = f"{prefix}_{counter}"
+            counter += 1
+        for node in sub:
+            node.name = f"{prefix}_{node.op_type}_{counter}"
+            for out in node.outputs:
+                out.name = f"{prefix}_{counter}"
+                counter += 1
+
+
+def safe_name(text: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in text) or "block"
+
+
+def scalar_shape(op) -> ir.Value:
+    """The shape [] (for Reshape to a scalar)."""
+    return op.Constant(value=ir.tensor(np.zeros(0, np.int64)))
+
+
+def int_const(op, values: list[int] | int, dtype: Any = np.int64) -> ir.Value:
+    return op.Constant(value=ir.tensor(np.array(values, dtype)))
+
+
+def mean_over_keys(op, v: ir.Value, axis: int) -> ir.Value:
+    """The mean of V over its key axis (uniform attention weights), keeping that axis."""
+    total = op.ReduceSum(v, op.Constant(value_ints=[axis]), keepdims=1)
+    return op.Div(total, op.CastLike(seq_dim(op, v, axis), v))
+
+
+def fully_masked_value(op, info: SdpaInfo, v: ir.Value, v_axis: int) -> ir.Value | None:
+    """What the original gives a query whose keys are all masked, broadcastable onto the
+    kernel's output; None when the kernel itself computes it (an additive finite fill)."""
+    want = info.all_masked_value()
+    if want is None:
+        return None
+    if want in ("nan", "zero"):
+        return info.const(op, math.nan if want == "nan" else 0.0)
+    return mean_over_keys(op, v, v_axis)
+
+
+def causal_bias(op, info: SdpaInfo, seq_q: ir.Value, seq_kv: ir.Value) -> ir.Value:
+    """[1, 1, S, T]: 0 where key j <= query i, the fill elsewhere (top-left aligned)."""
+    ones = op.Expand(op.Constant(value=ir.tensor(np.array(True))),
+                     op.Concat(seq_q, seq_kv, axis=0))
+    bias = op.Where(op.Trilu(ones, upper=0), info.const(op, 0.0), info.const(op, info.fill))
+    return op.Unsqueeze(bias, op.Constant(value_ints=[0, 1]))
+
+
+def dense_mha(op, info: SdpaInfo, q3: ir.Value, *, lazy: bool) -> ir.Value:
+    """The general form: MultiHeadAttention with every mask term added as the original adds
+    it (so fully masked rows come out as there; a NaN guard is kept), K/V heads repeated
+    (``lazy``: the bias's producers are copied into the branch being built)."""
+    rep = info.heads // info.kv_heads
+    k, v = repeat_heads(op, info.key, rep), repeat_heads(op, info.value, rep)
+    if info.dense is None:  # the ONNX Attention op's is_causal: no mask tensor to copy
+        dense = causal_bias(op, info, seq_dim(op, q3, 1), seq_dim(op, k, 2))
+    else:
+        dense = clone_into(op, info.dense) if lazy else info.dense
+    full = op.Concat(op.Constant(value_ints=[1, 1]), seq_dim(op, q3, 1),
+                     op.Constant(value_ints=[1]), axis=0)
+    out = op.MultiHeadAttention(q3, k, v, None, None, op.Expand(dense, full),
+                                num_heads=info.heads, scale=info.scale, _domain=MS_DOMAIN)
+    if info.nan_to_zero:
+        out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)
+    return out

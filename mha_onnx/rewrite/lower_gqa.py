@@ -1,0 +1,140 @@
+"""Causal attention onto ``com.microsoft.GroupQueryAttention``, wherever that is exact.
+
+GQA runs causal attention in linear memory with grouped K/V (``kv_num_heads``), a sliding
+window (``local_window_size``: each query keeps its last ``window`` keys), logit soft-capping
+(``softcap``), an additive ``attention_bias`` and per-row key counts (``seqlens_k``):
+
+- causal self-attention: one GQA node;
+- causal + key padding: GQA with ``seqlens_k`` is exact when every row's padded keys are a
+  suffix (right padding) and no query is left with no key; an ``If`` checks that at run time
+  and otherwise takes the general form (MultiHeadAttention + the original mask as a bias,
+  whose producers are copied into that branch so they run only there);
+- causal with S != T, top-left aligned (PyTorch's ``is_causal``): when S <= T no query sees a
+  key beyond S, so GQA runs on the first S keys; otherwise the general form (an ``If`` again).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.lower_common import (
+    TapeOps,
+    branch,
+    dense_mha,
+    int_const,
+    name_values,
+    safe_name,
+    scalar_shape,
+)
+from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
+
+
+def gqa_ok(info: SdpaInfo) -> bool:
+    """Can GQA compute this block exactly (possibly behind a run-time check)?"""
+    if not info.causal or info.dk != info.dv or info.dk % 8 or info.heads % info.kv_heads:
+        return False
+    if info.alignment == "square":
+        return True
+    # top-left with S != T: only plain causal (the key slice would not fit the other inputs)
+    return (info.alignment == "top-left" and not info.window and info.padded is None
+            and info.bias is None)
+
+
+def _total_length(op, k3: ir.Value) -> ir.Value:
+    """T as an int32 scalar (GQA's total_sequence_length)."""
+    return op.Cast(op.Reshape(seq_dim(op, k3, 1), scalar_shape(op)), to=ir.DataType.INT32)
+
+
+def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None) -> ir.Value:
+    """One GroupQueryAttention node on [B, S, H*D] / [B, T, G*D] inputs; without ``seqlens``
+    every row keeps all T keys."""
+    if total is None:
+        total = _total_length(op, k3)
+    if seqlens is None:
+        seqlens = op.Expand(op.Sub(total, int_const(op, 1, np.int32)), seq_dim(op, q3, 0))
+    attrs: dict[str, object] = {"num_heads": info.heads, "kv_num_heads": info.kv_heads,
+                                "scale": info.scale}
+    if info.window:
+        attrs["local_window_size"] = info.window
+    if info.softcap:
+        attrs["softcap"] = info.softcap
+    inputs = [q3, k3, v3, None, None, seqlens, total, None, None, None, info.bias]
+    while inputs[-1] is None:
+        inputs.pop()
+    return op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _outputs=3, **attrs)[0]
+
+
+def lower_gqa(op, info: SdpaInfo, q3: ir.Value) -> tuple[ir.Value, str]:
+    """The causal block on GQA (behind a run-time check where GQA's exactness needs one)."""
+    k3, v3 = to_bsd(op, info.key, info.kv_heads), to_bsd(op, info.value, info.kv_heads)
+    label = "GroupQueryAttention (causal"
+    label += f", {info.kv_heads} kv heads" if info.kv_heads != info.heads else ""
+    label += f", window {info.window}" if info.window else ""
+    label += f", softcap {info.softcap:g}" if info.softcap else ""
+    label += ", bias" if info.bias is not None else ""
+    label += ")"
+    if info.alignment == "top-left":
+        return _top_left(op, info, q3, k3, v3), f"If(S <= T): {label} | MHA + causal bias"
+    if info.padded is None:
+        return gqa_call(op, info, q3, k3, v3), label
+    return _right_padded(op, info, q3, k3, v3), f"If(right padding): {label} | MHA + attention_bias"
+
+
+def _if(op, info: SdpaInfo, cond: ir.Value, then, otherwise, tag: str) -> ir.Value:
+    dtype = info.query.dtype
+    then_graph = branch(f"{tag}_fast", then, dtype)
+    else_graph = branch(f"{tag}_general", otherwise, dtype)
+    for graph in (then_graph, else_graph):
+        name_values(graph, f"{safe_name(info.block)}_{graph.name}")
+    out = op.If(cond, then_branch=then_graph, else_branch=else_graph)
+    out.dtype = dtype
+    return out
+
+
+def _right_padded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
+    """If every row is right-padded (and no query loses all its keys): GQA with seqlens_k."""
+    assert info.padded is not None
+    keep = op.Not(info.padded)  # [B, T]
+    lens = op.ReduceSum(op.Cast(keep, to=ir.DataType.INT32), op.Constant(value_ints=[1]),
+                        keepdims=0)  # [B]
+    total = _total_length(op, k3)
+    positions = op.Range(int_const(op, 0, np.int32), total, int_const(op, 1, np.int32))
+    prefix = op.Less(op.Unsqueeze(positions, op.Constant(value_ints=[0])),
+                     op.Unsqueeze(lens, op.Constant(value_ints=[1])))
+    suffix_padded = op.ReduceMin(op.Cast(op.Equal(prefix, keep), to=ir.DataType.INT32),
+                                 keepdims=0)
+    shortest = op.ReduceMin(lens, keepdims=0)
+    enough = int_const(op, 1, np.int32)
+    if info.window:  # a padded query further than the window from every kept key
+        seq_q = op.Cast(op.Reshape(seq_dim(op, q3, 1), scalar_shape(op)), to=ir.DataType.INT32)
+        enough = op.Max(enough, op.Sub(seq_q, int_const(op, info.window - 1, np.int32)))
+    cond = op.And(op.Equal(suffix_padded, int_const(op, 1, np.int32)),
+                  op.GreaterOrEqual(shortest, enough))
+    seqlens = op.Sub(lens, int_const(op, 1, np.int32))
+
+    def fast(ops: TapeOps) -> ir.Value:
+        return gqa_call(ops, info, q3, k3, v3, seqlens, total)
+
+    def general(ops: TapeOps) -> ir.Value:
+        return dense_mha(ops, info, q3, lazy=True)
+
+    return _if(op, info, cond, fast, general, "right_padded")
+
+
+def _top_left(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
+    """Top-left causal with S != T: GQA on the first S keys when S <= T."""
+    seq_q, seq_kv = seq_dim(op, q3, 1), seq_dim(op, k3, 1)
+    cond = op.Reshape(op.LessOrEqual(seq_q, seq_kv), scalar_shape(op))
+
+    def fast(ops: TapeOps) -> ir.Value:
+        start, axis = ops.Constant(value_ints=[0]), ops.Constant(value_ints=[1])
+        k_s = ops.Slice(k3, start, seq_q, axis)
+        v_s = ops.Slice(v3, start, seq_q, axis)
+        return gqa_call(ops, info, q3, k_s, v_s)
+
+    def general(ops: TapeOps) -> ir.Value:
+        return dense_mha(ops, info, q3, lazy=True)
+
+    return _if(op, info, cond, fast, general, "top_left")

@@ -1,0 +1,126 @@
+"""The meaning of one block's mask: causal (with its window and alignment), key padding,
+position biases, or a dense bias that only the general form reproduces. Built from the
+pieces of :mod:`mha_onnx.rewrite.masks` and the oracle's verdict on the size-only ones."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mha_onnx.rewrite.masks import (
+    ABSORBING,
+    REMOVES_KEY,
+    Padding,
+    ScoreDims,
+    SizeLeaf,
+    Term,
+    take_apart,
+)
+from mha_onnx.rewrite.oracle import Oracle
+
+
+class Unsupported(Exception):
+    """A mask no fused form reproduces exactly (the block stays as it is)."""
+
+
+@dataclass(frozen=True)
+class Causal:
+    """Query i sees keys ``j <= i`` (top-left; ``j <= i + T - S`` bottom-right; "square" when
+    S == T always), only the last ``window`` of them when ``window`` > 0."""
+
+    window: int = 0
+    alignment: str = "square"
+
+
+@dataclass(frozen=True)
+class MaskMeaning:
+    causal: Causal | None = None
+    padding: Padding | None = None
+    biases: tuple[SizeLeaf, ...] = ()  # position biases: added to the scores as they are
+    terms: tuple[Term, ...] = ()  # every term as found: the dense form adds them all
+    fill: float = -math.inf  # the weakest score a masked key gets
+    mode: str = "add"  # "replace": masked scores are overwritten (fully masked rows: mean of V)
+    reason: str = ""  # non-empty: only the dense form is exact (why)
+
+    @property
+    def kind(self) -> str:
+        """none | causal | key_padding | bias (dense): the family that picks the form."""
+        if self.reason:
+            return "bias"
+        if self.causal is not None:
+            return "causal"
+        if self.biases:
+            return "bias"
+        return "key_padding" if self.padding is not None else "none"
+
+    def describe(self) -> str:
+        """Human words for the mask, e.g. ``causal + key padding, window 4096``."""
+        if self.reason:
+            return f"dense bias ({self.reason})"
+        parts = []
+        if self.causal is not None:
+            align = "" if self.causal.alignment == "square" else f" ({self.causal.alignment})"
+            parts.append(f"causal{align}")
+        if self.padding is not None:
+            parts.append("key padding")
+        if self.biases:
+            parts.append("position bias")
+        text = " + ".join(parts) or "none"
+        if self.causal is not None and self.causal.window:
+            text += f", window {self.causal.window}"
+        return text
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "causal": self.causal is not None,
+            "alignment": self.causal.alignment if self.causal else None,
+            "window": self.causal.window if self.causal else 0,
+            "key_padding": self.padding is not None,
+            "position_bias": bool(self.biases),
+            "dense_reason": self.reason or None,
+        }
+
+
+def _dense(terms: list[Term], reason: str) -> MaskMeaning:
+    """Only the dense form; refused when even that cannot reproduce fully masked rows."""
+    masking = [t for t in terms if t.mode == "replace"]
+    for term in masking:
+        if len(terms) > 1 and not term.fill * term.post <= ABSORBING:
+            raise Unsupported(f"masked_fill with the finite value {term.fill:g} combined with "
+                              "other masks: fully masked rows could not be reproduced exactly")
+    return MaskMeaning(terms=tuple(terms), reason=reason)
+
+
+def plan(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> MaskMeaning:
+    """Reduce the terms of one block to their meaning."""
+    if not terms:
+        return MaskMeaning()
+    pieces = take_apart(terms, sd, oracle.size_only)
+    if pieces.reason:
+        return _dense(terms, pieces.reason)
+    size = oracle.pattern(pieces.size, sd)
+    if size.kind == "other":
+        return _dense(terms, size.reason)
+    padding = _one_padding(pieces.padding)
+    if isinstance(padding, str):
+        return _dense(terms, padding)
+    fills = [fill for _, fill in pieces.padding] + ([size.fill] if size.kind == "causal" else [])
+    weakest = max(fills, default=-math.inf)
+    if fills and not (weakest <= REMOVES_KEY):
+        return _dense(terms, f"masked keys get the score {weakest:g}, which does not remove them")
+    causal = Causal(size.window, size.alignment) if size.kind == "causal" else None
+    mode = "replace" if all(t.mode == "replace" for t in terms) else "add"
+    meaning = MaskMeaning(causal, padding[0] if padding else None, size.biases, tuple(terms),
+                          weakest, mode)
+    if meaning.kind == "key_padding" and len(terms) > 1 and mode == "replace":
+        return _dense(terms, "key padding spread over several masked fills")
+    return meaning
+
+
+def _one_padding(found: tuple[tuple[Padding, float], ...]) -> tuple[Padding] | tuple[()] | str:
+    """At most one key padding source (the same one met twice counts once)."""
+    sources = {(id(p.source), p.inverted): p for p, _ in found}
+    if len(sources) > 1:
+        return "two different key paddings"
+    return tuple(sources.values())  # type: ignore[return-value]

@@ -1,0 +1,347 @@
+"""Mask pieces that depend on tensor sizes only, judged by evaluating them.
+
+``triu``/``tril`` of ones, arange comparisons (Hugging Face's index-based mask builders
+included), cached lower-triangular buffers sliced to ``[:S, :T]``, sliding windows and
+position biases all compute a value from the *sizes* of the inputs, never from their values.
+Such a piece is cut out of the graph (with ``onnx_ir.convenience.extract``) and run on ORT
+CPU at several sizes: small distinct lengths (``S < T`` and ``S > T`` where the graph has two
+length dims) and lengths beyond every integer constant the piece holds, so that a window of
+4096 is not mistaken for plain causality. The verdict is what holds at every size tried:
+
+- ``none``: nothing masked; ``causal``: query i sees keys ``j <= i + offset`` (top-left
+  alignment: offset 0; bottom-right: ``T - S``), optionally only the last ``window`` of them;
+- ``other``: any other pattern (a dense bias then). Float pieces whose unmasked values are not
+  all zero are position biases (kept as an additive bias).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from mha_onnx.rewrite.irutil import Dim, const_array, dims
+from mha_onnx.rewrite.masks import REMOVES_KEY, ScoreDims, SizeLeaf
+
+log = logging.getLogger(__name__)
+
+BASE_LENGTHS = (5, 9, 17, 33)
+MAX_LENGTH = 8192  # longest length a piece is evaluated at
+ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
+              "Equal", "Min", "Max", "Mod", "Trilu", "Range"}
+IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+          "Bernoulli", "Dropout"}
+
+
+@dataclass(frozen=True)
+class SizePattern:
+    """What the size-only pieces of one block mask, at every size tried."""
+
+    kind: str  # "none" | "causal" | "other"
+    window: int = 0  # causal: each query keeps only its last ``window`` keys (0: all)
+    alignment: str = ""  # causal: "top-left" | "bottom-right" | "square" (S == T always)
+    fill: float = -math.inf  # the weakest score a masked key gets
+    biases: tuple[SizeLeaf, ...] = ()  # float pieces with non-zero unmasked values
+    reason: str = ""
+
+
+class Oracle:
+    """Size-only judgement and evaluation over one graph (results cached per piece set)."""
+
+    def __init__(self, model: ir.Model, max_length: int = MAX_LENGTH) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.max_length = max_length
+        self._size_only: dict[int, bool] = {}
+        self._patterns: dict[tuple, SizePattern] = {}
+        self._symbols = _input_symbols(self.graph)
+
+    # -- which values depend on sizes only ---------------------------------------------------
+
+    def size_only(self, value: ir.Value | None) -> bool:
+        """True when ``value`` depends on the inputs' sizes and constants, not their values."""
+        if value is None:
+            return True
+        key = id(value)
+        if key not in self._size_only:
+            self._size_only[key] = self._judge(value)
+        return self._size_only[key]
+
+    def _judge(self, value: ir.Value) -> bool:
+        stack, seen, result = [value], set(), True
+        while stack:  # iterative: mask slices can be long
+            current = stack.pop()
+            if id(current) in seen:
+                continue
+            seen.add(id(current))
+            if id(current) in self._size_only and current is not value:
+                result = result and self._size_only[id(current)]
+                continue
+            node = current.producer()
+            if node is None:
+                if current.const_value is None and not current.is_initializer():
+                    return False  # a graph input's values
+                continue
+            if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
+                continue
+            if node.op_type in IMPURE or any(a.type in (ir.AttributeType.GRAPH,
+                                                        ir.AttributeType.GRAPHS)
+                                             for a in node.attributes.values()):
+                return False
+            stack.extend(v for v in node.inputs if v is not None)
+        return result
+
+    # -- evaluating ---------------------------------------------------------------------------
+
+    def pattern(self, leaves: Sequence[SizeLeaf], sd: ScoreDims) -> SizePattern:
+        """Evaluate ``leaves`` at several sizes and say what they mask together."""
+        if not leaves:
+            return SizePattern("none")
+        key = (tuple((id(leaf.value), leaf.masked_when, leaf.post, leaf.fill) for leaf in leaves),
+               sd.seq_q, sd.seq_kv)
+        if key not in self._patterns:
+            try:
+                self._patterns[key] = self._evaluate(list(leaves), sd)
+            except _Refused as exc:
+                self._patterns[key] = SizePattern("other", reason=str(exc))
+        return self._patterns[key]
+
+    def _evaluate(self, leaves: list[SizeLeaf], sd: ScoreDims) -> SizePattern:
+        runner = _SliceRunner(self.model, [leaf.value for leaf in leaves], set(self._symbols))
+        lengths = self._lengths(runner.constants())
+        observed = []
+        for assignment in _assignments(self._symbols, lengths):
+            s, t = _resolve(sd.seq_q, assignment), _resolve(sd.seq_kv, assignment)
+            if s is None or t is None:
+                raise _Refused("the scores' lengths cannot be related to the inputs' dims")
+            arrays = runner.run(assignment)
+            observed.append(_masked_and_biases(leaves, arrays, s, t))
+        return _classify(observed, leaves)
+
+    def _lengths(self, constants: list[int]) -> list[int]:
+        lengths = list(BASE_LENGTHS)
+        if constants:
+            beyond = max(constants) + 3
+            if beyond > self.max_length:
+                raise _Refused(f"the mask uses the constant {max(constants)}; lengths beyond "
+                               f"{self.max_length} are not evaluated, so a window cannot be "
+                               "ruled out")
+            lengths.append(max(beyond, BASE_LENGTHS[-1] + 2))
+        return lengths
+
+
+class _Refused(Exception):
+    pass
+
+
+def _input_symbols(graph: ir.Graph) -> list[str]:
+    names: dict[str, None] = {}
+    for value in graph.inputs:
+        for dim in dims(value) or []:
+            if isinstance(dim, str):
+                names.setdefault(dim)
+    return list(names)
+
+
+def _assignments(symbols: list[str], lengths: list[int]) -> list[dict[str, int]]:
+    """One value per symbol and length, distinct between symbols, alternating which is larger
+    (so ``S < T`` and ``S > T`` both occur where they are different dims)."""
+    out = []
+    for a, base in enumerate(lengths):
+        step = 4 if a % 2 == 0 else -3
+        out.append({name: max(1, base + n * step) for n, name in enumerate(symbols)})
+    return out
+
+
+_EXPR = re.compile(r"^[\w.]+(\s*[-+]\s*[\w.]+)*$")
+
+
+def _resolve(dim: Dim, assignment: dict[str, int]) -> int | None:
+    """A score dim's value: an int, a symbol, or a sum/difference of symbols and ints."""
+    if isinstance(dim, int):
+        return dim
+    if not isinstance(dim, str) or not _EXPR.match(dim.strip()):
+        return None
+    total, sign = 0, 1
+    for token in re.findall(r"[-+]|[\w.]+", dim):
+        if token in "+-":
+            sign = 1 if token == "+" else -1
+            continue
+        if token.isdigit():
+            total += sign * int(token)
+        elif token in assignment:
+            total += sign * assignment[token]
+        else:
+            return None
+    return total
+
+
+class _SliceRunner:
+    """The piece(s) cut out of the graph as a model of their own, run on ORT CPU."""
+
+    def __init__(self, model: ir.Model, values: list[ir.Value], symbols: set[str]) -> None:
+        inputs = _boundary(values, symbols)
+        try:
+            graph = ir.convenience.extract(model.graph, inputs, _unique(values))
+        except ValueError as exc:
+            raise _Refused(f"the mask cannot be cut out of the graph ({exc})") from exc
+        self.graph = graph
+        self.inputs = [(v.name, v.dtype, dims(v) or []) for v in graph.inputs]
+        self.outputs = [v.name for v in graph.outputs]
+        self.value_names = [v.name for v in values]
+        piece = ir.Model(graph, ir_version=min(model.ir_version, 10))
+        self._proto = ir.to_proto(piece)
+        self._session = None
+
+    def constants(self) -> list[int]:
+        """Integer constants that take part in arithmetic on indices (window sizes)."""
+        found = set()
+        for node in self.graph:
+            if node.op_type not in ARITHMETIC:
+                continue
+            for value in node.inputs:
+                array = const_array(value)
+                if array is None or array.dtype.kind not in "iu" or array.size > 4:
+                    continue
+                found.update(abs(int(x)) for x in array.reshape(-1) if 2 <= abs(int(x)) < 2**31)
+        return sorted(found)
+
+    def run(self, assignment: dict[str, int]) -> list[np.ndarray]:
+        from mha_onnx.runtimes import OrtRunner
+
+        if self._session is None:
+            self._session = OrtRunner(self._proto.SerializeToString(), "cpu", optimization="none")
+        feeds = {}
+        for name, dtype, shape in self.inputs:
+            concrete = [_resolve(d, assignment) or 1 for d in shape]
+            feeds[name] = np.zeros(concrete, dtype=dtype.numpy())
+        try:
+            out = self._session.infer(feeds)
+        except Exception as exc:  # noqa: BLE001 - any failure means: not proven
+            raise _Refused(f"the mask could not be evaluated at {assignment}: {exc}") from exc
+        return [out[name] for name in self.value_names]
+
+
+def _unique(values: list[ir.Value]) -> list[ir.Value]:
+    return list({id(v): v for v in values}.values())
+
+
+def _known(value: ir.Value, symbols: set[str]) -> bool:
+    """Are all of ``value``'s dims ints or expressions of the inputs' symbols?"""
+    shape = dims(value)
+    probe = dict.fromkeys(symbols, 1)
+    return shape is not None and all(_resolve(d, probe) is not None for d in shape)
+
+
+def _boundary(values: list[ir.Value], symbols: set[str]) -> list[ir.Value]:
+    """Where the slice of ``values`` starts: graph inputs, and values that the slice reads
+    only through Shape/Size and whose dims are known (fed as zeros of that shape, so nothing
+    before them runs)."""
+    stack, data, found, shape_only = list(values), set(), {}, {}
+    while stack:
+        value = stack.pop()
+        if id(value) in data:
+            continue
+        data.add(id(value))
+        shape_only.pop(id(value), None)
+        node = value.producer()
+        if node is None:
+            if not value.is_initializer() and value.const_value is None:
+                found[id(value)] = value
+            continue
+        if node.op_type in ("Shape", "Size") and _known(node.inputs[0], symbols):
+            if id(node.inputs[0]) not in data:
+                shape_only[id(node.inputs[0])] = node.inputs[0]
+            continue
+        stack.extend(v for v in node.inputs if v is not None)
+    return list({**found, **shape_only}.values())
+
+
+@dataclass(frozen=True)
+class _Observed:
+    masked: np.ndarray  # bool [S, T]
+    fill: float  # weakest masked score
+    bias_leaves: tuple[int, ...]  # indices of float leaves with non-zero unmasked values
+
+
+def _trailing(array: np.ndarray, s: int, t: int) -> np.ndarray | None:
+    """``array`` as [lead, S, T] if it broadcasts onto [..., S, T], else None."""
+    if array.ndim < 2:
+        array = array.reshape((1,) * (2 - array.ndim) + array.shape)
+    tail = array.shape[-2:]
+    if tail[0] not in (1, s) or tail[1] not in (1, t):
+        return None
+    full = np.broadcast_to(array, array.shape[:-2] + (s, t))
+    return full.reshape(-1, s, t)
+
+
+def _masked_and_biases(leaves: list[SizeLeaf], arrays: list[np.ndarray], s: int, t: int) -> _Observed:
+    masked = np.zeros((s, t), dtype=bool)
+    fills, biases = [], []
+    for n, (leaf, array) in enumerate(zip(leaves, arrays, strict=True)):
+        grid = _trailing(np.asarray(array), s, t)
+        if grid is None:
+            raise _Refused(f"a mask piece of shape {list(np.shape(array))} does not match the "
+                           f"scores' [.., {s}, {t}]")
+        if leaf.masked_when is not None:
+            here = grid == leaf.masked_when if grid.dtype == np.bool_ else (grid != 0) == leaf.masked_when
+            fills.append(leaf.fill)
+        else:
+            scaled = grid.astype(np.float64) * leaf.post
+            here = scaled <= REMOVES_KEY
+            if here.any():
+                fills.append(float(scaled[here].max()))
+            if np.any(scaled[~here] != 0):
+                biases.append(n)
+        if not (here == here[:1]).all():
+            raise _Refused("a mask piece masks differently per batch entry or head")
+        masked |= here[0]
+    return _Observed(masked, max(fills) if fills else -math.inf, tuple(biases))
+
+
+def _causal_fit(masked: np.ndarray, offset: int) -> int | None:
+    """The window (0: none) for which ``masked`` is causal with ``offset``, or None."""
+    s, t = masked.shape
+    i = np.arange(s)[:, None]
+    j = np.arange(t)[None, :]
+    causal = j > i + offset
+    if not (masked >= causal).all():
+        return None
+    extra = masked & ~causal  # masked keys left of the diagonal: a window
+    if not extra.any():
+        return 0
+    kept = (~masked).sum(axis=1)
+    window = int(kept.max())
+    expected = causal | (j <= i + offset - window)
+    return window if np.array_equal(masked, expected) else None
+
+
+def _classify(observed: list[_Observed], leaves: list[SizeLeaf]) -> SizePattern:
+    fill = max(o.fill for o in observed)
+    biases = tuple(leaves[n] for n in sorted({n for o in observed for n in o.bias_leaves}))
+    if not any(o.masked.any() for o in observed):
+        return SizePattern("none", fill=fill, biases=biases)
+    fits: dict[str, set[int]] = {"top-left": set(), "bottom-right": set()}
+    for o in observed:
+        s, t = o.masked.shape
+        for name, offset in (("top-left", 0), ("bottom-right", t - s)):
+            window = _causal_fit(o.masked, offset)
+            fits[name].add(-1 if window is None else window)
+    square = all(o.masked.shape[0] == o.masked.shape[1] for o in observed)
+    for name in ("top-left", "bottom-right"):
+        windows = fits[name]
+        if -1 in windows:
+            continue
+        shown = {w for w in windows if w}
+        if len(shown) > 1:
+            continue
+        window = shown.pop() if shown else 0
+        return SizePattern("causal", window=window, alignment="square" if square else name,
+                           fill=fill, biases=biases)
+    return SizePattern("other", fill=fill, biases=biases,
+                       reason="a size-dependent mask that is neither causal nor a causal window")

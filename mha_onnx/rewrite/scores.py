@@ -1,0 +1,334 @@
+"""Recognisers for the parts of an attention core other than its mask.
+
+Walking up from ``MatMul(probs, V)``: the probabilities tail (Softmax, then Cast, Dropout or a
+NaN guard), the score chain (Softmax <- masks <- soft-cap <- scale <- Q·K^T), the scale, the
+form K arrives in (transposed three ways) and grouped K/V (heads repeated by
+Unsqueeze/Expand/Reshape, or broadcast by the MatMul itself). Each recogniser returns a small
+frozen meaning or raises :class:`Reject` with the reason.
+
+Dims: B batch, H query heads, G K/V heads, S query length, T key length, D head size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from mha_onnx.rewrite.irutil import (
+    WALK_LIMIT,
+    const_fill,
+    const_ints,
+    const_scalar,
+    dims,
+    ints_attr,
+    producer,
+    same_dim,
+)
+from mha_onnx.rewrite.masks import Term
+
+PROBS_OPS = ("Cast", "Dropout", "Identity")
+
+
+class Reject(Exception):
+    """A candidate that is not fused: ``block`` (its Softmax) and ``reason`` as fields.
+    ``candidate`` is False when the MatMul is not attention at all (nothing to report)."""
+
+    def __init__(self, block: str, reason: str, *, candidate: bool = True) -> None:
+        super().__init__(f"{block}: {reason}" if block else reason)
+        self.block = block
+        self.reason = reason
+        self.candidate = candidate
+
+
+@dataclass(frozen=True)
+class ProbsTail:
+    """Softmax -> (NaN guard | Cast | Dropout | Identity)* -> MatMul(., V)."""
+
+    softmax: ir.Node
+    nodes: tuple[ir.Node, ...]  # from the MatMul with V up to the Softmax
+    nan_to_zero: bool
+
+    @property
+    def block(self) -> str:
+        return self.softmax.name or "softmax"
+
+
+def _nan_guard(node: ir.Node) -> bool:
+    """``Where(IsNaN(x), 0, x)``."""
+    if node.op_type != "Where" or const_scalar(node.inputs[1]) != 0.0:
+        return False
+    isnan = producer(node.inputs[0], "IsNaN")
+    return isnan is not None and isnan.inputs[0] is node.inputs[2]
+
+
+def probs_tail(matmul: ir.Node) -> ProbsTail:
+    """The Softmax whose probabilities ``matmul`` multiplies with V."""
+    chain: list[ir.Node] = [matmul]
+    nan_to_zero = False
+    current = matmul.inputs[0]
+    for _ in range(6):
+        node = producer(current)
+        if node is None:
+            break
+        if node.op_type == "Softmax":
+            tail = ProbsTail(node, tuple(chain + [node]), nan_to_zero)
+            _check_private(tail)
+            return tail
+        if _nan_guard(node):
+            nan_to_zero = True
+            chain += [node, producer(node.inputs[0])]  # type: ignore[list-item]
+            current = node.inputs[2]
+        elif node.op_type in PROBS_OPS:
+            chain.append(node)
+            current = node.inputs[0]
+        else:
+            break
+    raise Reject("", "not attention: the MatMul's left input is not a Softmax", candidate=False)
+
+
+def _check_private(tail: ProbsTail) -> None:
+    """The probabilities must be used by this block only (else fusing removes nothing)."""
+    inside = set(tail.nodes)
+    for node in tail.nodes[1:]:
+        for out in node.outputs:
+            if out.is_graph_output() or any(user not in inside for user, _ in out.uses()):
+                raise Reject(tail.block, "the attention weights are also used elsewhere (an "
+                             "output or another node); fusing would not remove them")
+
+
+# -- scale -------------------------------------------------------------------------------
+
+def scalar_factor(node: ir.Node) -> tuple[ir.Value, float] | None:
+    """For Mul/Div by a finite, non-zero constant scalar: (the other operand, the factor)."""
+    a, b = node.inputs[0], node.inputs[1]
+    if node.op_type == "Mul":
+        for x, c in ((a, b), (b, a)):
+            value = const_scalar(c)
+            if value is not None and math.isfinite(value) and value != 0:
+                return x, value
+    if node.op_type == "Div":
+        value = const_scalar(b)
+        if value is not None and math.isfinite(value) and value != 0:
+            return a, 1.0 / value
+    return None
+
+
+def strip_scale(value: ir.Value) -> tuple[ir.Value, float]:
+    """Peel Mul/Div by constants off ``value``: (the unscaled value, the product)."""
+    factor = 1.0
+    for _ in range(4):
+        node = producer(value, "Mul", "Div")
+        found = scalar_factor(node) if node is not None else None
+        if found is None:
+            break
+        value, f = found
+        factor *= f
+    return value, factor
+
+
+# -- score chain -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ScoreChain:
+    """Softmax input = softcap(pre · Q·K^T) + masks, with the scales folded:
+    ``scale`` multiplies Q·K^T (inside the cap), ``terms`` are the masks met (each with the
+    scale applied after it), ``softcap`` is c of ``c·tanh(x/c)`` (0: none)."""
+
+    matmul: ir.Node
+    terms: tuple[Term, ...]
+    scale: float
+    softcap: float = 0.0
+
+
+def reaches_matmul(value: ir.Value | None, depth: int = 0) -> bool:
+    """Does ``value`` come from a MatMul through the ops allowed between Q·K^T and Softmax?"""
+    node = producer(value)
+    if node is None or depth > WALK_LIMIT:
+        return False
+    if node.op_type == "MatMul":
+        return True
+    if node.op_type in ("Mul", "Div"):
+        found = scalar_factor(node)
+        if found is not None:
+            return reaches_matmul(found[0], depth + 1)
+        return node.op_type == "Mul" and _softcap_inner(node) is not None
+    if node.op_type == "Add":
+        return any(reaches_matmul(v, depth + 1) for v in node.inputs)
+    if node.op_type == "Where":
+        return reaches_matmul(node.inputs[1], depth + 1) or reaches_matmul(node.inputs[2], depth + 1)
+    if node.op_type == "Cast":
+        return reaches_matmul(node.inputs[0], depth + 1)
+    return False
+
+
+def _softcap_inner(node: ir.Node) -> tuple[ir.Value, float] | None:
+    """``Mul(Tanh(x / c), c)`` (either operand order; the division as Mul by 1/c): (x, c)."""
+    for tanh_out, c_value in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+        cap = const_scalar(c_value)
+        tanh = producer(tanh_out, "Tanh")
+        if cap is None or cap <= 0 or tanh is None:
+            continue
+        inner = producer(tanh.inputs[0], "Mul", "Div")
+        found = scalar_factor(inner) if inner is not None else None
+        if found is not None and math.isclose(found[1] * cap, 1.0, rel_tol=1e-6):
+            return found[0], cap
+    return None
+
+
+class _ChainWalk:
+    """Mutable state of one walk from the Softmax input up to Q·K^T."""
+
+    def __init__(self, block: str) -> None:
+        self.block = block
+        self.post = 1.0
+        self.terms: list[Term] = []
+        self.softcap = 0.0
+
+    def step(self, node: ir.Node) -> ir.Value:
+        """Consume ``node``; return the value to continue from."""
+        op = node.op_type
+        if op in ("Mul", "Div"):
+            found = scalar_factor(node)
+            if found is not None:
+                self.post *= found[1]
+                return found[0]
+            capped = _softcap_inner(node) if op == "Mul" else None
+            if capped is None:
+                raise Reject(self.block, f"scores are scaled by a non-constant or zero ({op})")
+            return self._enter_cap(*capped)
+        if op == "Add":
+            return self._add(node)
+        if op == "Where":
+            return self._where(node)
+        if op == "Cast":
+            return node.inputs[0]
+        if op == "Tanh":
+            raise Reject(self.block, "a Tanh between Q·K^T and Softmax that is not a soft-cap "
+                         "c·tanh(s/c)")
+        raise Reject(self.block, f"{op} between Q·K^T and Softmax is not an attention pattern")
+
+    def _enter_cap(self, inner: ir.Value, cap: float) -> ir.Value:
+        if self.softcap:
+            raise Reject(self.block, "two soft-caps on one score")
+        if not math.isclose(self.post, 1.0, rel_tol=1e-6):
+            raise Reject(self.block, "capped scores are scaled again after the cap")
+        self.softcap = cap
+        return inner
+
+    def _add(self, node: ir.Node) -> ir.Value:
+        a, b = node.inputs
+        ra, rb = reaches_matmul(a), reaches_matmul(b)
+        if ra == rb:
+            raise Reject(self.block, "cannot tell scores from mask in an Add")
+        self._no_mask_inside_cap()
+        scores, bias = (a, b) if ra else (b, a)
+        self.terms.append(Term("add", bias, self.post))
+        return scores
+
+    def _where(self, node: ir.Node) -> ir.Value:
+        cond, a, b = node.inputs
+        fa, fb = const_fill(a), const_fill(b)
+        self._no_mask_inside_cap()
+        if fa is not None and fb is None and reaches_matmul(b):
+            self.terms.append(Term("replace", cond, self.post, fill=fa, masked_when=True))
+            return b
+        if fb is not None and fa is None and reaches_matmul(a):
+            self.terms.append(Term("replace", cond, self.post, fill=fb, masked_when=False))
+            return a
+        raise Reject(self.block, "a Where between Q·K^T and Softmax is not a masked fill")
+
+    def _no_mask_inside_cap(self) -> None:
+        if self.softcap:
+            raise Reject(self.block, "a mask inside the soft-cap (applied before tanh)")
+
+
+def score_chain(softmax: ir.Node, block: str) -> ScoreChain:
+    """Walk from the Softmax input up to Q·K^T, collecting scale, soft-cap and mask terms."""
+    walk = _ChainWalk(block)
+    current = softmax.inputs[0]
+    for _ in range(WALK_LIMIT):
+        node = producer(current)
+        if node is None:
+            break
+        if node.op_type == "MatMul":
+            # with a cap, the factors met before it were 1; walk.post holds those inside it
+            return ScoreChain(node, tuple(walk.terms), walk.post, walk.softcap)
+        current = walk.step(node)
+    raise Reject(block, "the Softmax input does not come from Q·K^T")
+
+
+# -- K, V and their heads ----------------------------------------------------------------------
+
+def key_from_transposed(kt: ir.Value, rank: int) -> tuple[ir.Value, str]:
+    """K as [B, H, T, D] ("bhtd"), its [B, T, H, D] source ("bthd"), or K^T itself ("kt")."""
+    node = producer(kt, "Transpose")
+    if node is not None:
+        perm = ints_attr(node, "perm")
+        if rank == 4 and perm == [0, 1, 3, 2]:
+            return node.inputs[0], "bhtd"
+        if rank == 4 and perm == [0, 2, 3, 1]:
+            return node.inputs[0], "bthd"
+        if rank == 3 and perm == [0, 2, 1]:
+            return node.inputs[0], "bhtd"
+    node = producer(kt, "Reshape")
+    if node is not None and rank == 4:
+        inner = producer(node.inputs[0], "Transpose")
+        flat = producer(inner.inputs[0], "Reshape") if inner is not None else None
+        if flat is not None and ints_attr(inner, "perm") == [0, 2, 1]:  # type: ignore[arg-type]
+            k4 = flat.inputs[0]
+            kd, ktd = dims(k4), dims(kt)
+            if (kd is not None and ktd is not None and len(kd) == 4
+                    and all(same_dim(kd[a], ktd[b]) for a, b in ((0, 0), (1, 1), (2, 3), (3, 2)))):
+                return k4, "bhtd"
+    return kt, "kt"
+
+
+def key_dims(key: ir.Value, form: str, kt: ir.Value, rank: int) -> list | None:
+    """K's dims in [B, H, T, D] order (rank 3: [N, T, D]), whichever form K was found in."""
+    if form == "bhtd":
+        kd = dims(key)
+    elif form == "bthd":
+        src = dims(key)
+        kd = None if src is None or len(src) != 4 else [src[0], src[2], src[1], src[3]]
+    else:
+        src = dims(kt)
+        kd = None if src is None else src[:-2] + [src[-1], src[-2]]
+    return kd if kd is not None and len(kd) == rank else None
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """K or V with fewer heads than Q: ``source`` [B, G, T, D] repeated to [B, H, T, D]."""
+
+    source: ir.Value
+    kv_heads: int
+
+
+def repeated_heads(x4: ir.Value, heads: int) -> Grouped | None:
+    """``Reshape(Expand(Unsqueeze(x, 2), [B, G, H/G, T, D]), [B, H, T, D])``: each of the G
+    K/V heads serves H/G consecutive query heads (Hugging Face's ``repeat_kv``)."""
+    reshape = producer(x4, "Reshape")
+    expand = producer(reshape.inputs[0], "Expand") if reshape is not None else None
+    unsq = producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    if unsq is None or const_ints(unsq.inputs[1]) not in ([2], [-3]):
+        return None
+    src, wide, out = dims(unsq.inputs[0]), dims(expand.outputs[0]), dims(x4)  # type: ignore[union-attr]
+    if src is None or wide is None or out is None or len(src) != 4 or len(wide) != 5:
+        return None
+    groups, rep = src[1], wide[2]
+    if not (isinstance(groups, int) and isinstance(rep, int) and groups * rep == heads):
+        return None
+    same = all(same_dim(a, b) for a, b in ((src[0], wide[0]), (src[1], wide[1]), (src[2], wide[3]),
+                                           (src[3], wide[4]), (out[0], src[0]), (out[2], src[2]),
+                                           (out[3], src[3])))
+    return Grouped(unsq.inputs[0], groups) if same and out[1] == heads else None
+
+
+def broadcast_heads(x4: ir.Value, heads: int) -> Grouped | None:
+    """K/V with one head that the MatMul broadcasts over H query heads (multi-query)."""
+    shape = dims(x4)
+    if shape is None or len(shape) != 4 or shape[1] != 1 or heads == 1:
+        return None
+    return Grouped(x4, 1)
