@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ class ModelSummary:
     parameter_count: int
     parameter_bytes: int
     metadata: dict[str, Any]
+    understood: dict[str, str] = field(default_factory=dict)  # unfused block -> meaning
 
     @property
     def fused_blocks(self) -> int:
@@ -72,7 +73,8 @@ class ModelSummary:
             "attention_blocks": {
                 "fused": self.fused_blocks,
                 "unfused": self.unfused_blocks,
-                "blocks": [b.to_dict() for b in self.blocks],
+                "blocks": [{**b.to_dict(), "understood": self.understood.get(b.node, "")}
+                           for b in self.blocks],
             },
             "parameter_count": self.parameter_count,
             "parameter_bytes": self.parameter_bytes,
@@ -92,9 +94,9 @@ class ModelSummary:
             f"  attention blocks: {self.fused_blocks} fused, {self.unfused_blocks} unfused",
         ]
         if self.blocks:
-            lines.append(table(["kind", "op", "node", "graph"],
-                               [(b.kind, b.op, b.node, b.graph) for b in self.blocks],
-                               indent="    "))
+            lines.append(table(["kind", "op", "node", "graph", "understood as"],
+                               [(b.kind, b.op, b.node, b.graph, self.understood.get(b.node, ""))
+                                for b in self.blocks], indent="    "))
         top = list(self.op_counts.items())
         lines.append("  ops: " + ", ".join(f"{op} x{n}" for op, n in top))
         if self.metadata:
@@ -163,7 +165,17 @@ def summarize(model: onnx.ModelProto, path: str | os.PathLike[str] = "", file_by
         parameter_count=params,
         parameter_bytes=param_bytes,
         metadata=_metadata({p.key: p.value for p in model.metadata_props}),
+        understood=_understood(model, graph_ir),
     )
+
+
+def _understood(model: onnx.ModelProto, graph_ir: ir.Model) -> dict[str, str]:
+    """The meaning fuse would give each unfused block (nothing when all are fused)."""
+    if not any(b.kind == "unfused" for b in find_blocks(graph_ir.graph)):
+        return {}
+    from mha_onnx.rewrite.fuse import understand
+
+    return understand(model)
 
 
 def inspect_model(path: str | os.PathLike[str]) -> ModelSummary:

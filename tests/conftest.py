@@ -35,3 +35,19 @@ def export_cache(tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def zoo():
+    """zoo(name) -> a graph exported from code this project did not write (tools/zoo.py),
+    made once per session."""
+    from tools.zoo import ZOO
+
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = ZOO[name]()
+        return cache[name]
+
+    return get

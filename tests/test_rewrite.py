@@ -8,36 +8,18 @@ import math
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
 from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.errors import FusionError
 from mha_onnx.inputs import ShapeCase, input_specs, make_inputs
-from mha_onnx.inspect import summarize
 from mha_onnx.rewrite import fuse_file, fuse_model
-from mha_onnx.rewrite.blocks import all_graphs
 from mha_onnx.rewrite.verify import verify
 from mha_onnx.runtimes import OrtRunner
+from tests.fusing import fused_and_checked, ops
 
 SMALL = MhaConfig(d_model=64, num_heads=4, name="small")
-
-
-def ops(model: onnx.ModelProto) -> list[str]:
-    graph = ir.from_proto(model).graph
-    return [n.op_type for g in all_graphs(graph) for n in g]
-
-
-def fused_and_checked(model: onnx.ModelProto, target: str = "ort"):
-    fused, results, _ = fuse_model(model, target=target)
-    onnx.checker.check_model(fused, full_check=True)  # types declared, subgraphs included
-    summary = summarize(fused)
-    assert summary.unfused_blocks == 0, [b for b in summary.blocks if b.kind == "unfused"]
-    assert "Softmax" not in ops(fused)
-    result = verify(model, fused)
-    assert result.passed, result.first_failure()
-    return fused, results
 
 
 # -- this project's exports ---------------------------------------------------------------
@@ -173,20 +155,6 @@ ZOO_FORMS = {
               "Loop(Compress keys)"),
     "hf_vit": "MultiHeadAttention",
 }
-
-
-@pytest.fixture(scope="session")
-def zoo():
-    from tools.zoo import ZOO
-
-    cache: dict[str, onnx.ModelProto] = {}
-
-    def get(name: str) -> onnx.ModelProto:
-        if name not in cache:
-            cache[name] = ZOO[name]()
-        return cache[name]
-
-    return get
 
 
 @pytest.mark.parametrize("name", list(ZOO_FORMS))

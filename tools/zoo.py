@@ -50,15 +50,17 @@ class _TorchMha(nn.Module):
         if key is None:  # self-attention: the packed in-projection path
             key = value = query
         attn_mask = None
+        n = query.shape[1] if self.mha.batch_first else query.shape[0]
         if self.mode == "causal":
-            n = query.shape[1] if self.mha.batch_first else query.shape[0]
             attn_mask = torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1)
+        elif self.mode == "causal_float":  # nn.Transformer.generate_square_subsequent_mask
+            attn_mask = nn.Transformer.generate_square_subsequent_mask(n, device=query.device)
         return self.mha(query, key, value, key_padding_mask=key_padding_mask,
                         attn_mask=attn_mask, need_weights=False)[0]
 
 
 def torch_mha(batch_first: bool = True, mode: str = "self") -> onnx.ModelProto:
-    """nn.MultiheadAttention: mode self | cross | key_padding | causal."""
+    """nn.MultiheadAttention: mode self | cross | key_padding | causal | causal_float."""
     torch.manual_seed(0)
     batch, seq, seq_kv = _dims()
     module = _TorchMha(batch_first, mode)
@@ -191,34 +193,145 @@ def encoder(norm_first: bool) -> onnx.ModelProto:
 
 
 class _Decoder(nn.Module):
-    def __init__(self, norm_first: bool) -> None:
+    def __init__(self, norm_first: bool, float_mask: bool) -> None:
         super().__init__()
         layer = nn.TransformerDecoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True,
                                            norm_first=norm_first)
         self.decoder = nn.TransformerDecoder(layer, 2)
+        self.float_mask = float_mask
 
-    def forward(self, tgt, memory, memory_key_padding_mask):
+    def forward(self, tgt, memory, memory_key_padding_mask, tgt_key_padding_mask=None):
         n = tgt.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=tgt.device).triu(1)
+        if self.float_mask:
+            causal = nn.Transformer.generate_square_subsequent_mask(n, device=tgt.device)
+        else:
+            causal = torch.ones(n, n, dtype=torch.bool, device=tgt.device).triu(1)
         return self.decoder(tgt, memory, tgt_mask=causal, tgt_is_causal=True,
-                            memory_key_padding_mask=memory_key_padding_mask)
+                            memory_key_padding_mask=memory_key_padding_mask,
+                            tgt_key_padding_mask=tgt_key_padding_mask)
 
 
-def decoder(norm_first: bool) -> onnx.ModelProto:
-    """TransformerDecoder (2 layers): causal self-attention, cross-attention with padding."""
+def decoder(norm_first: bool, float_mask: bool = False, tgt_padding: bool = False) -> onnx.ModelProto:
+    """TransformerDecoder (2 layers): causal self-attention (bool or float tgt_mask, with a
+    target key padding mask when ``tgt_padding``), cross-attention with padding."""
     torch.manual_seed(0)
     batch, seq, seq_kv = _dims()
     args = (torch.randn(2, 5, D), torch.randn(2, 7, D), torch.zeros(2, 7, dtype=torch.bool))
-    return export(_Decoder(norm_first), args, {
-        "tgt": {0: batch, 1: seq}, "memory": {0: batch, 1: seq_kv},
-        "memory_key_padding_mask": {0: batch, 1: seq_kv}})
+    dyn = {"tgt": {0: batch, 1: seq}, "memory": {0: batch, 1: seq_kv},
+           "memory_key_padding_mask": {0: batch, 1: seq_kv}}
+    if tgt_padding:
+        args += (torch.zeros(2, 5, dtype=torch.bool),)
+        dyn["tgt_key_padding_mask"] = {0: batch, 1: seq}
+    return export(_Decoder(norm_first, float_mask), args, dyn)
+
+
+# -- causal masks as exporters spell them (and near misses that must not read as causal) -------
+
+NEG_INF = float("-inf")
+
+
+class _Spelled(nn.Module):
+    """Self-attention whose mask is spelled ``spelling``; ``padding`` adds a [B, S] key
+    padding mask input (True = padded)."""
+
+    MAX = 64  # cached buffer length
+
+    def __init__(self, spelling: str, padding: bool = False) -> None:
+        super().__init__()
+        self.spelling, self.padding = spelling, padding
+        self.qkv = nn.Linear(D, 3 * D)
+        self.register_buffer("tril", torch.tril(torch.ones(self.MAX, self.MAX, dtype=torch.bool)))
+
+    def _mask(self, scores, s):  # noqa: C901 - one branch per spelling, on purpose
+        ones = torch.ones(s, s, dtype=torch.bool, device=scores.device)
+        i = torch.arange(s, device=scores.device)
+        low = torch.finfo(scores.dtype).min
+        sp = self.spelling
+        if sp == "triu1_bool":  # masked where j > i (nn.MultiheadAttention's bool attn_mask)
+            return scores.masked_fill(ones.triu(1), NEG_INF)
+        if sp == "tril_keep_min":  # keep where j <= i, finfo.min elsewhere
+            return torch.where(ones.tril(), scores, torch.full_like(scores, low))
+        if sp == "triu_float_add":  # nn.Transformer.generate_square_subsequent_mask
+            return scores + torch.full((s, s), NEG_INF, device=scores.device).triu(1)
+        if sp == "triu_min_add":
+            return scores + torch.full((s, s), low, device=scores.device).triu(1)
+        if sp == "arange_ge":  # arange(S)[:, None] >= arange(T)[None, :]
+            return scores.masked_fill(~(i[:, None] >= i[None, :]), NEG_INF)
+        if sp == "buffer_slice":  # a cached lower-triangular buffer sliced to [:S, :T]
+            return scores.masked_fill(~self.tril[:s, :s], NEG_INF)
+        if sp == "buffer_slice_br":  # GPT-2's old [T - S:T, :T] (bottom-right) slice
+            return scores.masked_fill(~self.tril[s - s:s, :s], low)
+        if sp == "mask_before_scale":  # the mask added, the sum scaled afterwards
+            return (scores * math.sqrt(D // H) + torch.full((s, s), NEG_INF).triu(1)) / math.sqrt(D // H)
+        if sp == "window3":  # causal, each query keeps its last 3 keys (Mistral's overlay)
+            return scores.masked_fill(~((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 3)), NEG_INF)
+        # near misses: none of these is causal
+        if sp == "inverted":  # masks the past: Where(tril, -inf, s)
+            return torch.where(ones.tril(-1), torch.full_like(scores, NEG_INF), scores)
+        if sp == "diagonal_plus_one":  # keeps j <= i + 1
+            return scores.masked_fill(ones.triu(2), NEG_INF)
+        if sp == "window_only":  # keeps j > i - 3, future included
+            return scores.masked_fill(~(i[None, :] > i[:, None] - 3), NEG_INF)
+        if sp == "causal_below_40":  # causal only for the first 40 queries: looks causal when short
+            return scores.masked_fill(ones.triu(1) & (i[:, None] < 40), NEG_INF)
+        raise ValueError(sp)
+
+    def forward(self, x, key_padding_mask=None):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, H, D // H).permute(2, 0, 3, 1, 4)  # (B, H, S, Dh)
+        scores = self._mask(q @ k.transpose(-2, -1) / math.sqrt(D // H), s)
+        if key_padding_mask is not None:
+            scores = scores.masked_fill(key_padding_mask[:, None, None, :], NEG_INF)
+        out = scores.softmax(dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, s, D)
+
+
+def spelled(spelling: str, padding: bool = False) -> onnx.ModelProto:
+    torch.manual_seed(0)
+    batch, seq, _ = _dims()
+    x = torch.randn(2, 5, D)
+    if padding:
+        args = (x, torch.zeros(2, 5, dtype=torch.bool))
+        return export(_Spelled(spelling, True), args,
+                      {"x": {0: batch, 1: seq}, "key_padding_mask": {0: batch, 1: seq}})
+    return export(_Spelled(spelling), (x,), {"x": {0: batch, 1: seq}})
+
+
+class _HfMaskBuilder(nn.Module):
+    """Attention with a mask from Hugging Face's ``sdpa_mask`` (causal + padding), built with
+    broadcast indices or with ``vmap``."""
+
+    def __init__(self, use_vmap: bool) -> None:
+        super().__init__()
+        self.use_vmap = use_vmap
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x, attention_mask):
+        from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+        b, s, _ = x.shape
+        keep = sdpa_mask(b, s, s, mask_function=causal_mask_function,
+                         attention_mask=attention_mask.bool(), allow_is_causal_skip=False,
+                         use_vmap=self.use_vmap)  # (B, 1, S, S), True = attend
+        q, k, v = self.qkv(x).view(b, s, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(D // H)).masked_fill(~keep, NEG_INF)
+        return (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, s, D)
+
+
+def hf_mask_builder(use_vmap: bool) -> onnx.ModelProto:
+    torch.manual_seed(0)
+    batch, seq, _ = _dims()
+    args = (torch.randn(2, 5, D), torch.ones(2, 5, dtype=torch.int64))
+    return export(_HfMaskBuilder(use_vmap), args,
+                  {"x": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
+
+
+CAUSAL_SPELLINGS = ("triu1_bool", "tril_keep_min", "triu_float_add", "triu_min_add", "arange_ge",
+                    "buffer_slice", "buffer_slice_br", "mask_before_scale", "window3")
+NOT_CAUSAL = ("inverted", "diagonal_plus_one", "window_only", "causal_below_40")
 
 
 # -- Hugging Face transformers, built from configs with random weights ------------------------
-
-def _hf(model: nn.Module, args: tuple, dynamic: dict, names: list[str]) -> onnx.ModelProto:
-    return export(model, args, dynamic, names=names)
-
 
 class _HfWrap(nn.Module):
     def __init__(self, model: nn.Module, keys: list[str], output: str) -> None:
@@ -279,6 +392,48 @@ def hf(name: str, attn: str = "sdpa") -> onnx.ModelProto:
     raise ValueError(name)
 
 
+# family -> (config class, model class, config fields beyond the common ones)
+DECODERS: dict[str, tuple[str, str, dict]] = {
+    "gpt2": ("GPT2Config", "GPT2Model", {}),
+    "llama": ("LlamaConfig", "LlamaModel", {"num_key_value_heads": 2}),
+    "qwen2": ("Qwen2Config", "Qwen2Model", {"num_key_value_heads": 2}),
+    "mistral": ("MistralConfig", "MistralModel", {"num_key_value_heads": 2, "sliding_window": 4}),
+    "gemma2": ("Gemma2Config", "Gemma2Model", {"num_key_value_heads": 2, "head_dim": 8,
+               "sliding_window": 4, "attn_logit_softcapping": 50.0}),
+    "qwen3": ("Qwen3Config", "Qwen3Model", {"num_key_value_heads": 2, "head_dim": 8}),
+    "phi3": ("Phi3Config", "Phi3Model", {"num_key_value_heads": 2, "pad_token_id": 0}),
+    "falcon": ("FalconConfig", "FalconModel", {"new_decoder_architecture": False,
+               "multi_query": True}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXModel", {}),
+    "opt": ("OPTConfig", "OPTModel", {"ffn_dim": 2 * D, "word_embed_proj_dim": D}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2Model", {"num_key_value_heads": 1}),
+    "gptj": ("GPTJConfig", "GPTJModel", {"rotary_dim": 4}),
+}
+
+
+def hf_decoder(family: str, attn: str = "eager", opset: int = 18,
+               dtype: str = "float32") -> onnx.ModelProto:
+    """A one-layer Hugging Face decoder from a tiny config (random weights), fed
+    ``input_ids`` and ``attention_mask`` [batch, seq]."""
+    import transformers as tf
+
+    config_name, model_name, extra = DECODERS[family]
+    common = {"vocab_size": 99, "hidden_size": D, "n_embd": D, "num_hidden_layers": 1,
+              "n_layer": 1, "num_attention_heads": H, "n_head": H, "intermediate_size": 2 * D,
+              "max_position_embeddings": 128, "n_positions": 128, "attn_implementation": attn,
+              "bos_token_id": 1, "eos_token_id": 2}
+    config = getattr(tf, config_name)(**{**common, **extra})
+    torch.manual_seed(0)
+    model = getattr(tf, model_name)(config).eval()
+    if dtype == "float16":
+        model = model.half()
+    batch, seq, _ = _dims()
+    ids, mask = torch.randint(0, 99, (2, 6)), torch.ones(2, 6, dtype=torch.int64)
+    wrapped = _HfWrap(model, ["input_ids", "attention_mask"], "last_hidden_state")
+    return export(wrapped, (ids, mask), {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})},
+                  opset=opset, names=["input_ids", "attention_mask"])
+
+
 ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
     "torch_mha_self_bf": lambda: torch_mha(True, "self"),
     "torch_mha_self_sf": lambda: torch_mha(False, "self"),
@@ -286,6 +441,7 @@ ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
     "torch_mha_cross_sf": lambda: torch_mha(False, "cross"),
     "torch_mha_key_padding": lambda: torch_mha(True, "key_padding"),
     "torch_mha_causal": lambda: torch_mha(True, "causal"),
+    "torch_mha_causal_float": lambda: torch_mha(True, "causal_float"),
     "sdpa18_none": lambda: sdpa("none", 18),
     "sdpa18_bool": lambda: sdpa("bool", 18),
     "sdpa18_float": lambda: sdpa("float", 18),
@@ -305,6 +461,7 @@ ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
     "encoder_pre_norm": lambda: encoder(True),
     "decoder_post_norm": lambda: decoder(False),
     "decoder_pre_norm": lambda: decoder(True),
+    "decoder_float_mask_tgt_padding": lambda: decoder(True, float_mask=True, tgt_padding=True),
     "hf_bert": lambda: hf("bert"),
     "hf_bert_eager": lambda: hf("bert", "eager"),
     "hf_gpt2": lambda: hf("gpt2"),
@@ -312,4 +469,8 @@ ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
     "hf_bart": lambda: hf("bart"),
     "hf_t5": lambda: hf("t5", "eager"),
     "hf_vit": lambda: hf("vit"),
+    **{f"spelled_{name}": (lambda n=name: spelled(n)) for name in CAUSAL_SPELLINGS + NOT_CAUSAL},
+    "spelled_triu1_bool_padded": lambda: spelled("triu1_bool", padding=True),
+    "hf_mask_builder": lambda: hf_mask_builder(False),
+    "hf_mask_builder_vmap": lambda: hf_mask_builder(True),
 }

@@ -184,6 +184,10 @@ def parse_onnx_attention(node: ir.Node, block: str, oracle: Oracle) -> Core:
         raise Reject(block, "only 4-D [B, H, S, D] Attention inputs are rewritten")
     batch, heads, seq_q, dk = qd  # type: ignore[misc]
     kv_heads, seq_kv, dv = kd[1], vd[2], vd[3]  # type: ignore[index]
+    grouped = _grouping(key, "bhtd", value, heads)
+    if grouped is not None:  # K/V repeated up to H heads before the op: keep them grouped
+        key, value, kv_heads = grouped
+        kd, vd = dims(key), dims(value)
     if not all(isinstance(d, int) for d in (heads, kv_heads, dk, dv)) or heads % kv_heads:
         raise Reject(block, "head counts or head sizes are not static, or not grouped evenly")
     if not same_dim(vd[1], kv_heads) or query.dtype not in SUPPORTED_DTYPES:  # type: ignore[index]

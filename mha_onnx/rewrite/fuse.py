@@ -24,11 +24,19 @@ from mha_onnx import __version__
 from mha_onnx.errors import ConfigError, FusionError
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.rewrite.blocks import find_blocks
-from mha_onnx.rewrite.core import BlockLog, OnnxAttention, SoftmaxAttention
+from mha_onnx.rewrite.core import (
+    BlockLog,
+    OnnxAttention,
+    SoftmaxAttention,
+    parse_onnx_attention,
+    parse_softmax_attention,
+)
 from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower_ort import Forms, LowerMergedOutput, LowerSdpa
 from mha_onnx.rewrite.oracle import Oracle
+from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
+from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from mha_onnx.rewrite.verify import Verification, verify
 from mha_onnx.table import table
@@ -150,6 +158,11 @@ def fuse_model(
         raise ConfigError(f"unknown target {target!r}", hint="use ort or onnx")
     model = to_ir(model_proto)
     notes = _prepare(model, target)
+    repaired: list[str] = []
+    RewriteRuleSet([RotaryCachesOverBatch.rule(repaired)]).apply_to_model(model)
+    if repaired:
+        notes.append(f"repaired {len(repaired)} RotaryEmbedding node(s) that onnxruntime 1.31 "
+                     "refuses (cos/sin caches broadcast over the batch, now expanded)")
     before = find_blocks(model.graph)
     blog = BlockLog()
     chosen: dict[str, str] = {}
@@ -173,6 +186,28 @@ def fuse_model(
     if fused.ir_version > 10 and model_proto.ir_version <= 10:
         fused.ir_version = model_proto.ir_version
     return fused, results, notes
+
+
+def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
+    """What fuse would make of each unfused attention block, without rewriting anything:
+    block name -> its meaning (e.g. "causal + key padding, window 4") or "not fused: why"."""
+    model = to_ir(model_proto)
+    _prepare(model, "ort")
+    oracle = Oracle(model)
+    out: dict[str, str] = {}
+    for node in model.graph:
+        try:
+            if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
+                core = parse_softmax_attention(node, _opset(model), oracle)
+            elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+                core = parse_onnx_attention(node, node.name or "Attention", oracle)
+            else:
+                continue
+            out[core.block] = core.describe()
+        except Reject as exc:
+            if exc.candidate:
+                out[exc.block] = f"not fused: {exc.reason}"
+    return out
 
 
 def _fused_result(name: str, blog: BlockLog, form: str) -> BlockResult:

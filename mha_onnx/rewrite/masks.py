@@ -125,7 +125,7 @@ def arange_axis(value: ir.Value | None) -> int | None:
     path = []
     current = value
     for _ in range(8):
-        node = producer(current, "Unsqueeze", "Expand", "Cast")
+        node = producer(current, "Unsqueeze", "Expand", "Cast", "Reshape")
         if node is None:
             break
         path.append(node)
@@ -135,7 +135,13 @@ def arange_axis(value: ir.Value | None) -> int | None:
         return None
     axis, rank_now = 0, 1
     for node in reversed(path):  # follow the arange's axis down to ``value``
-        if node.op_type == "Unsqueeze":
+        if node.op_type == "Reshape":  # only one non-1 dim: that is where the arange went
+            shape = const_ints(node.inputs[1])
+            big = [n for n, d in enumerate(shape or []) if d != 1]
+            if shape is None or len(big) != 1:
+                return None
+            axis, rank_now = big[0], len(shape)
+        elif node.op_type == "Unsqueeze":
             axes = const_ints(node.inputs[1])
             if axes is None:
                 return None
@@ -143,8 +149,11 @@ def arange_axis(value: ir.Value | None) -> int | None:
             for a in sorted(x % rank_now for x in axes):
                 if a <= axis:
                     axis += 1
-        elif node.op_type == "Expand" and _rank(node.outputs[0]) != rank_now:
-            return None
+        elif node.op_type == "Expand":  # broadcasting prepends dims
+            out_rank = _rank(node.outputs[0])
+            if out_rank is None or out_rank < rank_now:
+                return None
+            axis, rank_now = axis + out_rank - rank_now, out_rank
     return axis
 
 
@@ -168,13 +177,14 @@ def is_broadcast_gather(node: ir.Node) -> bool:
 
 
 def key_axis_only(value: ir.Value, sd: ScoreDims) -> bool:
-    """Does ``value`` broadcast onto the scores as [B, H|1, S|1, T] (varies over keys and
-    batch only)?"""
+    """Could ``value`` be a [B, T] padding broadcast over the scores: keys on its last axis,
+    no other axis a length (batch and heads may be merged or broadcast)? A first screen: the
+    padding is then proven by evaluation (:meth:`Oracle.padding_agrees`)."""
     shape = dims(value)
-    if shape is None or sd.rank != 4 or len(shape) != 4:
+    if shape is None or sd.rank != 4 or not 2 <= len(shape) <= 4:
         return False
-    return (same_dim(shape[0], sd.batch) and (shape[1] == 1 or same_dim(shape[1], sd.heads))
-            and (shape[2] == 1 or same_dim(shape[2], sd.seq_q)) and same_dim(shape[3], sd.seq_kv))
+    lengths = {sd.seq_q, sd.seq_kv} - {None, 1}
+    return same_dim(shape[-1], sd.seq_kv) and not any(d in lengths for d in shape[:-1])
 
 
 def padding_leaf(outer: ir.Value, source: ir.Value, sd: ScoreDims, masked_when: bool

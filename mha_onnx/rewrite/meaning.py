@@ -109,6 +109,10 @@ def plan(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> MaskMeaning:
     weakest = max(fills, default=-math.inf)
     if fills and not (weakest <= REMOVES_KEY):
         return _dense(terms, f"masked keys get the score {weakest:g}, which does not remove them")
+    if padding:
+        disagreement = oracle.padding_agrees(terms, pieces.size, padding[0], sd)
+        if disagreement:
+            return _dense(terms, disagreement)
     causal = Causal(size.window, size.alignment) if size.kind == "causal" else None
     mode = "replace" if all(t.mode == "replace" for t in terms) else "add"
     meaning = MaskMeaning(causal, padding[0] if padding else None, size.biases, tuple(terms),

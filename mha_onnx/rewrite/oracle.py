@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import Dim, const_array, dims
-from mha_onnx.rewrite.masks import REMOVES_KEY, ScoreDims, SizeLeaf
+from mha_onnx.rewrite.masks import REMOVES_KEY, Padding, ScoreDims, SizeLeaf, Term
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,30 @@ class Oracle:
                 self._patterns[key] = SizePattern("other", reason=str(exc))
         return self._patterns[key]
 
+    def padding_agrees(self, terms: Sequence[Term], leaves: Sequence[SizeLeaf], padding: Padding,
+                       sd: ScoreDims) -> str:
+        """Do ``terms`` mask exactly the keys that ``leaves`` mask plus those ``padding``
+        pads, for every batch entry, head and query? Evaluated with random padding patterns
+        at several sizes; '' when they do, else why not."""
+        try:
+            runner = _SliceRunner(self.model, [t.value for t in terms] + [x.value for x in leaves],
+                                  set(self._symbols), fed=(padding.source,))
+            rng = np.random.default_rng(0)
+            for assignment in _assignments(self._symbols, list(BASE_LENGTHS[:3])):
+                sizes = [_resolve(d, assignment) for d in (sd.batch, sd.seq_q, sd.seq_kv)]
+                if None in sizes:
+                    return "the scores' dims cannot be related to the inputs' dims"
+                b, s, t = sizes
+                pattern = _padding_pattern(rng, b, t)  # True = padded
+                source = _as_source(pattern, padding)
+                arrays = runner.run(assignment, {runner.inputs_by_id[id(padding.source)]: source})
+                reason = _compare_padding(terms, leaves, arrays, pattern, (b, s, t))
+                if reason:
+                    return reason
+        except _Refused as exc:
+            return str(exc)
+        return ""
+
     def _evaluate(self, leaves: list[SizeLeaf], sd: ScoreDims) -> SizePattern:
         runner = _SliceRunner(self.model, [leaf.value for leaf in leaves], set(self._symbols))
         lengths = self._lengths(runner.constants())
@@ -184,14 +208,16 @@ def _resolve(dim: Dim, assignment: dict[str, int]) -> int | None:
 class _SliceRunner:
     """The piece(s) cut out of the graph as a model of their own, run on ORT CPU."""
 
-    def __init__(self, model: ir.Model, values: list[ir.Value], symbols: set[str]) -> None:
-        inputs = _boundary(values, symbols)
+    def __init__(self, model: ir.Model, values: list[ir.Value], symbols: set[str],
+                 fed: tuple[ir.Value, ...] = ()) -> None:
+        inputs = _boundary(values, symbols, fed)
         try:
             graph = ir.convenience.extract(model.graph, inputs, _unique(values))
         except ValueError as exc:
             raise _Refused(f"the mask cannot be cut out of the graph ({exc})") from exc
         self.graph = graph
         self.inputs = [(v.name, v.dtype, dims(v) or []) for v in graph.inputs]
+        self.inputs_by_id = {id(v): v.name for v in inputs}
         self.outputs = [v.name for v in graph.outputs]
         self.value_names = [v.name for v in values]
         piece = ir.Model(graph, ir_version=min(model.ir_version, 10))
@@ -211,15 +237,18 @@ class _SliceRunner:
                 found.update(abs(int(x)) for x in array.reshape(-1) if 2 <= abs(int(x)) < 2**31)
         return sorted(found)
 
-    def run(self, assignment: dict[str, int]) -> list[np.ndarray]:
+    def run(self, assignment: dict[str, int],
+            given: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        """The values at ``assignment``: inputs in ``given`` as given, others zeros."""
         from mha_onnx.runtimes import OrtRunner
 
         if self._session is None:
             self._session = OrtRunner(self._proto.SerializeToString(), "cpu", optimization="none")
-        feeds = {}
+        feeds = dict(given or {})
         for name, dtype, shape in self.inputs:
-            concrete = [_resolve(d, assignment) or 1 for d in shape]
-            feeds[name] = np.zeros(concrete, dtype=dtype.numpy())
+            if name not in feeds:
+                concrete = [_resolve(d, assignment) or 1 for d in shape]
+                feeds[name] = np.zeros(concrete, dtype=dtype.numpy())
         try:
             out = self._session.infer(feeds)
         except Exception as exc:  # noqa: BLE001 - any failure means: not proven
@@ -238,11 +267,13 @@ def _known(value: ir.Value, symbols: set[str]) -> bool:
     return shape is not None and all(_resolve(d, probe) is not None for d in shape)
 
 
-def _boundary(values: list[ir.Value], symbols: set[str]) -> list[ir.Value]:
-    """Where the slice of ``values`` starts: graph inputs, and values that the slice reads
-    only through Shape/Size and whose dims are known (fed as zeros of that shape, so nothing
-    before them runs)."""
-    stack, data, found, shape_only = list(values), set(), {}, {}
+def _boundary(values: list[ir.Value], symbols: set[str],
+              fed: tuple[ir.Value, ...] = ()) -> list[ir.Value]:
+    """Where the slice of ``values`` starts: graph inputs, the values in ``fed``, and values
+    that the slice reads only through Shape/Size and whose dims are known (fed as zeros of
+    that shape, so nothing before them runs)."""
+    stack, data, shape_only = list(values), set(), {}
+    found = {id(v): v for v in fed}
     while stack:
         value = stack.pop()
         if id(value) in data:
@@ -250,6 +281,8 @@ def _boundary(values: list[ir.Value], symbols: set[str]) -> list[ir.Value]:
         data.add(id(value))
         shape_only.pop(id(value), None)
         node = value.producer()
+        if id(value) in found:
+            continue
         if node is None:
             if not value.is_initializer() and value.const_value is None:
                 found[id(value)] = value
@@ -345,3 +378,49 @@ def _classify(observed: list[_Observed], leaves: list[SizeLeaf]) -> SizePattern:
                            fill=fill, biases=biases)
     return SizePattern("other", fill=fill, biases=biases,
                        reason="a size-dependent mask that is neither causal nor a causal window")
+
+
+def _padding_pattern(rng: np.random.Generator, b: int, t: int) -> np.ndarray:
+    """[B, T], True = padded: no padding, right padding, random holes, all padded."""
+    padded = np.zeros((b, t), dtype=bool)
+    for row in range(b):
+        kind = row % 4
+        if kind == 1:
+            padded[row, max(1, t // 2):] = True
+        elif kind == 2:
+            padded[row] = rng.random(t) < 0.4
+        elif kind == 3:
+            padded[row] = True
+    return padded
+
+
+def _as_source(padded: np.ndarray, padding: Padding) -> np.ndarray:
+    """The padding source's values for ``padded`` (a keep mask when ``inverted``)."""
+    flags = ~padded if padding.inverted else padded
+    dtype = padding.source.dtype
+    return flags.astype(dtype.numpy() if dtype is not None else np.bool_)
+
+
+def _term_masked(term: Term, array: np.ndarray) -> np.ndarray:
+    if term.mode == "replace":
+        flag = array if array.dtype == np.bool_ else array != 0
+        return flag == term.masked_when
+    return array.astype(np.float64) * term.post <= REMOVES_KEY
+
+
+def _compare_padding(terms: Sequence[Term], leaves: Sequence[SizeLeaf], arrays: list[np.ndarray],
+                     padded: np.ndarray, sizes: tuple[int, int, int]) -> str:
+    b, s, t = sizes
+    actual = np.zeros((b, 1, s, t), dtype=bool)
+    try:
+        for term, array in zip(terms, arrays, strict=False):
+            masked = _term_masked(term, np.asarray(array))
+            masked = masked.reshape((1,) * (4 - masked.ndim) + masked.shape)
+            actual = actual | masked
+        size = _masked_and_biases(list(leaves), arrays[len(terms):], s, t).masked
+    except (ValueError, _Refused) as exc:
+        return f"the mask does not broadcast like a key padding ({exc})"
+    expected = size[None, None] | padded[:, None, None, :]
+    if not np.array_equal(actual, np.broadcast_to(expected, actual.shape)):
+        return "the mask does not mask the keys its [B, T] padding says (checked by evaluation)"
+    return ""

@@ -150,10 +150,8 @@ def reaches_matmul(value: ir.Value | None, depth: int = 0) -> bool:
     if node.op_type == "MatMul":
         return True
     if node.op_type in ("Mul", "Div"):
-        found = scalar_factor(node)
-        if found is not None:
-            return reaches_matmul(found[0], depth + 1)
-        return node.op_type == "Mul" and _softcap_inner(node) is not None
+        found = (_softcap_inner(node) if node.op_type == "Mul" else None) or scalar_factor(node)
+        return found is not None and reaches_matmul(found[0], depth + 1)
     if node.op_type == "Add":
         return any(reaches_matmul(v, depth + 1) for v in node.inputs)
     if node.op_type == "Where":
@@ -190,14 +188,14 @@ class _ChainWalk:
         """Consume ``node``; return the value to continue from."""
         op = node.op_type
         if op in ("Mul", "Div"):
-            found = scalar_factor(node)
-            if found is not None:
-                self.post *= found[1]
-                return found[0]
             capped = _softcap_inner(node) if op == "Mul" else None
-            if capped is None:
+            if capped is not None:
+                return self._enter_cap(*capped)
+            found = scalar_factor(node)
+            if found is None:
                 raise Reject(self.block, f"scores are scaled by a non-constant or zero ({op})")
-            return self._enter_cap(*capped)
+            self.post *= found[1]
+            return found[0]
         if op == "Add":
             return self._add(node)
         if op == "Where":

@@ -1,0 +1,28 @@
+"""Helpers shared by the fusion tests: the ops of a model (subgraphs included) and a fuse
+that checks structure (valid model, nothing unfused left) and numbers (verified)."""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+
+from mha_onnx.inspect import summarize
+from mha_onnx.rewrite import fuse_model
+from mha_onnx.rewrite.blocks import all_graphs
+from mha_onnx.rewrite.verify import verify
+
+
+def ops(model: onnx.ModelProto) -> list[str]:
+    graph = ir.from_proto(model).graph
+    return [n.op_type for g in all_graphs(graph) for n in g]
+
+
+def fused_and_checked(model: onnx.ModelProto, target: str = "ort"):
+    fused, results, _ = fuse_model(model, target=target)
+    onnx.checker.check_model(fused, full_check=True)  # types declared, subgraphs included
+    summary = summarize(fused)
+    assert summary.unfused_blocks == 0, [b for b in summary.blocks if b.kind == "unfused"]
+    assert "Softmax" not in ops(fused)
+    result = verify(model, fused)
+    assert result.passed, result.first_failure()
+    return fused, results

@@ -1,0 +1,127 @@
+"""Decoder attention as real exporters write it lands on GroupQueryAttention: causal masks in
+every spelling, grouped K/V kept grouped, windows, soft-capping, key padding (right padding on
+GQA, anything else on the exact general form), Hugging Face families built from configs,
+opset 18 and 23, float32 and float16. Near misses stay on the dense form. Every model is
+verified against its original (tests.fusing.fused_and_checked)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from mha_onnx.cli import main
+from mha_onnx.inputs import ShapeCase, input_specs, make_inputs
+from mha_onnx.runtimes import OrtRunner
+from tests.fusing import fused_and_checked, ops
+from tools.zoo import CAUSAL_SPELLINGS, NOT_CAUSAL, hf_decoder
+
+GQA = "GroupQueryAttention"
+RIGHT_PADDED_GQA = "If(right padding): GroupQueryAttention"
+
+
+def _all_gqa(results, prefix: str = GQA) -> None:
+    assert results and all(r.status == "fused" for r in results)
+    assert all(r.form.startswith(prefix) for r in results), [r.form for r in results]
+
+
+@pytest.mark.parametrize("spelling", CAUSAL_SPELLINGS)
+def test_causal_spellings_reach_gqa(zoo, spelling):
+    fused, results = fused_and_checked(zoo(f"spelled_{spelling}"))
+    _all_gqa(results)
+    assert GQA in ops(fused) and "MultiHeadAttention" not in ops(fused)
+    window = 3 if spelling == "window3" else 0
+    assert results[0].details["mask_meaning"]["window"] == window
+
+
+@pytest.mark.parametrize("spelling", NOT_CAUSAL)
+def test_near_misses_stay_dense(zoo, spelling):
+    fused, results = fused_and_checked(zoo(f"spelled_{spelling}"))
+    assert [r.form for r in results] == ["MultiHeadAttention + attention_bias"]
+    assert GQA not in ops(fused) and not results[0].details["mask_meaning"]["causal"]
+
+
+@pytest.mark.parametrize("name", ["torch_mha_causal_float", "spelled_triu1_bool_padded",
+                                  "hf_mask_builder", "hf_mask_builder_vmap",
+                                  "decoder_float_mask_tgt_padding"])
+def test_torch_and_mask_builder_decoders(zoo, name):
+    _, results = fused_and_checked(zoo(name))
+    causal = [r for r in results if r.details["mask_meaning"]["causal"]]
+    assert causal and all(GQA in r.form for r in causal), [r.form for r in results]
+
+
+FAMILIES = [
+    # family, attention implementation, opset, dtype, what the block must show
+    ("gpt2", "eager", 18, "float32", ""),
+    ("llama", "sdpa", 18, "float32", "4 q heads / 2 kv heads"),
+    ("qwen2", "eager", 18, "float16", "4 q heads / 2 kv heads"),
+    ("mistral", "sdpa", 18, "float32", "window 4"),
+    ("gemma2", "eager", 18, "float32", "softcap 50"),
+    ("falcon", "eager", 18, "float32", "4 q heads / 1 kv heads"),
+    ("phi3", "sdpa", 18, "float32", "kv heads"),
+    ("opt", "eager", 18, "float32", ""),
+    ("llama", "sdpa", 23, "float32", "4 q heads / 2 kv heads"),  # Attention-23, RotaryEmbedding
+]
+
+
+@pytest.fixture(scope="module")
+def decoders():
+    cache: dict = {}
+
+    def get(family, attn, opset, dtype):
+        key = (family, attn, opset, dtype)
+        if key not in cache:
+            cache[key] = hf_decoder(family, attn, opset, dtype)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("family, attn, opset, dtype, shows", FAMILIES,
+                         ids=[f"{f}-{a}-{o}-{d}" for f, a, o, d, _ in FAMILIES])
+def test_hugging_face_decoders_fuse_onto_gqa(decoders, family, attn, opset, dtype, shows):
+    _, results = fused_and_checked(decoders(family, attn, opset, dtype))
+    _all_gqa(results, RIGHT_PADDED_GQA)
+    assert all("causal + key padding" in r.meaning and shows in r.meaning for r in results)
+
+
+def test_right_and_left_padding_both_match_the_original(decoders):
+    """The If takes GQA for right padding and the general form otherwise; both are exact."""
+    model = decoders("llama", "sdpa", 18, "float32")
+    fused, _ = fused_and_checked(model)
+    specs = input_specs(model)
+    feeds = make_inputs(specs, ShapeCase("x", {"batch": 3, "seq": 9}, padding="none"))
+    lengths = [9, 5, 1]
+    for side in ("right", "left"):
+        mask = np.zeros((3, 9), np.int64)
+        for row, n in enumerate(lengths):
+            mask[row, :n] = 1
+        feeds["attention_mask"] = mask if side == "right" else mask[:, ::-1].copy()
+        want = OrtRunner(model.SerializeToString()).infer(feeds)
+        got = OrtRunner(fused.SerializeToString()).infer(feeds)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=1e-4, err_msg=side)
+
+
+def test_fuse_json_reports_form_and_meaning(decoders, tmp_path):
+    source = tmp_path / "mistral.onnx"
+    onnx.save(decoders("mistral", "sdpa", 18, "float32"), source)
+    result = CliRunner().invoke(main, ["fuse", str(source), "-o", str(tmp_path / "f.onnx"), "--json"])
+    assert result.exit_code == 0, result.output
+    (block,) = json.loads(result.output)["blocks"]
+    assert block["form"].startswith(RIGHT_PADDED_GQA) and block["kv_heads"] == 2
+    assert block["mask_meaning"]["window"] == 4 and block["mask_meaning"]["key_padding"]
+
+
+def test_inspect_says_what_each_block_is_understood_as(decoders, tmp_path):
+    source = tmp_path / "gemma2.onnx"
+    onnx.save(decoders("gemma2", "eager", 18, "float32"), source)
+    result = CliRunner().invoke(main, ["inspect", str(source), "--json"])
+    assert result.exit_code == 0, result.output
+    (block,) = json.loads(result.output)["attention_blocks"]["blocks"]
+    assert block["kind"] == "unfused"
+    assert block["understood"] == ("causal + key padding, window 4, 4 q heads / 2 kv heads, "
+                                   "softcap 50")

@@ -1,0 +1,137 @@
+"""Taking mask terms apart (masks.py) and reducing them to a meaning (meaning.py): boolean
+trees, float spellings of booleans, key padding leaves, and what must stay a dense bias."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mha_onnx.rewrite.masks import Padding, ScoreDims, Term, take_apart
+from mha_onnx.rewrite.meaning import Unsupported, plan
+from mha_onnx.rewrite.oracle import Oracle
+from tests.irgraphs import BOOL, F, Graph, aranges, const, model, node, qkv_inputs, tensor
+
+SD = ScoreDims("B", 2, "S", "S", 4)
+B64 = 7  # TensorProto.INT64
+
+
+def _pad_inputs() -> list:
+    return qkv_inputs() + [tensor("pad", BOOL, ["B", "S"]), tensor("am", B64, ["B", "S"])]
+
+
+def _padding_b11t(source: str, out: str) -> list:
+    """[B, S] -> [B, 1, 1, S] (Unsqueeze), the usual broadcast of key padding."""
+    return [const(out + "_axes", [1, 2]), node("Unsqueeze", [source, out + "_axes"], out)]
+
+
+def _graph(nodes: list, outs: list[str]) -> Graph:
+    return Graph(model(aranges() + nodes, _pad_inputs(), outs))
+
+
+def _size_only(g: Graph):
+    return Oracle(g.model).size_only
+
+
+def test_and_of_keeps_is_a_union_of_masked_keys():
+    g = _graph([node("LessOrEqual", ["j", "i"], "causal"), *_padding_b11t("pad", "pad4"),
+                node("Not", ["pad4"], "kept"), node("And", ["causal", "kept"], "keep")], ["keep"])
+    pieces = take_apart([Term("replace", g["keep"], 1.0, -math.inf, False)], SD, _size_only(g))
+    assert not pieces.reason and len(pieces.size) == 1 and pieces.size[0].value is g["causal"]
+    (padding, fill), = pieces.padding
+    assert padding == Padding(g["pad"], inverted=False) and fill == -math.inf
+
+
+def test_hugging_face_float_spelling_of_a_keep_mask():
+    """(1 - attention_mask) * finfo.min, attention_mask int 1 = keep."""
+    g = _graph([*_padding_b11t("am", "am4"), node("Cast", ["am4"], "amf", to=F), const("one_f", 1.0),
+                node("Sub", ["one_f", "amf"], "inv"), const("low", -3.4e38),
+                node("Mul", ["inv", "low"], "bias")], ["bias"])
+    pieces = take_apart([Term("add", g["bias"], 1.0)], SD, _size_only(g))
+    (padding, fill), = pieces.padding
+    assert padding.source is g["am"] and padding.inverted and fill == pytest.approx(-3.4e38)
+
+
+def test_cast_times_fill_and_where_spellings():
+    g = _graph([*_padding_b11t("pad", "p4"), node("Cast", ["p4"], "pf", to=F), const("big", -1e9),
+                node("Mul", ["pf", "big"], "mul_bias"), const("z", 0.0), const("ninf", -math.inf),
+                node("Where", ["p4", "ninf", "z"], "where_bias")], ["mul_bias", "where_bias"])
+    for name in ("mul_bias", "where_bias"):
+        pieces = take_apart([Term("add", g[name], 1.0)], SD, _size_only(g))
+        assert [p for p, _ in pieces.padding] == [Padding(g["pad"], False)], name
+
+
+def test_intersection_of_masked_sets_is_not_understood():
+    """And over *masked* flags masks keys only where both do: no kernel form for that."""
+    g = _graph([*_padding_b11t("pad", "p4"), node("LessOrEqual", ["j", "i"], "c"),
+                node("Not", ["c"], "future"), node("And", ["future", "p4"], "masked")], ["masked"])
+    pieces = take_apart([Term("replace", g["masked"], 1.0, -math.inf, True)], SD, _size_only(g))
+    assert pieces.reason
+
+
+def test_a_data_mask_over_queries_is_not_key_padding():
+    g = Graph(model([node("Not", ["m"], "keep")],
+                    qkv_inputs() + [tensor("m", BOOL, ["B", 1, "S", "S"])], ["keep"]))
+    pieces = take_apart([Term("replace", g["keep"], 1.0, -math.inf, False)], SD, _size_only(g))
+    assert "not a [B, T] key padding" in pieces.reason
+
+
+# -- meaning ---------------------------------------------------------------------------------
+
+def _meaning(nodes: list, out: str, term_of):
+    g = _graph(nodes, [out])
+    return plan([term_of(g[out])], SD, Oracle(g.model)), g
+
+
+def test_causal_plus_padding():
+    meaning, g = _meaning(
+        [node("LessOrEqual", ["j", "i"], "causal"), *_padding_b11t("pad", "p4"),
+         node("Not", ["p4"], "kept"), node("And", ["causal", "kept"], "keep")], "keep",
+        lambda v: Term("replace", v, 1.0, -math.inf, False))
+    assert meaning.causal is not None and meaning.padding is not None
+    assert meaning.describe() == "causal + key padding" and meaning.kind == "causal"
+
+
+def test_a_size_only_bias_that_masks_nothing_is_a_position_bias():
+    """-5 above the diagonal does not remove keys: a position bias, never causal."""
+    meaning, _ = _meaning([node("Greater", ["j", "i"], "future"), node("Cast", ["future"], "ff", to=F),
+                           const("small", -5.0), node("Mul", ["ff", "small"], "bias")], "bias",
+                          lambda v: Term("add", v, 1.0))
+    assert meaning.causal is None and meaning.biases and meaning.describe() == "position bias"
+
+
+def test_a_padding_fill_that_does_not_remove_keys_is_a_dense_bias():
+    meaning, _ = _meaning([*_padding_b11t("pad", "p4"), const("small", -5.0), const("z", 0.0),
+                           node("Where", ["p4", "small", "z"], "bias")], "bias",
+                          lambda v: Term("add", v, 1.0))
+    assert meaning.kind == "bias" and "does not remove" in meaning.reason
+
+
+def test_two_different_paddings_stay_dense():
+    g = _graph([*_padding_b11t("pad", "p4"), *_padding_b11t("am", "a4"), node("Cast", ["a4"], "ab", to=BOOL),
+                node("Or", ["p4", "ab"], "masked")], ["masked"])
+    meaning = plan([Term("replace", g["masked"], 1.0, -math.inf, True)], SD, Oracle(g.model))
+    assert meaning.kind == "bias" and "two different key paddings" in meaning.reason
+
+
+def test_finite_masked_fill_combined_with_other_masks_is_refused():
+    g = _graph([*_padding_b11t("pad", "p4"), node("LessOrEqual", ["j", "i"], "c"), node("Not", ["c"], "future")],
+               ["p4", "future"])
+    terms = [Term("replace", g["p4"], 1.0, -5.0, True), Term("replace", g["future"], 1.0, -math.inf, True)]
+    with pytest.raises(Unsupported, match="finite value -5"):
+        plan(terms, SD, Oracle(g.model))
+
+
+def test_padding_is_proven_by_evaluation():
+    """The oracle checks a claimed padding against the mask's values: the true claim holds,
+    the opposite polarity or another source does not."""
+    g = _graph([*_padding_b11t("pad", "p4"), node("LessOrEqual", ["j", "i"], "c"),
+                node("Not", ["p4"], "kept"), node("And", ["c", "kept"], "keep")], ["keep"])
+    oracle = Oracle(g.model)
+    terms = [Term("replace", g["keep"], 1.0, -math.inf, False)]
+    pieces = take_apart(terms, SD, oracle.size_only)
+    assert oracle.padding_agrees(terms, pieces.size, Padding(g["pad"], False), SD) == ""
+    wrong = oracle.padding_agrees(terms, pieces.size, Padding(g["pad"], True), SD)
+    assert "checked by evaluation" in wrong
+    no_causal = oracle.padding_agrees(terms, (), Padding(g["pad"], False), SD)
+    assert "checked by evaluation" in no_causal
