@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import time
 import warnings
@@ -21,32 +20,23 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mha_onnx import __version__
+from mha_onnx import __version__, metadata
 from mha_onnx.config import MhaConfig, TensorSpec, graph_inputs, graph_outputs
 from mha_onnx.errors import ExportError
 from mha_onnx.graphio import MAX_IR_VERSION, MAX_OPSET, prepare_output, write_model
+from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
+from mha_onnx.metadata import CheckResult
 from mha_onnx.stats import compare
 from mha_onnx.table import human_bytes, table
 
 log = logging.getLogger(__name__)
 
-META_PREFIX = "mha_onnx."
 DEFAULT_OPSET = 20
 MIN_OPSET = 18
 # Example sizes for tracing: >= 2 and pairwise distinct so torch.export keeps them symbolic.
 EXAMPLE_BATCH, EXAMPLE_SEQ_Q, EXAMPLE_SEQ_KV = 2, 5, 7
 # (batch, seq_q, seq_kv) checked after export; none equals the example.
 CHECK_SHAPES = ((1, 1, 1), (1, 13, 6), (3, 37, 41), (2, 64, 3))
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    passed: bool
-    detail: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail}
 
 
 @dataclass(frozen=True)
@@ -135,48 +125,6 @@ def _exportable(config: MhaConfig) -> type:
     return Exportable
 
 
-def make_feeds(
-    config: MhaConfig, batch: int, seq_q: int, seq_kv: int, *, seed: int = 0, pad: str = "some"
-) -> dict[str, np.ndarray]:
-    """Random inputs of the contract. ``pad``: "none", "some" (every row keeps >= 1 key) or
-    "full" (the last batch entry has every key padded)."""
-    rng = np.random.default_rng(seed)
-    np_dtype = np.dtype(config.dtype)
-    seq_kv = seq_kv if config.attention == "cross" else seq_q
-    feeds: dict[str, np.ndarray] = {}
-    for spec in graph_inputs(config):
-        if spec.name == "key_padding_mask":
-            mask = np.zeros((batch, seq_kv), dtype=bool)
-            if pad in ("some", "full"):
-                for b in range(batch):
-                    keep = int(rng.integers(1, seq_kv + 1))
-                    mask[b, keep:] = True
-                    mask[b, rng.random(seq_kv) < 0.2] = True
-                    mask[b, int(rng.integers(0, seq_kv))] = False
-            if pad == "full":
-                mask[-1, :] = True
-            feeds[spec.name] = mask
-        else:
-            length = seq_q if spec.name == "query" else seq_kv
-            feeds[spec.name] = rng.standard_normal((batch, length, config.d_model)).astype(np_dtype)
-    return feeds
-
-
-def reference_outputs(module32: Any, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    """The float32 reference module's output for ``feeds`` (float inputs upcast)."""
-    import torch
-
-    args = {k: torch.from_numpy(v) for k, v in feeds.items()}
-    for name in ("query", "key", "value"):
-        if name in args:
-            args[name] = args[name].float()
-    with torch.no_grad():
-        out = module32(
-            args["query"], args.get("key"), args.get("value"), args.get("key_padding_mask")
-        )
-    return out.numpy()
-
-
 def export_model(
     config: MhaConfig,
     output: str | Path,
@@ -187,64 +135,59 @@ def export_model(
     seed: int = 0,
 ) -> ExportReport:
     """Export ``config`` (random weights from ``seed`` unless ``weights``) to ``output``."""
-
-    from mha_onnx.reference import TORCH_DTYPES, build_reference
-    from mha_onnx.weights import checksum, load_weights
+    from mha_onnx.weights import checksum
 
     started = time.perf_counter()
     opset = DEFAULT_OPSET if opset is None else opset
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ExportError(f"opset {opset} is not supported", hint=f"use {MIN_OPSET}..{MAX_OPSET}")
     output = prepare_output(output, force=force)
-    state = load_weights(weights, config) if weights is not None else None
-    module32 = build_reference(config.replace(dtype="float32"), state, seed=seed)
+    module32, state32 = _reference_and_weights(config, weights, seed)
     source = f"file:{Path(weights).name}" if weights is not None else f"random(seed={seed})"
-    state32 = {k: v.detach().clone() for k, v in module32.state_dict().items()}
-    if config.dtype != "float32":  # the reference then holds exactly the exported weights
-        state32 = {k: v.to(TORCH_DTYPES[config.dtype]).float() for k, v in state32.items()}
-        module32.load_state_dict(state32)
     digest = checksum(state32)
-
-    exportable = _exportable(config)(config)
-    exportable.load_state_dict(state32)
-    exportable = exportable.to(TORCH_DTYPES[config.dtype]).eval()
-    model = _torch_export(exportable, config, opset)
-    _name_dims(model, config)
-    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
-    params = _locate_params(model, state32)
-    meta = {
-        "version": __version__,
-        "config": config.to_json(),
-        "weights_sha256": digest,
-        "weights_source": source,
-        "params": json.dumps(params, sort_keys=True),
-    }
-    del model.metadata_props[:]
-    for key, value in meta.items():
-        model.metadata_props.add(key=META_PREFIX + key, value=value)
+    model = _export_with_weights(config, state32, opset)
+    metadata.write(model, {"version": __version__, "config": config.to_json(),
+                           "weights_sha256": digest, "weights_source": source,
+                           "params": _locate_params(model, state32)}, keep_others=False)
     model.producer_name, model.producer_version = "mha-onnx", __version__
-
     checks = _post_export_checks(model, config, module32)
     failed = [c for c in checks if not c.passed]
     if failed:
-        raise ExportError(
-            f"post-export check {failed[0].name!r} failed: {failed[0].detail}",
-            hint="nothing was written; run with -v for details",
-        )
+        raise ExportError(f"post-export check {failed[0].name!r} failed: {failed[0].detail}",
+                          hint="nothing was written; run with -v for details")
     write_model(model, output, force=force)
     return ExportReport(
-        path=str(output),
-        config=config,
-        opset=opset,
-        ir_version=model.ir_version,
-        inputs=graph_inputs(config),
-        outputs=graph_outputs(config),
-        weights_sha256=digest,
-        weights_source=source,
-        file_bytes=output.stat().st_size,
-        seconds=time.perf_counter() - started,
-        checks=tuple(checks),
+        path=str(output), config=config, opset=opset, ir_version=model.ir_version,
+        inputs=graph_inputs(config), outputs=graph_outputs(config), weights_sha256=digest,
+        weights_source=source, file_bytes=output.stat().st_size,
+        seconds=time.perf_counter() - started, checks=tuple(checks),
     )
+
+
+def _reference_and_weights(config: MhaConfig, weights: str | Path | None, seed: int):
+    """The float32 PyTorch reference and its state; for float16 both hold exactly the
+    weights the export will hold (rounded to float16)."""
+    from mha_onnx.reference import TORCH_DTYPES, build_reference
+    from mha_onnx.weights import load_weights
+
+    state = load_weights(weights, config) if weights is not None else None
+    module32 = build_reference(config.replace(dtype="float32"), state, seed=seed)
+    state32 = {k: v.detach().clone() for k, v in module32.state_dict().items()}
+    if config.dtype != "float32":
+        state32 = {k: v.to(TORCH_DTYPES[config.dtype]).float() for k, v in state32.items()}
+        module32.load_state_dict(state32)
+    return module32, state32
+
+
+def _export_with_weights(config: MhaConfig, state32: dict, opset: int) -> onnx.ModelProto:
+    from mha_onnx.reference import TORCH_DTYPES
+
+    exportable = _exportable(config)(config)
+    exportable.load_state_dict(state32)
+    model = _torch_export(exportable.to(TORCH_DTYPES[config.dtype]).eval(), config, opset)
+    _name_dims(model, config)
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    return model
 
 
 def _torch_export(module: Any, config: MhaConfig, opset: int) -> onnx.ModelProto:
@@ -338,54 +281,52 @@ def _locate_params(model: onnx.ModelProto, state: dict[str, Any]) -> dict[str, d
 
 
 def _post_export_checks(model: onnx.ModelProto, config: MhaConfig, module32: Any) -> list[CheckResult]:
+    """onnx.checker, IR version, an ORT session, then parity with the PyTorch reference."""
     from mha_onnx.runtimes import OrtRunner
-    from mha_onnx.stats import default_tolerance
 
-    checks: list[CheckResult] = []
     try:
         onnx.checker.check_model(model, full_check=True)
-        checks.append(CheckResult("onnx.checker", True, "full check passed"))
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        checks.append(CheckResult("onnx.checker", False, str(exc).splitlines()[0]))
-        return checks
-    checks.append(
-        CheckResult(
-            "ir_version",
-            model.ir_version <= MAX_IR_VERSION,
-            f"IR {model.ir_version} (onnxruntime reads <= {MAX_IR_VERSION})",
-        )
-    )
+        return [CheckResult("onnx.checker", False, str(exc).splitlines()[0])]
+    checks = [CheckResult("onnx.checker", True, "full check passed"),
+              CheckResult("ir_version", model.ir_version <= MAX_IR_VERSION,
+                          f"IR {model.ir_version} (onnxruntime reads <= {MAX_IR_VERSION})")]
     try:
         runner = OrtRunner(model.SerializeToString(), "cpu", threads=2)
         runner.session  # noqa: B018
-        checks.append(CheckResult("ort_load", True, "ORT CPU session created"))
     except Exception as exc:  # noqa: BLE001 (reported as a failed check)
-        checks.append(CheckResult("ort_load", False, str(exc)))
-        return checks
+        return checks + [CheckResult("ort_load", False, str(exc))]
+    checks.append(CheckResult("ort_load", True, "ORT CPU session created"))
+    with runner:
+        checks += _parity_checks(runner, config, module32)
+    return checks
+
+
+def _parity_checks(runner: Any, config: MhaConfig, module32: Any) -> list[CheckResult]:
+    """ORT against the reference at shapes other than the tracing example."""
+    from mha_onnx.reference import run_reference
+    from mha_onnx.stats import default_tolerance
+
     atol, rtol = default_tolerance(config.dtype)
-    worst = 0.0
+    specs = contract_specs(config)
+    checks = []
     for batch, seq_q, seq_kv in CHECK_SHAPES:
         pads = ("some", "full") if config.mask == "key-padding" and batch > 1 else ("some",)
         for pad in pads:
-            feeds = make_feeds(config, batch, seq_q, seq_kv, seed=batch * 1000 + seq_q, pad=pad)
+            case = ShapeCase("check", {"batch": batch, "seq_q": seq_q, "seq_kv": seq_kv}, pad)
+            feeds = make_inputs(specs, case, seed=batch * 1000 + seq_q)
             shape = f"(batch={batch}, seq_q={seq_q}" + (
-                f", seq_kv={seq_kv})" if config.attention == "cross" else ")"
-            )
+                f", seq_kv={seq_kv})" if config.attention == "cross" else ")")
+            label = f"parity {shape}" + (" fully padded row" if pad == "full" else "")
             try:
                 got = runner.infer(feeds)["output"]
             except Exception as exc:  # noqa: BLE001
                 axis = _guess_specialised_axis(str(exc))
-                checks.append(CheckResult(f"parity {shape}", False, f"ORT failed{axis}: {exc}"))
+                checks.append(CheckResult(label, False, f"ORT failed{axis}: {exc}"))
                 continue
-            want = reference_outputs(module32, feeds)
-            stats = compare(got, want, atol=atol, rtol=rtol)
-            worst = max(worst, stats.max_abs)
-            label = f"parity {shape}" + (" fully padded row" if pad == "full" else "")
-            checks.append(
-                CheckResult(label, stats.passed, f"max abs {stats.max_abs:.2e} (atol {atol:g})")
-            )
-    runner.close()
-    log.info("export parity: worst max abs error %.3g", worst)
+            stats = compare(got, run_reference(module32, feeds), atol=atol, rtol=rtol)
+            checks.append(CheckResult(label, stats.passed,
+                                      f"max abs {stats.max_abs:.2e} (atol {atol:g})"))
     return checks
 
 

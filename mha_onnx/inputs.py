@@ -1,19 +1,23 @@
-"""Inputs for any ONNX model that honour its dynamic dims: one value per symbolic dim name
-(so dims that must agree do), several shape cases, masks with padding patterns.
+"""One inputs API for every stage and tool: what each model input is (recognised by how the
+graph uses it, not by its name), inputs that honour the dynamic dims (one value per symbolic
+dim, so dims that must agree do), padding patterns, a padded fraction of keys, user-given
+inputs (``--inputs FILE.npz``), and the memory check that refuses shapes that cannot fit.
 
-Used by ``fuse`` (verification) and ``validate``; no torch here.
+No torch here.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import onnx
 
-from mha_onnx.errors import InputSpecError
+from mha_onnx.errors import InputSpecError, ResourceError
+from mha_onnx.table import human_bytes
 
 NP_TYPES = {
     onnx.TensorProto.FLOAT: np.float32,
@@ -25,52 +29,111 @@ NP_TYPES = {
     onnx.TensorProto.INT8: np.int8,
     onnx.TensorProto.UINT8: np.uint8,
 }
-BATCH_NAMES = re.compile(r"batch|^b$|^n$|^N$|^B$", re.IGNORECASE)
-MASK_NAMES = re.compile(r"mask|padding", re.IGNORECASE)
+# Dim names exporters give the batch axis; every other symbolic dim is a length.
+_BATCH_DIM = re.compile(r"batch|^b$|^n$", re.IGNORECASE)
+# Ops that pass an input's values on unchanged (as far as "is it a mask" goes).
+_KEEPS_VALUES = {"Cast", "Unsqueeze", "Squeeze", "Reshape", "Expand", "Identity", "Slice",
+                 "Flatten", "Transpose", "Tile"}
+_INDEX_INPUT = {"Gather": 1, "GatherElements": 1, "GatherND": 1}
+_MASK_USES = {"Where", "Mul", "Sub", "Add", "Equal", "Not", "And", "Or", "Xor", "CumSum",
+              "ReduceSum", "ReduceMax", "ReduceMin", "Less", "Greater", "LessOrEqual",
+              "GreaterOrEqual", "Neg", "GatherND", "Compress"}
 
 
 @dataclass(frozen=True)
 class InputSpec:
+    """One model input. ``role``: "data" (floats), "mask" (bool or 0/1: which keys take
+    part), "ids" (integer indices below ``bound``)."""
+
     name: str
     dtype: np.dtype
     dims: tuple[int | str | None, ...]
+    role: str = "data"
+    bound: int = 16
 
 
 @dataclass(frozen=True)
 class ShapeCase:
-    """Values for the symbolic dims, and the mask pattern to use."""
+    """Values for the symbolic dims and the padding to use in mask inputs: "none", "some"
+    (every row keeps >= 1 key; right padding, holes, all but one), "full" (the last batch
+    entry fully padded), "tail" (the last ``pad_fraction`` of keys of every row)."""
 
     label: str
     dims: dict[str, int]
-    padding: str = "some"  # "none" | "some" | "full" (one batch entry fully padded)
+    padding: str = "some"
+    pad_fraction: float = 0.0
 
     def describe(self) -> str:
         inner = ", ".join(f"{k}={v}" for k, v in self.dims.items())
         return f"{self.label} ({inner})" if inner else self.label
 
 
+def is_batch_dim(name: str) -> bool:
+    return bool(_BATCH_DIM.search(name))
+
+
+# -- what each input is ---------------------------------------------------------------------------
+
 def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
-    """The model's real inputs (initializers listed as inputs excluded)."""
+    """The model's real inputs (initializers listed as inputs excluded), with their roles."""
     initializers = {t.name for t in model.graph.initializer}
+    roles = _integer_roles(model)
     specs = []
     for value in model.graph.input:
         if value.name in initializers:
             continue
         tensor = value.type.tensor_type
         if not value.type.HasField("tensor_type") or tensor.elem_type not in NP_TYPES:
-            raise InputSpecError(
-                f"input {value.name!r} has a type mha-onnx cannot generate data for"
-            )
-        dims: list[int | str | None] = []
-        for dim in tensor.shape.dim:
-            if dim.HasField("dim_value"):
-                dims.append(dim.dim_value)
-            elif dim.HasField("dim_param"):
-                dims.append(dim.dim_param)
-            else:
-                dims.append(None)
-        specs.append(InputSpec(value.name, np.dtype(NP_TYPES[tensor.elem_type]), tuple(dims)))
+            raise InputSpecError(f"input {value.name!r} has a type mha-onnx cannot generate data for")
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                     for d in tensor.shape.dim)
+        dtype = np.dtype(NP_TYPES[tensor.elem_type])
+        role, bound = ("mask", 2) if dtype == np.bool_ else ("data", 16)
+        if dtype.kind in "iu":
+            role, bound = roles.get(value.name, ("ids", 16))
+        specs.append(InputSpec(value.name, dtype, dims, role, bound))
     return specs
+
+
+def _integer_roles(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
+    """Integer inputs by use: indices into a table (ids, bounded by its rows) or values used
+    as a mask (0/1). Followed through ops that keep values; subgraphs are not looked into."""
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, index))
+    rows = {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
+    roles = {}
+    for value in model.graph.input:
+        frontier, seen, bounds, uses = [value.name], set(), [], set()
+        while frontier:
+            name = frontier.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for node, index in consumers.get(name, []):
+                if _INDEX_INPUT.get(node.op_type) == index:
+                    uses.add("index")
+                    if node.input[0] in rows:
+                        bounds.append(int(rows[node.input[0]]))
+                elif node.op_type in _KEEPS_VALUES and index == 0:
+                    frontier.extend(node.output)
+                elif node.op_type in _MASK_USES:
+                    uses.add("mask")
+        if bounds:
+            roles[value.name] = ("ids", max(1, min(bounds)))
+        elif uses == {"mask"}:
+            roles[value.name] = ("mask", 2)
+    return roles
+
+
+def contract_specs(config) -> list[InputSpec]:
+    """The input specs of an mha-onnx export of ``config`` (no model needed)."""
+    from mha_onnx.config import graph_inputs
+
+    return [InputSpec(t.name, np.dtype(t.dtype), tuple(t.dims),
+                      "mask" if t.dtype == "bool" else "data", 2 if t.dtype == "bool" else 16)
+            for t in graph_inputs(config)]
 
 
 def symbolic_dims(specs: Sequence[InputSpec]) -> list[str]:
@@ -82,112 +145,192 @@ def symbolic_dims(specs: Sequence[InputSpec]) -> list[str]:
     return list(seen)
 
 
+def split_dims(specs: Sequence[InputSpec]) -> tuple[list[str], list[str]]:
+    """(batch dims, length dims) of the inputs' symbolic dims, lengths in order of
+    appearance (query length first, then key/value length)."""
+    names = symbolic_dims(specs)
+    batch = [n for n in names if is_batch_dim(n)]
+    return batch, [n for n in names if n not in batch]
+
+
+# -- shape cases ---------------------------------------------------------------------------------
+
+def case_for(specs: Sequence[InputSpec], label: str, batch: int, lengths: Sequence[int],
+             padding: str = "some", pad_fraction: float = 0.0) -> ShapeCase:
+    """A case with ``batch`` on batch dims and ``lengths`` on the length dims in order (the
+    last length repeats for further dims)."""
+    batch_names, seq_names = split_dims(specs)
+    dims = dict.fromkeys(batch_names, batch)
+    for n, name in enumerate(seq_names):
+        dims[name] = lengths[min(n, len(lengths) - 1)]
+    return ShapeCase(label, dims, padding, pad_fraction)
+
+
 def default_cases(specs: Sequence[InputSpec], *, max_len: int = 64) -> list[ShapeCase]:
     """Cases that vary every dynamic dim: all ones, distinct odd sizes, a larger one with a
-    fully padded batch entry. Batch-like dims stay small."""
-    names = symbolic_dims(specs)
+    fully padded batch entry. Batch dims stay small."""
     odd = [13, 7, 19, 5, 23, 11]
     larger = [min(max_len, v) for v in (40, 64, 33, 57, 24, 48)]
-
-    def pick(values: list[int], batch: int) -> dict[str, int]:
-        out, k = {}, 0
-        for name in names:
-            if BATCH_NAMES.search(name):
-                out[name] = batch
-            else:
-                out[name] = values[k % len(values)]
-                k += 1
-        return out
-
-    return [
-        ShapeCase("ones", {n: 1 for n in names}, padding="none"),
-        ShapeCase("odd", pick(odd, 2), padding="some"),
-        ShapeCase("longer", pick(larger, 3), padding="full"),
-    ]
+    ones = {n: 1 for n in symbolic_dims(specs)}
+    return [ShapeCase("ones", ones, padding="none"),
+            case_for(specs, "odd", 2, odd, "some"),
+            case_for(specs, "longer", 3, larger, "full")]
 
 
 def parse_shapes(text: str, specs: Sequence[InputSpec]) -> list[ShapeCase]:
-    """``B:S[:T],...`` -> cases. B goes to batch-like dims, S to the first other dim name,
-    T to the second (key/value length) if the model has one."""
-    names = symbolic_dims(specs)
-    batch_names = [n for n in names if BATCH_NAMES.search(n)]
-    seq_names = [n for n in names if n not in batch_names]
+    """``B:S[:T],...`` -> cases. B goes to batch dims, S to the first length dim, T to the
+    second (key/value length) if the model has one."""
+    _, seq_names = split_dims(specs)
     cases = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         fields = item.split(":")
         if len(fields) not in (2, 3) or not all(f.isdigit() and int(f) > 0 for f in fields):
             raise InputSpecError(
                 f"malformed shape {item!r} in --shapes",
-                hint="use B:S or B:S:T with positive integers, e.g. --shapes 1:128,4:77:33",
-            )
+                hint="use B:S or B:S:T with positive integers, e.g. --shapes 1:128,4:77:33")
         values = [int(f) for f in fields]
         if len(values) == 3 and len(seq_names) < 2:
-            raise InputSpecError(
-                f"shape {item!r} gives a key length but the model has one sequence dim",
-                hint="use B:S for self-attention models")
-        case: dict[str, int] = {n: values[0] for n in batch_names}
-        if seq_names:
-            case[seq_names[0]] = values[1]
-            for n in seq_names[1:]:
-                case[n] = values[2] if len(values) == 3 else values[1]
-        cases.append(ShapeCase(item, case, padding="some"))
+            raise InputSpecError(f"shape {item!r} gives a key length but the model has one "
+                                 "sequence dim", hint="use B:S for self-attention models")
+        cases.append(case_for(specs, item, values[0], values[1:], "some"))
     if not cases:
         raise InputSpecError("--shapes is empty", hint="e.g. --shapes 1:128,4:77:33")
     return cases
 
 
-def _mask(shape: tuple[int, ...], padding: str, rng: np.random.Generator, keep_value: bool) -> np.ndarray:
-    """A [batch, length] style mask: True/1 = ``keep_value`` means kept."""
-    keep = np.ones(shape, dtype=bool)
-    if len(shape) >= 2 and padding != "none":
-        batch, length = shape[0], shape[-1]
-        flat = keep.reshape(batch, -1, length)
-        for b in range(batch):
-            kind = b % 3
-            if kind == 1:  # trailing padding
-                flat[b, :, max(1, (3 * length) // 4) :] = False
-            elif kind == 2:  # all but one key padded
-                flat[b, :, :] = False
-                flat[b, :, int(rng.integers(0, length))] = True
-            elif b > 0:
-                flat[b, :, rng.random(length) < 0.3] = False
-                flat[b, :, 0] = True
-        if padding == "full" and batch > 1:
-            flat[batch - 1] = False
-    return keep if keep_value else ~keep
+# -- values --------------------------------------------------------------------------------------
+
+def padding_pattern(batch: int, length: int, case: ShapeCase, rng: np.random.Generator) -> np.ndarray:
+    """bool [batch, length], True = padded, as ``case.padding`` says."""
+    padded = np.zeros((batch, length), dtype=bool)
+    if case.padding == "tail":
+        padded[:, length - int(round(length * case.pad_fraction)):] = True
+        return padded
+    if case.padding == "none":
+        return padded
+    for b in range(batch):
+        kind = b % 3
+        if kind == 1:  # right padding
+            padded[b, max(1, (3 * length) // 4):] = True
+        elif kind == 2:  # all but one key padded
+            padded[b, :] = True
+            padded[b, int(rng.integers(0, length))] = False
+        elif b > 0:  # holes
+            padded[b, rng.random(length) < 0.3] = True
+            padded[b, 0] = False
+    if case.padding == "full" and batch > 1:
+        padded[batch - 1] = True
+    return padded
 
 
-def make_inputs(
-    specs: Sequence[InputSpec], case: ShapeCase, *, seed: int = 0, int_high: int = 16
-) -> dict[str, np.ndarray]:
-    """Random inputs for ``case``. Bool inputs named like masks get True = padded (PyTorch's
-    key_padding_mask); integer masks get 1 = keep (Hugging Face's attention_mask)."""
+def _mask_values(spec: InputSpec, shape: tuple[int, ...], case: ShapeCase,
+                 rng: np.random.Generator) -> np.ndarray:
+    """bool masks: True = padded (PyTorch); integer masks: 1 = keep (Hugging Face)."""
+    if len(shape) < 2:
+        padded = np.zeros(shape, dtype=bool)
+    else:
+        flat = padding_pattern(shape[0], shape[-1], case, rng)
+        padded = np.broadcast_to(flat.reshape(shape[0], *([1] * (len(shape) - 2)), shape[-1]),
+                                 shape).copy()
+    return padded if spec.dtype == np.bool_ else (~padded).astype(spec.dtype)
+
+
+def make_inputs(specs: Sequence[InputSpec], case: ShapeCase, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs for ``case``: masks with its padding, ids below their bound, floats
+    from a standard normal."""
     rng = np.random.default_rng(seed)
     feeds = {}
     for spec in specs:
-        shape = []
-        for dim in spec.dims:
-            if isinstance(dim, int):
-                shape.append(dim)
-            elif isinstance(dim, str):
-                shape.append(case.dims.get(dim, 4))
-            else:
-                shape.append(4)
-        shape_t = tuple(shape)
-        if spec.dtype == np.bool_:
-            feeds[spec.name] = _mask(shape_t, case.padding, rng, keep_value=False)
+        shape = tuple(d if isinstance(d, int) else case.dims.get(d or "", 4) for d in spec.dims)
+        if spec.role == "mask":
+            feeds[spec.name] = _mask_values(spec, shape, case, rng)
         elif spec.dtype.kind in "iu":
-            if MASK_NAMES.search(spec.name):
-                feeds[spec.name] = _mask(shape_t, case.padding, rng, keep_value=True).astype(spec.dtype)
-            else:
-                feeds[spec.name] = rng.integers(0, int_high, size=shape_t).astype(spec.dtype)
+            feeds[spec.name] = rng.integers(0, spec.bound, size=shape).astype(spec.dtype)
         else:
-            feeds[spec.name] = rng.standard_normal(shape_t).astype(spec.dtype)
+            feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
     return feeds
 
 
-def iter_feeds(
-    specs: Sequence[InputSpec], cases: Sequence[ShapeCase], *, seed: int = 0
-) -> Iterator[tuple[ShapeCase, dict[str, np.ndarray]]]:
+def iter_feeds(specs: Sequence[InputSpec], cases: Sequence[ShapeCase], *,
+               seed: int = 0) -> Iterator[tuple[ShapeCase, dict[str, np.ndarray]]]:
     for n, case in enumerate(cases):
         yield case, make_inputs(specs, case, seed=seed + n)
+
+
+def load_inputs(path: str | Path, specs: Sequence[InputSpec]) -> dict[str, np.ndarray]:
+    """User inputs from an ``.npz`` (one array per input name), checked against the model."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            feeds = {name: data[name] for name in data.files}
+    except (OSError, ValueError) as exc:
+        raise InputSpecError(f"cannot read inputs from {path}: {exc}",
+                             hint="save them with numpy.savez(path, name=array, ...)") from exc
+    missing = [s.name for s in specs if s.name not in feeds]
+    if missing:
+        raise InputSpecError(f"{path} lacks input(s) {', '.join(missing)}",
+                             hint=f"it holds {', '.join(sorted(feeds)) or 'nothing'}")
+    out = {}
+    for spec in specs:
+        array = feeds[spec.name]
+        if array.ndim != len(spec.dims) or any(isinstance(d, int) and d != n
+                                               for d, n in zip(spec.dims, array.shape, strict=False)):
+            raise InputSpecError(f"input {spec.name} in {path} has shape {list(array.shape)}; "
+                                 f"the model wants {list(spec.dims)}")
+        out[spec.name] = array.astype(spec.dtype, copy=False)
+    return out
+
+
+def case_of_feeds(specs: Sequence[InputSpec], feeds: dict[str, np.ndarray], label: str) -> ShapeCase:
+    """The case (symbolic dim values) that given feeds make."""
+    dims: dict[str, int] = {}
+    for spec in specs:
+        for dim, n in zip(spec.dims, feeds[spec.name].shape, strict=False):
+            if isinstance(dim, str):
+                dims.setdefault(dim, int(n))
+    return ShapeCase(label, dims, padding="given")
+
+
+def with_padding(case: ShapeCase, padding: str) -> ShapeCase:
+    return replace(case, padding=padding)
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+def estimate_bytes(model: onnx.ModelProto, batch: int, seq_q: int, seq_kv: int | None = None) -> int:
+    """Working set of one run of an mha-onnx export: activations, plus the [B, H, S, T]
+    scores twice (scores and weights) when its attention is not fused. 0 for other models."""
+    from mha_onnx.metadata import config_of
+
+    cfg = config_of(model)
+    if cfg is None:
+        return 0
+    seq_kv = seq_q if seq_kv is None else seq_kv
+    item = 2 if cfg.dtype == "float16" else 4
+    acts = 8 * batch * max(seq_q, seq_kv) * max(cfg.d_model, cfg.qk_dim, cfg.v_dim) * item
+    scores = 2 * batch * cfg.num_heads * seq_q * seq_kv * item if _unfused(model) else 0
+    return acts + scores
+
+
+def _unfused(model: onnx.ModelProto) -> bool:
+    from mha_onnx.graphio import to_ir
+    from mha_onnx.rewrite.blocks import find_blocks
+
+    return any(b.kind == "unfused" for b in find_blocks(to_ir(model).graph))
+
+
+def ensure_fits(model: onnx.ModelProto, cases: Sequence[ShapeCase], *, copies: int = 1,
+                hint: str = "use smaller shapes or pass --no-memory-check") -> None:
+    """Refuse the first case whose estimated working set (times ``copies`` runs held at once)
+    exceeds 90 % of the memory available now."""
+    import psutil
+
+    specs = input_specs(model)
+    batch_names, seq_names = split_dims(specs)
+    available = psutil.virtual_memory().available
+    for case in cases:
+        batch = max([case.dims.get(n, 1) for n in batch_names] or [1])
+        lengths = [case.dims.get(n, 1) for n in seq_names] or [1]
+        need = copies * estimate_bytes(model, batch, lengths[0], lengths[-1])
+        if need > 0.9 * available:
+            raise ResourceError(f"shape {case.describe()} needs about {human_bytes(need)}; "
+                                f"{human_bytes(available)} is available", hint=hint)

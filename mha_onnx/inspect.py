@@ -13,7 +13,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from mha_onnx.export import META_PREFIX
+from mha_onnx import metadata
 from mha_onnx.graphio import check_structure, external_files, load_external, read_model, to_ir
 from mha_onnx.rewrite.blocks import Block, all_graphs, find_blocks
 from mha_onnx.table import human_bytes, table
@@ -120,19 +120,6 @@ def _value_summary(value: ir.Value) -> ValueSummary:
     return ValueSummary(value.name or "", dtype, dims)
 
 
-def _metadata(props: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in props.items():
-        if not key.startswith(META_PREFIX):
-            continue
-        short = key[len(META_PREFIX) :]
-        try:
-            out[short] = json.loads(value) if short in ("config", "params", "fusion") else value
-        except json.JSONDecodeError:
-            out[short] = value
-    return out
-
-
 def summarize(model: onnx.ModelProto, path: str | os.PathLike[str] = "", file_bytes: int = 0) -> ModelSummary:
     graph_ir = to_ir(model, path)
     counts: Counter[str] = Counter()
@@ -164,7 +151,7 @@ def summarize(model: onnx.ModelProto, path: str | os.PathLike[str] = "", file_by
         blocks=tuple(find_blocks(graph_ir.graph)),
         parameter_count=params,
         parameter_bytes=param_bytes,
-        metadata=_metadata({p.key: p.value for p in model.metadata_props}),
+        metadata=metadata.decoded(model),
         understood=_understood(model, graph_ir),
     )
 

@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 import onnx
 
+from mha_onnx import metadata
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import EXIT_MISMATCH, EXIT_OK, EXIT_PROVIDER, InputSpecError, MhaOnnxError
-from mha_onnx.export import CheckResult
 from mha_onnx.graphio import read_model
-from mha_onnx.inputs import InputSpec, ShapeCase, input_specs, make_inputs, symbolic_dims
+from mha_onnx.inputs import InputSpec, ShapeCase, case_for, ensure_fits, input_specs, make_inputs
+from mha_onnx.metadata import CheckResult
 from mha_onnx.runtimes import OrtRunner, ProviderError, node_placement
 from mha_onnx.stats import ErrorStats, compare, default_tolerance
 from mha_onnx.table import table
@@ -182,11 +183,6 @@ class ValidationReport:
 
 # -- references ---------------------------------------------------------------------------------
 
-def mha_metadata(model: onnx.ModelProto) -> dict[str, str]:
-    return {p.key[len("mha_onnx."):]: p.value for p in model.metadata_props
-            if p.key.startswith("mha_onnx.")}
-
-
 class TorchReference:
     """The PyTorch reference rebuilt from an export's metadata and initializers (float32)."""
 
@@ -197,7 +193,7 @@ class TorchReference:
         from mha_onnx.reference import build_reference
         from mha_onnx.weights import checksum
 
-        meta = mha_metadata(source)
+        meta = metadata.read(source)
         self.config = MhaConfig.from_dict(json.loads(meta["config"]))
         params = json.loads(meta["params"])
         arrays = {t.name: t for t in source.graph.initializer}
@@ -214,9 +210,9 @@ class TorchReference:
         self.label = label
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from mha_onnx.export import reference_outputs
+        from mha_onnx.reference import run_reference
 
-        return {"output": reference_outputs(self.module, dict(feeds))}
+        return {"output": run_reference(self.module, dict(feeds))}
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -224,26 +220,12 @@ class TorchReference:
 def validation_cases(specs: Sequence[InputSpec]) -> list[ShapeCase]:
     """The default sweep: seq 1, odd lengths, powers of two, seq_q != seq_kv, batch 1 and > 1;
     padding patterns include all-but-one key masked and a fully masked batch entry."""
-    names = symbolic_dims(specs)
-    from mha_onnx.inputs import BATCH_NAMES
-
-    seq_names = [n for n in names if not BATCH_NAMES.search(n)]
-
-    def case(label: str, batch: int, lengths: list[int], padding: str) -> ShapeCase:
-        dims = {}
-        for n in names:
-            if BATCH_NAMES.search(n):
-                dims[n] = batch
-            else:
-                dims[n] = lengths[min(seq_names.index(n), len(lengths) - 1)]
-        return ShapeCase(label, dims, padding)
-
     return [
-        case("seq 1", 1, [1], "none"),
-        case("odd", 1, [7, 5], "some"),
-        case("pow2", 2, [16, 32], "some"),
-        case("odd, padded", 3, [33, 17], "full"),
-        case("pow2, long", 2, [128, 64], "full"),
+        case_for(specs, "seq 1", 1, [1], "none"),
+        case_for(specs, "odd", 1, [7, 5], "some"),
+        case_for(specs, "pow2", 2, [16, 32], "some"),
+        case_for(specs, "odd, padded", 3, [33, 17], "full"),
+        case_for(specs, "pow2, long", 2, [128, 64], "full"),
     ]
 
 
@@ -251,14 +233,10 @@ def _fully_masked(specs: Sequence[InputSpec], feeds: Mapping[str, np.ndarray]) -
     """(batch dim name, batch indices) whose mask input marks every key masked."""
     for spec in specs:
         array = feeds[spec.name]
-        if array.ndim != 2 or not isinstance(spec.dims[0], str):
+        if spec.role != "mask" or array.ndim != 2 or not isinstance(spec.dims[0], str):
             continue
-        if spec.dtype == np.bool_:
-            rows = [b for b in range(array.shape[0]) if array[b].all()]
-        elif spec.dtype.kind in "iu" and "mask" in spec.name.lower():
-            rows = [b for b in range(array.shape[0]) if not array[b].any()]
-        else:
-            continue
+        padded = array if spec.dtype == np.bool_ else array == 0
+        rows = [b for b in range(array.shape[0]) if padded[b].all()]
         if rows:
             return spec.dims[0], rows
     return None
@@ -287,8 +265,8 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     model = read_model(path)
     specs = input_specs(model)
     cases = list(config.shapes) if config.shapes else validation_cases(specs)
-    if config.memory_check:
-        _check_memory(model, cases)
+    if config.memory_check:  # the model, PyTorch and the reference run at once
+        ensure_fits(model, cases, copies=3, hint="use smaller --shapes or pass --no-memory-check")
     references, labels, checks, ref_specs = _references(model, str(path), config)
     runners, statuses = _start_providers(str(path), config, make_inputs(specs, cases[0], seed=config.seed))
     out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
@@ -330,9 +308,9 @@ def _references(model: onnx.ModelProto, path: str, config: ValidateConfig):
             f"--reference {config.reference} has inputs {[s.name for s in ref_specs]}, the model "
             f"has {[s.name for s in specs]}")
     source = None
-    if ref_model is not None and "config" in mha_metadata(ref_model):
+    if ref_model is not None and "config" in metadata.read(ref_model):
         source = (ref_model, f"PyTorch reference rebuilt from {config.reference}")
-    elif "config" in mha_metadata(model):
+    elif "config" in metadata.read(model):
         source = (model, f"PyTorch reference rebuilt from {path}")
     if source is not None:
         torch_ref = TorchReference(*source)
@@ -342,8 +320,8 @@ def _references(model: onnx.ModelProto, path: str, config: ValidateConfig):
                   "weights differ from the checksum recorded at export (the file was modified "
                   "after export)")
         checks.append(CheckResult("weights", torch_ref.digest_ok, detail))
-        own = mha_metadata(model).get("weights_sha256")
-        if source[0] is not model and own and own != mha_metadata(ref_model).get("weights_sha256"):
+        own = metadata.read(model).get("weights_sha256")
+        if source[0] is not model and own and own != metadata.read(ref_model).get("weights_sha256"):
             checks.append(CheckResult("same export", False,
                                       "model and --reference record different weights"))
     if ref_model is not None:
@@ -414,23 +392,6 @@ def _masked_rows(case: ShapeCase, gots, wants, special, out_dims) -> list[Masked
             seen[f"ort {provider}"] = _behaviour(np.take(got[name], rows, axis=axis))
         out.append(MaskedRows(case.describe(), name, f"batch entries {rows}", seen))
     return out
-
-
-def _check_memory(model: onnx.ModelProto, cases: Sequence[ShapeCase]) -> None:
-    """Refuse shape cases whose working set (unfused scores included) cannot fit."""
-    from mha_onnx.inputs import BATCH_NAMES
-    from mha_onnx.resources import config_of, ensure_fits, estimate_bytes, has_unfused_attention
-
-    cfg = config_of(model)
-    if cfg is None:
-        return
-    unfused = has_unfused_attention(model)
-    for case in cases:
-        batch = max([v for k, v in case.dims.items() if BATCH_NAMES.search(k)] or [1])
-        lengths = [v for k, v in case.dims.items() if not BATCH_NAMES.search(k)] or [1]
-        need = estimate_bytes(cfg, unfused, batch, lengths[0], lengths[-1])
-        ensure_fits(3 * need, f"shape {case.describe()}",  # model, PyTorch and reference runs
-                    "use smaller --shapes or pass --no-memory-check")
 
 
 def parse_tolerances(atol: Sequence[str], rtol: Sequence[str]) -> dict[str, Tolerance]:

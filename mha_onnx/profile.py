@@ -24,7 +24,8 @@ import numpy as np
 
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError, MhaOnnxError
-from mha_onnx.resources import config_of, ensure_fits, estimate_bytes, has_unfused_attention
+from mha_onnx.inputs import case_for, ensure_fits, input_specs, make_inputs
+from mha_onnx.metadata import config_of
 from mha_onnx.table import human_bytes, table
 
 log = logging.getLogger(__name__)
@@ -211,32 +212,20 @@ def check_memory(paths: Sequence[str], config: ProfileConfig) -> None:
 
     for path in paths:
         model = read_model(path)
-        cfg, unfused = config_of(model), has_unfused_attention(model)
-        for batch in config.batches:
-            for seq in config.seq_lens:
-                ensure_fits(estimate_bytes(cfg, unfused, batch, seq),
-                            f"{Path(path).name} at batch {batch}, seq {seq}",
-                            "lower --seq-lens/--batch, fuse the model, or pass --no-memory-check")
+        specs = input_specs(model)
+        cases = [case_for(specs, Path(path).name, b, [s])
+                 for b in config.batches for s in config.seq_lens]
+        ensure_fits(model, cases, hint="lower --seq-lens/--batch, fuse the model, or pass "
+                                       "--no-memory-check")
 
-
-# -- one point, in a child process ------------------------------------------------------------
 
 def _feeds_for(path: str, batch: int, seq: int, pad_fraction: float, seed: int = 0) -> dict[str, np.ndarray]:
     from mha_onnx.graphio import read_model
-    from mha_onnx.inputs import BATCH_NAMES, ShapeCase, input_specs, make_inputs, symbolic_dims
 
     specs = input_specs(read_model(path, load_external_data=False))
-    dims = {n: batch if BATCH_NAMES.search(n) else seq for n in symbolic_dims(specs)}
-    feeds = make_inputs(specs, ShapeCase("profile", dims, padding="none"), seed=seed)
-    padded = int(round(seq * pad_fraction))
-    for spec in specs:
-        array = feeds[spec.name]
-        if padded and array.ndim == 2 and array.shape[-1] == seq:
-            if spec.dtype == np.bool_:
-                array[:, seq - padded:] = True  # True = padded key
-            elif spec.dtype.kind in "iu" and "mask" in spec.name.lower():
-                array[:, seq - padded:] = 0
-    return feeds
+    padding = "tail" if pad_fraction else "none"
+    return make_inputs(specs, case_for(specs, "profile", batch, [seq], padding, pad_fraction),
+                       seed=seed)
 
 
 def _rss() -> int:

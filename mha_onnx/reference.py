@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -88,3 +89,16 @@ def build_reference(
     if state_dict is not None:
         module.load_state_dict(state_dict, strict=True)
     return module.to(TORCH_DTYPES[config.dtype]).eval()
+
+
+def run_reference(module32: MultiHeadAttention, feeds: dict) -> np.ndarray:
+    """The float32 reference module's output for the contract's ``feeds`` (numpy arrays;
+    float inputs upcast)."""
+    args = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    for name in ("query", "key", "value"):
+        if name in args:
+            args[name] = args[name].float()
+    with torch.no_grad():
+        out = module32(args["query"], args.get("key"), args.get("value"),
+                       args.get("key_padding_mask"))
+    return out.numpy()

@@ -9,13 +9,20 @@ import torch
 
 from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.errors import ExportError, OutputExistsError
-from mha_onnx.export import export_model, make_feeds, reference_outputs
-from mha_onnx.reference import build_reference
+from mha_onnx.export import export_model
+from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
+from mha_onnx.reference import build_reference, run_reference
 from mha_onnx.runtimes import OrtRunner
 
 SMALL = MhaConfig(d_model=32, num_heads=4, name="small")
 COMBOS = [(a, m) for a in ("self", "cross") for m in ("none", "key-padding", "causal")]
 SHAPES = [(1, 1, 1), (2, 9, 4), (4, 33, 70), (1, 128, 17)]
+
+
+def feeds_for(cfg: MhaConfig, batch: int, seq_q: int, seq_kv: int, seed: int = 0,
+              padding: str = "some") -> dict:
+    case = ShapeCase("t", {"batch": batch, "seq_q": seq_q, "seq_kv": seq_kv}, padding)
+    return make_inputs(contract_specs(cfg), case, seed=seed)
 
 
 @pytest.mark.parametrize("attention, mask", COMBOS, ids=[f"{a}-{m}" for a, m in COMBOS])
@@ -38,9 +45,9 @@ def test_round_trip_every_attention_and_mask(export_cache, attention, mask):
     module = build_reference(cfg, seed=0)
     with OrtRunner(path) as runner:
         for batch, seq_q, seq_kv in SHAPES:
-            feeds = make_feeds(cfg, batch, seq_q, seq_kv, seed=seq_q)
+            feeds = feeds_for(cfg, batch, seq_q, seq_kv, seed=seq_q)
             got = runner.infer(feeds)["output"]
-            np.testing.assert_allclose(got, reference_outputs(module, feeds), atol=1e-4, rtol=0)
+            np.testing.assert_allclose(got, run_reference(module, feeds), atol=1e-4, rtol=0)
 
 
 def test_metadata_lets_later_stages_rebuild_the_reference(export_cache):
@@ -64,11 +71,11 @@ def test_float16_export_runs_in_float16(export_cache):
     path = export_cache(cfg)
     module = build_reference(cfg.replace(dtype="float32"), seed=0)
     module.load_state_dict({k: v.half().float() for k, v in module.state_dict().items()})
-    feeds = make_feeds(cfg, 2, 19, 19)
+    feeds = feeds_for(cfg, 2, 19, 19)
     with OrtRunner(path) as runner:
         got = runner.infer(feeds)["output"]
     assert got.dtype == np.float16
-    np.testing.assert_allclose(got.astype(np.float32), reference_outputs(module, feeds), atol=1e-2)
+    np.testing.assert_allclose(got.astype(np.float32), run_reference(module, feeds), atol=1e-2)
 
 
 def test_opset_choice_and_refusal(tmp_path):

@@ -313,14 +313,14 @@ def test_read_model_rejects_dangling_inputs(tmp_path):
 
 @pytest.mark.parametrize("mask", ["key-padding", "causal", "none"])
 def test_float16_has_no_nan_where_float32_has_none(export_cache, mask, tmp_path):
-    from mha_onnx.export import make_feeds
+    from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
     from mha_onnx.rewrite import fuse_file
     from mha_onnx.runtimes import OrtRunner
 
     cfg = MhaConfig(d_model=64, num_heads=4, mask=mask, dtype="float16", name="h")
     src = export_cache(cfg)
     fuse_file(src, tmp_path / "f.onnx")
-    feeds = make_feeds(cfg, 2, 300, 300, pad="some")
+    feeds = make_inputs(contract_specs(cfg), ShapeCase("x", {"batch": 2, "seq_q": 300, "seq_kv": 300}))
     feeds["query"] = (feeds["query"].astype(np.float32) * 4).astype(np.float16)  # large scores
     for path in (src, tmp_path / "f.onnx"):
         out = OrtRunner(str(path)).infer(feeds)["output"]

@@ -2,14 +2,16 @@ from __future__ import annotations
 
 import json
 
+import onnx
 import pytest
 from click.testing import CliRunner
 
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError, ResourceError
+from mha_onnx.inputs import estimate_bytes
 from mha_onnx.profile import ProfileConfig, attention_flops, check_memory, profile_models
-from mha_onnx.resources import estimate_bytes
+from mha_onnx.rewrite import fuse_model
 
 CFG = MhaConfig(d_model=32, num_heads=4, name="p")
 
@@ -74,7 +76,9 @@ def test_bad_options(export_cache, args, message):
 
 def test_memory_estimate_refuses_huge_unfused_points(export_cache):
     path = str(export_cache(CFG))
-    assert estimate_bytes(CFG, True, 1, 1024) > estimate_bytes(CFG, False, 1, 1024)
+    unfused = onnx.load(path)
+    fused, _, _ = fuse_model(unfused)
+    assert estimate_bytes(unfused, 1, 1024) > estimate_bytes(fused, 1, 1024) > 0
     with pytest.raises(ResourceError, match="needs about"):
         check_memory([path], ProfileConfig(seq_lens=(2_000_000,)))
     check_memory([path], ProfileConfig(seq_lens=(2_000_000,), memory_check=False))

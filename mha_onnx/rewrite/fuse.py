@@ -7,7 +7,6 @@ against the original on ORT CPU -> atomic write. A block that is not fused gets 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import onnx_ir.passes.common as common_passes
 from onnxscript.optimizer import optimize, remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
-from mha_onnx import __version__
+from mha_onnx import __version__, metadata
 from mha_onnx.errors import ConfigError, FusionError
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.rewrite.blocks import find_blocks
@@ -279,12 +278,6 @@ def _carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,
                     results: list[BlockResult], target: str) -> None:
     """Keep the original's metadata (mha-onnx's config among it) and record the fusion."""
     del fused.metadata_props[:]
-    for prop in original.metadata_props:
-        if prop.key != "mha_onnx.fusion":
-            fused.metadata_props.add(key=prop.key, value=prop.value)
-    summary = {
-        "version": __version__,
-        "target": target,
-        "blocks": [r.to_dict() for r in results],
-    }
-    fused.metadata_props.add(key="mha_onnx.fusion", value=json.dumps(summary, sort_keys=True))
+    fused.metadata_props.extend(original.metadata_props)
+    summary = {"version": __version__, "target": target, "blocks": [r.to_dict() for r in results]}
+    metadata.write(fused, {"fusion": summary})

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from mha_onnx.inputs import ShapeCase, padding_pattern
 from mha_onnx.rewrite.irutil import Dim, const_array, dims
 from mha_onnx.rewrite.masks import REMOVES_KEY, Padding, ScoreDims, SizeLeaf, Term
 
@@ -125,7 +126,7 @@ class Oracle:
                 if None in sizes:
                     return "the scores' dims cannot be related to the inputs' dims"
                 b, s, t = sizes
-                pattern = _padding_pattern(rng, b, t)  # True = padded
+                pattern = padding_pattern(b, t, ShapeCase("padding", {}, "full"), rng)
                 source = _as_source(pattern, padding)
                 arrays = runner.run(assignment, {runner.inputs_by_id[id(padding.source)]: source})
                 reason = _compare_padding(terms, leaves, arrays, pattern, (b, s, t))
@@ -378,20 +379,6 @@ def _classify(observed: list[_Observed], leaves: list[SizeLeaf]) -> SizePattern:
                            fill=fill, biases=biases)
     return SizePattern("other", fill=fill, biases=biases,
                        reason="a size-dependent mask that is neither causal nor a causal window")
-
-
-def _padding_pattern(rng: np.random.Generator, b: int, t: int) -> np.ndarray:
-    """[B, T], True = padded: no padding, right padding, random holes, all padded."""
-    padded = np.zeros((b, t), dtype=bool)
-    for row in range(b):
-        kind = row % 4
-        if kind == 1:
-            padded[row, max(1, t // 2):] = True
-        elif kind == 2:
-            padded[row] = rng.random(t) < 0.4
-        elif kind == 3:
-            padded[row] = True
-    return padded
 
 
 def _as_source(padded: np.ndarray, padding: Padding) -> np.ndarray:
