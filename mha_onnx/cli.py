@@ -174,6 +174,28 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
     return values
 
 
+def _threads(text: str | None) -> tuple[int | None, ...]:
+    return (None,) if not text else _int_list(text, "--threads")
+
+
+def _progress():
+    """A progress callback that draws a bar on stderr from the first point on."""
+    state: dict = {}
+
+    def step(done, total, label):
+        if "bar" not in state:
+            state["bar"] = click.progressbar(length=total, label="profiling", file=sys.stderr)
+            state["bar"].__enter__()
+        state["bar"].label = label
+        state["bar"].update(done - state["bar"].pos)
+
+    def close():
+        if "bar" in state:
+            state["bar"].__exit__(None, None, None)
+
+    return step, close
+
+
 @main.command()
 @click.argument("models", nargs=-1, required=True)
 @click.option("--providers", default="cpu", show_default=True, help="Comma list: cpu,cuda,tensorrt.")
@@ -184,55 +206,57 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
               help="Exactly this many timed runs per point (default: >= 10 runs and >= 0.3 s).")
 @click.option("--min-time", type=float, default=None,
               help="Time each point for at least this many seconds (>= 3 runs).")
-@click.option("--threads", type=int, default=None, help="Intra-op threads.")
+@click.option("--threads", default=None, help="Intra-op thread counts, e.g. 1,2 (default: ORT's).")
+@click.option("--interleave", is_flag=True, help="Run the models of each point in turn in one "
+              "process (fair ratios on a busy machine; no memory figures).")
 @click.option("--io-binding", is_flag=True, help="Keep inputs/outputs on the device (CUDA).")
 @click.option("--pad-fraction", type=float, default=0.0, show_default=True,
               help="Fraction of trailing keys padded in mask inputs.")
+@click.option("--inputs", "inputs_npz", default=None, help="Feed these inputs (.npz) instead.")
 @click.option("--no-ops", is_flag=True, help="Skip the per-op breakdown.")
 @click.option("--no-memory-check", is_flag=True, help="Run points whose estimated memory exceeds what is free.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--csv", "csv_path", default=None, help="Also write the points as CSV.")
 @click.option("--plot", "plot_path", default=None, help="Also draw latency/memory vs length (PNG).")
 @click.option("--trace", "trace_dir", default=None, help="Keep ORT's Chrome-trace JSON here.")
-def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threads, io_binding,
-            pad_fraction, no_ops, no_memory_check, as_json, csv_path, plot_path, trace_dir):
+@click.option("--force", is_flag=True, help="Replace existing --csv/--plot files and --trace traces.")
+def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threads, interleave,
+            io_binding, pad_fraction, inputs_npz, no_ops, no_memory_check, as_json, csv_path,
+            plot_path, trace_dir, force):
     """Latency percentiles, throughput, GFLOP/s vs roofline, memory and per-op time."""
+    from mha_onnx.graphio import prepare_folder, prepare_output
     from mha_onnx.profile import (
         DEFAULT_ITERS,
         DEFAULT_MIN_TIME,
         ProfileConfig,
-        plot,
         profile_models,
+        write_csv,
     )
+    from mha_onnx.profile import plot as draw
     from mha_onnx.runtimes import parse_providers
 
+    for path in (csv_path, plot_path):  # refuse before the long run, not after it
+        if path:
+            prepare_output(path, force=force)
+    if trace_dir:
+        prepare_folder(trace_dir, force=force)
     if iters is None and min_time is None:
         iters, min_time = DEFAULT_ITERS, DEFAULT_MIN_TIME
     config = ProfileConfig(
         providers=parse_providers(providers), batches=_int_list(batches, "--batch"),
         seq_lens=_int_list(seq_lens, "--seq-lens"), warmup=warmup, iters=iters,
-        min_time=min_time, threads=threads, io_binding=io_binding, trace_dir=trace_dir,
+        min_time=min_time, threads=_threads(threads), io_binding=io_binding, trace_dir=trace_dir,
         pad_fraction=pad_fraction, op_breakdown=not no_ops, memory_check=not no_memory_check,
-    )
-    bar = None
-
-    def step(done, total, label):  # the bar starts with the first point, after the checks
-        nonlocal bar
-        if bar is None:
-            bar = click.progressbar(length=total, label="profiling", file=sys.stderr)
-            bar.__enter__()
-        bar.label = label
-        bar.update(done - bar.pos)
-
+        interleave=interleave, inputs=inputs_npz)
+    step, close = _progress()
     try:
         report = profile_models(models, config, on_point=step)
     finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
+        close()
     if csv_path:
-        report.write_csv(csv_path)
+        write_csv(report, csv_path, force=force)
     if plot_path:
-        plot(report, plot_path)
+        draw(report, plot_path, force=force)
     _emit(report, as_json)
 
 

@@ -209,6 +209,22 @@ def prepare_output(path: str | os.PathLike[str], *, force: bool) -> Path:
     return path
 
 
+def prepare_folder(path: str | os.PathLike[str], *, force: bool) -> Path:
+    """A folder to write into: created if missing; one that holds files is refused without
+    ``force`` (its files might be replaced or mixed with new ones)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputExistsError(f"output folder is a file: {path}")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise OutputExistsError(f"output folder is not empty: {path}",
+                                hint="pass --force to write into it anyway")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelFileError(f"cannot create folder {path}: {exc.strerror or exc}") from exc
+    return path
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str], *, force: bool) -> Iterator[Path]:
     """Yield a temp path beside ``path``; on success fsync it and rename it over ``path``.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -288,10 +288,6 @@ def case_of_feeds(specs: Sequence[InputSpec], feeds: dict[str, np.ndarray], labe
             if isinstance(dim, str):
                 dims.setdefault(dim, int(n))
     return ShapeCase(label, dims, padding="given")
-
-
-def with_padding(case: ShapeCase, padding: str) -> ShapeCase:
-    return replace(case, padding=padding)
 
 
 # -- memory -------------------------------------------------------------------------------------

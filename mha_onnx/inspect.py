@@ -18,8 +18,6 @@ from mha_onnx.graphio import check_structure, external_files, load_external, rea
 from mha_onnx.rewrite.blocks import Block, all_graphs, find_blocks
 from mha_onnx.table import human_bytes, table
 
-ELEMENT_TYPES = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
-
 
 @dataclass(frozen=True)
 class ValueSummary:

@@ -31,7 +31,9 @@ def test_export_and_inspect(cli, tmp_path):
     assert result.exit_code != 0 and "output exists" in result.output
     result = cli("export", "--config", cfg, "--attention", "cross", "-o", out, "--force", "--json")
     data = json.loads(result.output)
-    assert data["passed"] and [i["name"] for i in data["inputs"]] == ["query", "key", "value"]
+    assert result.exit_code == 0 and [i["name"] for i in data["inputs"]] == ["query", "key", "value"]
+    names = [c["name"] for c in data["checks"] if c["passed"]]
+    assert {"onnx.checker", "ort_load"} <= set(names) and any(n.startswith("parity") for n in names)
 
     result = cli("inspect", out, "--json")
     assert result.exit_code == 0

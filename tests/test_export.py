@@ -91,7 +91,8 @@ def test_existing_output_needs_force(tmp_path):
     with pytest.raises(OutputExistsError):
         export_model(SMALL, out)
     assert out.read_bytes() == b"precious"
-    assert export_model(SMALL, out, force=True)
+    report = export_model(SMALL, out, force=True)
+    assert report.path == str(out) and report.checks and all(c.passed for c in report.checks)
     assert onnx.load(out).graph.node
     assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]  # no temp files left
 

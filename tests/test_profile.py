@@ -84,3 +84,44 @@ def test_memory_estimate_refuses_huge_unfused_points(export_cache):
     check_memory([path], ProfileConfig(seq_lens=(2_000_000,), memory_check=False))
     with pytest.raises(ConfigError):
         ProfileConfig(pad_fraction=1.5)
+
+
+def test_interleaved_points_and_thread_counts(export_cache, tmp_path):
+    """Interleaved: both models timed in one process (no memory figures); two thread counts:
+    a point each, and the best one named."""
+    from mha_onnx.rewrite import fuse_file
+
+    unfused = export_cache(CFG)
+    fused = tmp_path / "fused.onnx"
+    fuse_file(unfused, fused)
+    config = ProfileConfig(seq_lens=(16,), iters=3, min_time=None, warmup=1, threads=(1, 2),
+                           interleave=True, op_breakdown=False)
+    report = profile_models([unfused, fused], config)
+    assert report and report.interleaved and len(report.points) == 4
+    assert {p.threads for p in report.points} == {1, 2}
+    assert all(p.memory is None and p.iters == 3 for p in report.points)
+    best = report.best_threads()
+    assert len(best) == 2 and all(b["threads"] in (1, 2) for b in best)
+    data = report.to_dict()
+    assert data["schema"] >= 2 and data["machine"]["cpus"] and data["best_threads"] == best
+    assert "best threads" in report.render()
+
+
+@pytest.mark.parametrize("option", ["--csv", "--plot", "--trace"])
+def test_outputs_are_not_replaced_without_force(export_cache, tmp_path, option):
+    target = tmp_path / ("traces" if option == "--trace" else "out.file")
+    if option == "--trace":
+        target.mkdir()
+        (target / "old.json").write_text("{}")
+    else:
+        target.write_text("keep me")
+    args = ["profile", str(export_cache(CFG)), "--seq-lens", "8", "--iters", "1", "--no-ops",
+            option, str(target)]
+    refused = CliRunner().invoke(main, args)
+    assert refused.exit_code == 2 and ("exists" in refused.output or "not empty" in refused.output)
+    if option != "--trace":
+        assert target.read_text() == "keep me"
+    replaced = CliRunner().invoke(main, [*args, "--force"])
+    assert replaced.exit_code == 0, replaced.output
+    if option != "--trace":
+        assert target.read_bytes() != b"keep me"

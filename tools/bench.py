@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +50,7 @@ def torch_worker(spec: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from mha_onnx.profile import _peak_rss, _reset_peak_rss
+    from mha_onnx.profile.worker import peak_rss, reset_peak_rss, timed_loop
 
     torch.set_num_threads(spec["threads"])
     cfg = MhaConfig.from_dict(spec["config"])
@@ -86,16 +85,10 @@ def torch_worker(spec: dict) -> dict:
             return proj[3](out.transpose(1, 2).reshape(1, seq, cfg.d_model))
     with torch.inference_mode():
         run()
-        run()
         rss = psutil.Process().memory_info().rss
-        _reset_peak_rss()
-        times = []
-        deadline = time.perf_counter() + spec["min_time"]
-        while len(times) < spec["iters"] or time.perf_counter() < deadline:
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-    return {"times": times, "run_rss": max(0, _peak_rss() - rss)}
+        reset_peak_rss()
+        (times,) = timed_loop([run], warmup=1, iters=spec["iters"], min_time=spec["min_time"])
+    return {"times": times, "run_rss": max(0, peak_rss() - rss)}
 
 
 def run_torch(peer: str, cfg: MhaConfig, seq: int, threads: int, iters: int,
@@ -253,9 +246,9 @@ def plot(results, path) -> None:
 
 
 def _cpu() -> str:
-    from mha_onnx.profile import _cpu_name
+    from mha_onnx.profile.roofline import cpu_name
 
-    return f"{_cpu_name()}, {os.cpu_count()} CPUs"
+    return f"{cpu_name()}, {os.cpu_count()} CPUs"
 
 
 if __name__ == "__main__":

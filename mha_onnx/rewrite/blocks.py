@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-MS_DOMAIN = "com.microsoft"
+from mha_onnx.rewrite.irutil import MS_DOMAIN, WALK_LIMIT
+
 # (domain, op_type) of ops that are attention kernels in their own right.
 FUSED_OPS = {
     (MS_DOMAIN, "MultiHeadAttention"),
@@ -22,7 +23,6 @@ FUSED_OPS = {
 }
 # Ops allowed between the Softmax and the MatMul with V.
 PROBS_PASSTHROUGH = {"Cast", "Where", "IsNaN", "Dropout", "Identity"}
-SCORES_WALK_LIMIT = 24
 # Ops walked through from the Softmax back to Q·K^T when looking for blocks (wider than what
 # the fusion accepts, so that a block it cannot fuse is still reported with a reason).
 SCORES_WALK_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh", "Relu", "Sigmoid",
@@ -83,7 +83,7 @@ def scores_matmul(softmax: ir.Node) -> ir.Node | None:
     seen: set[int] = set()
     stack = [softmax.inputs[0]]
     steps = 0
-    while stack and steps < SCORES_WALK_LIMIT:
+    while stack and steps < WALK_LIMIT:
         value = stack.pop()
         steps += 1
         if value is None or id(value) in seen:

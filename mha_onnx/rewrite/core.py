@@ -67,7 +67,6 @@ class Core:
     mask: MaskMeaning
     nan_to_zero: bool
     self_attention: bool
-    dims: ScoreDims
     softcap: float = 0.0
 
     def describe(self) -> str:
@@ -165,7 +164,7 @@ def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core
         block=block, query=ops.query, key=ops.key, key_form=ops.key_form, value=ops.value,
         rank=rank, heads=ops.heads, kv_heads=ops.kv_heads, scale=chain.scale * ops.scale,
         mask=mask, nan_to_zero=tail.nan_to_zero,
-        self_attention=same_dim(ops.dims.seq_q, ops.dims.seq_kv), dims=ops.dims,
+        self_attention=same_dim(ops.dims.seq_q, ops.dims.seq_kv),
         softcap=chain.softcap,
     )
 
@@ -212,7 +211,7 @@ def parse_onnx_attention(node: ir.Node, block: str, oracle: Oracle) -> Core:
         block=block, query=query, key=key, key_form="bhtd", value=value, rank=4,
         heads=int(heads), kv_heads=int(kv_heads), scale=float_attr(node, "scale", 1 / math.sqrt(dk)),
         mask=meaning, nan_to_zero=mask is not None,  # ORT runs fully masked rows to zeros
-        self_attention=same_dim(seq_q, seq_kv), dims=sd,
+        self_attention=same_dim(seq_q, seq_kv),
         softcap=float_attr(node, "softcap", 0.0),
     )
 

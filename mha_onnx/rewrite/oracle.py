@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,15 +25,13 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.inputs import ShapeCase, padding_pattern
-from mha_onnx.rewrite.irutil import Dim, const_array, dims
 from mha_onnx.rewrite.masks import REMOVES_KEY, Padding, ScoreDims, SizeLeaf, Term
+from mha_onnx.rewrite.slices import Refused, SliceRunner, assignments, input_symbols, resolve
 
 log = logging.getLogger(__name__)
 
 BASE_LENGTHS = (5, 9, 17, 33)
 MAX_LENGTH = 8192  # longest length a piece is evaluated at
-ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
-              "Equal", "Min", "Max", "Mod", "Trilu", "Range"}
 IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
           "Bernoulli", "Dropout"}
 
@@ -60,7 +57,7 @@ class Oracle:
         self.max_length = max_length
         self._size_only: dict[int, bool] = {}
         self._patterns: dict[tuple, SizePattern] = {}
-        self._symbols = _input_symbols(self.graph)
+        self._symbols = input_symbols(self.graph)
 
     # -- which values depend on sizes only ---------------------------------------------------
 
@@ -108,7 +105,7 @@ class Oracle:
         if key not in self._patterns:
             try:
                 self._patterns[key] = self._evaluate(list(leaves), sd)
-            except _Refused as exc:
+            except Refused as exc:
                 self._patterns[key] = SizePattern("other", reason=str(exc))
         return self._patterns[key]
 
@@ -118,11 +115,11 @@ class Oracle:
         pads, for every batch entry, head and query? Evaluated with random padding patterns
         at several sizes; '' when they do, else why not."""
         try:
-            runner = _SliceRunner(self.model, [t.value for t in terms] + [x.value for x in leaves],
+            runner = SliceRunner(self.model, [t.value for t in terms] + [x.value for x in leaves],
                                   set(self._symbols), fed=(padding.source,))
             rng = np.random.default_rng(0)
-            for assignment in _assignments(self._symbols, list(BASE_LENGTHS[:3])):
-                sizes = [_resolve(d, assignment) for d in (sd.batch, sd.seq_q, sd.seq_kv)]
+            for assignment in assignments(self._symbols, list(BASE_LENGTHS[:3])):
+                sizes = [resolve(d, assignment) for d in (sd.batch, sd.seq_q, sd.seq_kv)]
                 if None in sizes:
                     return "the scores' dims cannot be related to the inputs' dims"
                 b, s, t = sizes
@@ -132,18 +129,18 @@ class Oracle:
                 reason = _compare_padding(terms, leaves, arrays, pattern, (b, s, t))
                 if reason:
                     return reason
-        except _Refused as exc:
+        except Refused as exc:
             return str(exc)
         return ""
 
     def _evaluate(self, leaves: list[SizeLeaf], sd: ScoreDims) -> SizePattern:
-        runner = _SliceRunner(self.model, [leaf.value for leaf in leaves], set(self._symbols))
+        runner = SliceRunner(self.model, [leaf.value for leaf in leaves], set(self._symbols))
         lengths = self._lengths(runner.constants())
         observed = []
-        for assignment in _assignments(self._symbols, lengths):
-            s, t = _resolve(sd.seq_q, assignment), _resolve(sd.seq_kv, assignment)
+        for assignment in assignments(self._symbols, lengths):
+            s, t = resolve(sd.seq_q, assignment), resolve(sd.seq_kv, assignment)
             if s is None or t is None:
-                raise _Refused("the scores' lengths cannot be related to the inputs' dims")
+                raise Refused("the scores' lengths cannot be related to the inputs' dims")
             arrays = runner.run(assignment)
             observed.append(_masked_and_biases(leaves, arrays, s, t))
         return _classify(observed, leaves)
@@ -153,147 +150,11 @@ class Oracle:
         if constants:
             beyond = max(constants) + 3
             if beyond > self.max_length:
-                raise _Refused(f"the mask uses the constant {max(constants)}; lengths beyond "
+                raise Refused(f"the mask uses the constant {max(constants)}; lengths beyond "
                                f"{self.max_length} are not evaluated, so a window cannot be "
                                "ruled out")
             lengths.append(max(beyond, BASE_LENGTHS[-1] + 2))
         return lengths
-
-
-class _Refused(Exception):
-    pass
-
-
-def _input_symbols(graph: ir.Graph) -> list[str]:
-    names: dict[str, None] = {}
-    for value in graph.inputs:
-        for dim in dims(value) or []:
-            if isinstance(dim, str):
-                names.setdefault(dim)
-    return list(names)
-
-
-def _assignments(symbols: list[str], lengths: list[int]) -> list[dict[str, int]]:
-    """One value per symbol and length, distinct between symbols, alternating which is larger
-    (so ``S < T`` and ``S > T`` both occur where they are different dims)."""
-    out = []
-    for a, base in enumerate(lengths):
-        step = 4 if a % 2 == 0 else -3
-        out.append({name: max(1, base + n * step) for n, name in enumerate(symbols)})
-    return out
-
-
-_EXPR = re.compile(r"^[\w.]+(\s*[-+]\s*[\w.]+)*$")
-
-
-def _resolve(dim: Dim, assignment: dict[str, int]) -> int | None:
-    """A score dim's value: an int, a symbol, or a sum/difference of symbols and ints."""
-    if isinstance(dim, int):
-        return dim
-    if not isinstance(dim, str) or not _EXPR.match(dim.strip()):
-        return None
-    total, sign = 0, 1
-    for token in re.findall(r"[-+]|[\w.]+", dim):
-        if token in "+-":
-            sign = 1 if token == "+" else -1
-            continue
-        if token.isdigit():
-            total += sign * int(token)
-        elif token in assignment:
-            total += sign * assignment[token]
-        else:
-            return None
-    return total
-
-
-class _SliceRunner:
-    """The piece(s) cut out of the graph as a model of their own, run on ORT CPU."""
-
-    def __init__(self, model: ir.Model, values: list[ir.Value], symbols: set[str],
-                 fed: tuple[ir.Value, ...] = ()) -> None:
-        inputs = _boundary(values, symbols, fed)
-        try:
-            graph = ir.convenience.extract(model.graph, inputs, _unique(values))
-        except ValueError as exc:
-            raise _Refused(f"the mask cannot be cut out of the graph ({exc})") from exc
-        self.graph = graph
-        self.inputs = [(v.name, v.dtype, dims(v) or []) for v in graph.inputs]
-        self.inputs_by_id = {id(v): v.name for v in inputs}
-        self.outputs = [v.name for v in graph.outputs]
-        self.value_names = [v.name for v in values]
-        piece = ir.Model(graph, ir_version=min(model.ir_version, 10))
-        self._proto = ir.to_proto(piece)
-        self._session = None
-
-    def constants(self) -> list[int]:
-        """Integer constants that take part in arithmetic on indices (window sizes)."""
-        found = set()
-        for node in self.graph:
-            if node.op_type not in ARITHMETIC:
-                continue
-            for value in node.inputs:
-                array = const_array(value)
-                if array is None or array.dtype.kind not in "iu" or array.size > 4:
-                    continue
-                found.update(abs(int(x)) for x in array.reshape(-1) if 2 <= abs(int(x)) < 2**31)
-        return sorted(found)
-
-    def run(self, assignment: dict[str, int],
-            given: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
-        """The values at ``assignment``: inputs in ``given`` as given, others zeros."""
-        from mha_onnx.runtimes import OrtRunner
-
-        if self._session is None:
-            self._session = OrtRunner(self._proto.SerializeToString(), "cpu", optimization="none")
-        feeds = dict(given or {})
-        for name, dtype, shape in self.inputs:
-            if name not in feeds:
-                concrete = [_resolve(d, assignment) or 1 for d in shape]
-                feeds[name] = np.zeros(concrete, dtype=dtype.numpy())
-        try:
-            out = self._session.infer(feeds)
-        except Exception as exc:  # noqa: BLE001 - any failure means: not proven
-            raise _Refused(f"the mask could not be evaluated at {assignment}: {exc}") from exc
-        return [out[name] for name in self.value_names]
-
-
-def _unique(values: list[ir.Value]) -> list[ir.Value]:
-    return list({id(v): v for v in values}.values())
-
-
-def _known(value: ir.Value, symbols: set[str]) -> bool:
-    """Are all of ``value``'s dims ints or expressions of the inputs' symbols?"""
-    shape = dims(value)
-    probe = dict.fromkeys(symbols, 1)
-    return shape is not None and all(_resolve(d, probe) is not None for d in shape)
-
-
-def _boundary(values: list[ir.Value], symbols: set[str],
-              fed: tuple[ir.Value, ...] = ()) -> list[ir.Value]:
-    """Where the slice of ``values`` starts: graph inputs, the values in ``fed``, and values
-    that the slice reads only through Shape/Size and whose dims are known (fed as zeros of
-    that shape, so nothing before them runs)."""
-    stack, data, shape_only = list(values), set(), {}
-    found = {id(v): v for v in fed}
-    while stack:
-        value = stack.pop()
-        if id(value) in data:
-            continue
-        data.add(id(value))
-        shape_only.pop(id(value), None)
-        node = value.producer()
-        if id(value) in found:
-            continue
-        if node is None:
-            if not value.is_initializer() and value.const_value is None:
-                found[id(value)] = value
-            continue
-        if node.op_type in ("Shape", "Size") and _known(node.inputs[0], symbols):
-            if id(node.inputs[0]) not in data:
-                shape_only[id(node.inputs[0])] = node.inputs[0]
-            continue
-        stack.extend(v for v in node.inputs if v is not None)
-    return list({**found, **shape_only}.values())
 
 
 @dataclass(frozen=True)
@@ -320,7 +181,7 @@ def _masked_and_biases(leaves: list[SizeLeaf], arrays: list[np.ndarray], s: int,
     for n, (leaf, array) in enumerate(zip(leaves, arrays, strict=True)):
         grid = _trailing(np.asarray(array), s, t)
         if grid is None:
-            raise _Refused(f"a mask piece of shape {list(np.shape(array))} does not match the "
+            raise Refused(f"a mask piece of shape {list(np.shape(array))} does not match the "
                            f"scores' [.., {s}, {t}]")
         if leaf.masked_when is not None:
             here = grid == leaf.masked_when if grid.dtype == np.bool_ else (grid != 0) == leaf.masked_when
@@ -333,7 +194,7 @@ def _masked_and_biases(leaves: list[SizeLeaf], arrays: list[np.ndarray], s: int,
             if np.any(scaled[~here] != 0):
                 biases.append(n)
         if not (here == here[:1]).all():
-            raise _Refused("a mask piece masks differently per batch entry or head")
+            raise Refused("a mask piece masks differently per batch entry or head")
         masked |= here[0]
     return _Observed(masked, max(fills) if fills else -math.inf, tuple(biases))
 
@@ -405,7 +266,7 @@ def _compare_padding(terms: Sequence[Term], leaves: Sequence[SizeLeaf], arrays: 
             masked = masked.reshape((1,) * (4 - masked.ndim) + masked.shape)
             actual = actual | masked
         size = _masked_and_biases(list(leaves), arrays[len(terms):], s, t).masked
-    except (ValueError, _Refused) as exc:
+    except (ValueError, Refused) as exc:
         return f"the mask does not broadcast like a key padding ({exc})"
     expected = size[None, None] | padded[:, None, None, :]
     if not np.array_equal(actual, np.broadcast_to(expected, actual.shape)):

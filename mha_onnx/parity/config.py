@@ -1,0 +1,56 @@
+"""What ``validate`` is asked: providers, shapes, tolerances per output, references."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mha_onnx.errors import InputSpecError
+from mha_onnx.inputs import ShapeCase
+from mha_onnx.stats import default_tolerance
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Bounds for one output (or all, name "*"): |got - want| <= atol + rtol * |want|."""
+
+    atol: float | None = None
+    rtol: float | None = None
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    providers: tuple[str, ...] = ("cpu",)
+    shapes: tuple[ShapeCase, ...] | None = None
+    tolerances: Mapping[str, Tolerance] = field(default_factory=dict)
+    seed: int = 0
+    allow_missing: bool = False
+    reference: str | None = None
+    threads: int | None = None
+    memory_check: bool = True
+
+    def tolerance_for(self, output: str, dtype: np.dtype) -> tuple[float, float]:
+        default_atol, default_rtol = default_tolerance(dtype)
+        chosen = self.tolerances.get(output) or self.tolerances.get("*") or Tolerance()
+        return (default_atol if chosen.atol is None else chosen.atol,
+                default_rtol if chosen.rtol is None else chosen.rtol)
+
+
+def parse_tolerances(atol: Sequence[str], rtol: Sequence[str]) -> dict[str, Tolerance]:
+    """``["1e-3", "logits=1e-2"]`` -> {"*": ..., "logits": ...}."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, items in (("atol", atol), ("rtol", rtol)):
+        for item in items:
+            name, _, value = item.rpartition("=")
+            try:
+                number = float(value)
+            except ValueError:
+                raise InputSpecError(f"malformed --{kind} {item!r}",
+                                     hint=f"use --{kind} 1e-4 or --{kind} OUTPUT=1e-4") from None
+            if not math.isfinite(number) or number < 0:
+                raise InputSpecError(f"--{kind} must be a non-negative number, got {item!r}")
+            out.setdefault(name or "*", {})[kind] = number
+    return {k: Tolerance(v.get("atol"), v.get("rtol")) for k, v in out.items()}

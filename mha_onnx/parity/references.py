@@ -1,0 +1,94 @@
+"""What a model is compared against: the PyTorch reference rebuilt from an mha-onnx
+export's metadata and weights, and another ONNX model (``--reference``) on ORT CPU."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from mha_onnx import metadata
+from mha_onnx.config import MhaConfig
+from mha_onnx.errors import InputSpecError, MhaOnnxError
+from mha_onnx.graphio import read_model
+from mha_onnx.inputs import input_specs
+from mha_onnx.metadata import CheckResult
+from mha_onnx.parity.config import ValidateConfig
+from mha_onnx.runtimes import OrtRunner
+
+
+class TorchReference:
+    """The PyTorch reference rebuilt from an export's metadata and initializers (float32)."""
+
+    def __init__(self, source: onnx.ModelProto, label: str) -> None:
+        import torch
+        from onnx import numpy_helper
+
+        from mha_onnx.reference import build_reference
+        from mha_onnx.weights import checksum
+
+        meta = metadata.read(source)
+        self.config = MhaConfig.from_dict(json.loads(meta["config"]))
+        params = json.loads(meta["params"])
+        arrays = {t.name: t for t in source.graph.initializer}
+        state = {}
+        for name, where in params.items():
+            tensor = arrays.get(where["initializer"])
+            if tensor is None:
+                raise MhaOnnxError(f"{label}: initializer {where['initializer']!r} of {name} is missing",
+                                   hint="the file was rewritten in a way mha-onnx cannot follow")
+            array = numpy_helper.to_array(tensor).astype(np.float32)
+            state[name] = torch.from_numpy(np.ascontiguousarray(array.T if where["transposed"] else array))
+        self.module = build_reference(self.config.replace(dtype="float32"), state)
+        self.digest_ok = checksum(state) == meta.get("weights_sha256")
+        self.label = label
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from mha_onnx.reference import run_reference
+
+        return {"output": run_reference(self.module, dict(feeds))}
+
+
+def references_for(model: onnx.ModelProto, path: str, config: ValidateConfig):
+    """{"pytorch": TorchReference, "reference": OrtRunner}, their labels, integrity checks and
+    the reference model's input specs. The PyTorch reference comes from ``--reference``'s
+    metadata when it has some, so a modified file cannot vouch for itself."""
+    references: dict[str, Any] = {}
+    labels: list[str] = []
+    checks: list[CheckResult] = []
+    ref_model = read_model(config.reference) if config.reference else None
+    ref_specs = input_specs(ref_model) if ref_model is not None else None
+    specs = input_specs(model)
+    if ref_specs is not None and [s.name for s in ref_specs] != [s.name for s in specs]:
+        raise InputSpecError(
+            f"--reference {config.reference} has inputs {[s.name for s in ref_specs]}, the model "
+            f"has {[s.name for s in specs]}")
+    source = None
+    if ref_model is not None and "config" in metadata.read(ref_model):
+        source = (ref_model, f"PyTorch reference rebuilt from {config.reference}")
+    elif "config" in metadata.read(model):
+        source = (model, f"PyTorch reference rebuilt from {path}")
+    if source is not None:
+        torch_ref = TorchReference(*source)
+        references["pytorch"] = torch_ref
+        labels.append(f"pytorch = {torch_ref.label}")
+        detail = ("weights match the checksum recorded at export" if torch_ref.digest_ok else
+                  "weights differ from the checksum recorded at export (the file was modified "
+                  "after export)")
+        checks.append(CheckResult("weights", torch_ref.digest_ok, detail))
+        own = metadata.read(model).get("weights_sha256")
+        if source[0] is not model and own and own != metadata.read(ref_model).get("weights_sha256"):
+            checks.append(CheckResult("same export", False,
+                                      "model and --reference record different weights"))
+    if ref_model is not None:
+        references["reference"] = OrtRunner(ref_model.SerializeToString(), "cpu",
+                                            threads=config.threads)
+        labels.append(f"reference = {config.reference} on ORT CPU")
+    if not references:
+        raise MhaOnnxError(
+            f"{path} has no mha-onnx metadata to rebuild the PyTorch reference from",
+            hint="pass --reference ORIGINAL.onnx (e.g. the unfused model)")
+    return references, labels, checks, ref_specs

@@ -1,0 +1,132 @@
+"""What ``validate`` answers: comparisons per output x provider x shape x reference, the
+behaviour of fully masked rows, provider statuses and integrity checks; a table or JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mha_onnx.errors import EXIT_MISMATCH, EXIT_OK, EXIT_PROVIDER
+from mha_onnx.metadata import CheckResult
+from mha_onnx.stats import ErrorStats
+from mha_onnx.table import table
+
+
+@dataclass(frozen=True)
+class Comparison:
+    output: str
+    provider: str
+    against: str
+    case: str
+    stats: ErrorStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": self.output, "provider": self.provider, "against": self.against,
+                "case": self.case, **self.stats.to_dict()}
+
+
+@dataclass(frozen=True)
+class MaskedRows:
+    """Outputs of queries whose keys are all masked, per runtime ("NaN", "zeros", "finite")."""
+
+    case: str
+    output: str
+    rows: str
+    behaviour: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ProviderStatus:
+    provider: str
+    ran: bool
+    reason: str = ""
+    cpu_nodes: tuple[str, ...] = ()
+    io_binding: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"provider": self.provider, "ran": self.ran, "reason": self.reason,
+                "nodes_on_cpu": list(self.cpu_nodes), "io_binding": self.io_binding}
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    model: str
+    references: tuple[str, ...]
+    providers: tuple[ProviderStatus, ...]
+    comparisons: tuple[Comparison, ...]
+    masked_rows: tuple[MaskedRows, ...]
+    checks: tuple[CheckResult, ...]
+    allow_missing: bool
+    seconds: float
+
+    @property
+    def outputs_passed(self) -> bool:
+        return all(c.stats.passed for c in self.comparisons) and all(c.passed for c in self.checks)
+
+    @property
+    def providers_ran(self) -> bool:
+        return self.allow_missing or all(p.ran for p in self.providers)
+
+    @property
+    def exit_code(self) -> int:
+        if not self.outputs_passed:
+            return EXIT_MISMATCH
+        if not self.providers_ran:
+            return EXIT_PROVIDER
+        return EXIT_OK
+
+    def __bool__(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+    def failures(self) -> list[Comparison]:
+        return [c for c in self.comparisons if not c.stats.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "passed": bool(self),
+            "exit_code": self.exit_code,
+            "references": list(self.references),
+            "providers": [p.to_dict() for p in self.providers],
+            "comparisons": [c.to_dict() for c in self.comparisons],
+            "fully_masked_rows": [m.to_dict() for m in self.masked_rows],
+            "checks": [c.to_dict() for c in self.checks],
+            "seconds": round(self.seconds, 3),
+        }
+
+    def render(self) -> str:
+        lines = [f"validate {self.model}", f"  references: {'; '.join(self.references) or 'none'}"]
+        for p in self.providers:
+            state = "ran" if p.ran else ("MISSING (allowed)" if self.allow_missing else "COULD NOT RUN")
+            extra = f": {p.reason}" if p.reason else ""
+            lines.append(f"  provider {p.provider}: {state}{extra}")
+            if p.cpu_nodes:
+                lines.append(f"    nodes that fell back to the CPU: {', '.join(p.cpu_nodes[:12])}"
+                             + (" ..." if len(p.cpu_nodes) > 12 else ""))
+        for c in self.checks:
+            lines.append(f"  check {c.name}: {'pass' if c.passed else 'FAIL'}: {c.detail}")
+        rows = [
+            (c.output, c.provider, c.against, c.case, c.stats.max_abs, c.stats.max_rel,
+             c.stats.mean_abs, c.stats.p99_abs, c.stats.mismatch_fraction, c.stats.cosine,
+             f"{c.stats.nan_actual}/{c.stats.inf_actual}", "pass" if c.stats.passed else "FAIL")
+            for c in self.comparisons
+        ]
+        if rows:
+            lines.append(table(["output", "provider", "vs", "shape", "max abs", "max rel",
+                                "mean abs", "p99 abs", "mismatch", "cosine", "nan/inf", "result"],
+                               rows))
+        for m in self.masked_rows:
+            seen = ", ".join(f"{k} {v}" for k, v in m.behaviour.items())
+            lines.append(f"  fully masked rows ({m.case}, {m.output}, {m.rows}): {seen}")
+        for c in self.failures()[:5]:
+            lines.append(
+                f"  FAIL {c.output} on {c.provider} vs {c.against} at {c.case}: max abs error "
+                f"{c.stats.max_abs:.3g} > atol {c.stats.atol:g} (+ rtol {c.stats.rtol:g}); "
+                f"would need atol {c.stats.needed_atol:.3g}")
+        verdict = {EXIT_OK: "PASSED", EXIT_MISMATCH: "FAILED: outputs differ",
+                   EXIT_PROVIDER: "FAILED: a requested provider could not run"}[self.exit_code]
+        lines.append(f"  result: {verdict} ({self.seconds:.1f} s)")
+        return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""The ``validate`` run: parity of a model across PyTorch, ORT CPU, CUDA and TensorRT.
+
+References: the PyTorch reference rebuilt from an mha-onnx export's metadata and weights, and/or
+another ONNX model (``--reference``, e.g. the unfused original) on ORT CPU. Every requested
+provider runs every shape case; statistics per output x provider x shape x reference. Fully
+masked rows (every key padded) are reported apart with each runtime's behaviour; any other
+NaN/Inf fails. A provider that cannot run is reported with ORT's reason, never replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from mha_onnx.graphio import read_model
+from mha_onnx.inputs import InputSpec, ShapeCase, case_for, ensure_fits, input_specs, make_inputs
+from mha_onnx.parity.config import ValidateConfig
+from mha_onnx.parity.references import references_for
+from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
+from mha_onnx.runtimes import OrtRunner, ProviderError, node_placement
+from mha_onnx.stats import compare
+
+log = logging.getLogger(__name__)
+
+
+def validation_cases(specs: Sequence[InputSpec]) -> list[ShapeCase]:
+    """The default sweep: seq 1, odd lengths, powers of two, seq_q != seq_kv, batch 1 and > 1;
+    padding patterns include all-but-one key masked and a fully masked batch entry."""
+    return [
+        case_for(specs, "seq 1", 1, [1], "none"),
+        case_for(specs, "odd", 1, [7, 5], "some"),
+        case_for(specs, "pow2", 2, [16, 32], "some"),
+        case_for(specs, "odd, padded", 3, [33, 17], "full"),
+        case_for(specs, "pow2, long", 2, [128, 64], "full"),
+    ]
+
+
+def _fully_masked(specs: Sequence[InputSpec], feeds: Mapping[str, np.ndarray]) -> tuple[str, list[int]] | None:
+    """(batch dim name, batch indices) whose mask input marks every key masked."""
+    for spec in specs:
+        array = feeds[spec.name]
+        if spec.role != "mask" or array.ndim != 2 or not isinstance(spec.dims[0], str):
+            continue
+        padded = array if spec.dtype == np.bool_ else array == 0
+        rows = [b for b in range(array.shape[0]) if padded[b].all()]
+        if rows:
+            return spec.dims[0], rows
+    return None
+
+
+def _behaviour(values: np.ndarray) -> str:
+    if np.isnan(values).all():
+        return "NaN"
+    if np.isnan(values).any():
+        return "partly NaN"
+    if not np.isfinite(values).all():
+        return "Inf"
+    return "zeros" if not values.any() else "finite"
+
+
+def _cast_feeds(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec] | None) -> dict[str, np.ndarray]:
+    if specs is None:
+        return dict(feeds)
+    by_name = {s.name: s for s in specs}
+    return {k: v.astype(by_name[k].dtype) if k in by_name else v for k, v in feeds.items()}
+
+
+def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport:
+    """Compare ``path`` on every requested provider against the available references."""
+    started = time.perf_counter()
+    model = read_model(path)
+    specs = input_specs(model)
+    cases = list(config.shapes) if config.shapes else validation_cases(specs)
+    if config.memory_check:  # the model, PyTorch and the reference run at once
+        ensure_fits(model, cases, copies=3, hint="use smaller --shapes or pass --no-memory-check")
+    references, labels, checks, ref_specs = references_for(model, str(path), config)
+    runners, statuses = _start_providers(str(path), config, make_inputs(specs, cases[0], seed=config.seed))
+    out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
+                for o in model.graph.output}
+    comparisons: list[Comparison] = []
+    masked: list[MaskedRows] = []
+    try:
+        for n, case in enumerate(cases):
+            feeds = make_inputs(specs, case, seed=config.seed + n)
+            wants = {key: ref.infer(_cast_feeds(feeds, ref_specs) if key == "reference" else feeds)
+                     for key, ref in references.items()}
+            gots = {p: r.infer(feeds) for p, r in runners.items()}
+            special = _fully_masked(specs, feeds)
+            comparisons += _compare_case(case, gots, wants, special, out_dims, config)
+            if special is not None:
+                masked += _masked_rows(case, gots, wants, special, out_dims)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    return ValidationReport(
+        model=str(path), references=tuple(labels), providers=tuple(statuses),
+        comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
+        allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
+    )
+
+
+def _start_providers(path: str, config: ValidateConfig, probe_feeds: dict[str, np.ndarray]):
+    """A runner per provider that starts; a status per provider (ORT's reason when it does
+    not; the nodes ORT put on the CPU under another provider when it does)."""
+    statuses: list[ProviderStatus] = []
+    runners: dict[str, OrtRunner] = {}
+    for provider in config.providers:
+        runner = OrtRunner(path, provider, threads=config.threads,
+                           io_binding=provider != "cpu", strict=False)
+        try:
+            runner.session  # noqa: B018
+        except ProviderError as exc:
+            statuses.append(ProviderStatus(provider, False, str(exc)))
+            continue
+        cpu_nodes: tuple[str, ...] = ()
+        if provider != "cpu":
+            placement = node_placement(path, provider, probe_feeds)
+            cpu_nodes = tuple(sorted(f"{name} ({op})" for name, (op, where) in placement.items()
+                                     if where == "cpu"))
+        runners[provider] = runner
+        statuses.append(ProviderStatus(provider, True, cpu_nodes=cpu_nodes,
+                                       io_binding=runner.io_binding))
+    return runners, statuses
+
+
+def _compare_case(case: ShapeCase, gots, wants, special, out_dims, config: ValidateConfig) -> list[Comparison]:
+    """Statistics per output x provider x reference, fully masked batch entries left out."""
+    out = []
+    for provider, got in gots.items():
+        for output, actual in got.items():
+            for key, want in wants.items():
+                if output not in want:
+                    continue
+                a, e = actual, want[output]
+                if special is not None and special[0] in out_dims.get(output, []):
+                    axis = out_dims[output].index(special[0])
+                    keep = [b for b in range(actual.shape[axis]) if b not in special[1]]
+                    a, e = np.take(actual, keep, axis=axis), np.take(e, keep, axis=axis)
+                atol, rtol = config.tolerance_for(output, actual.dtype)
+                out.append(Comparison(output, provider, key, case.describe(),
+                                      compare(a, e, atol=atol, rtol=rtol)))
+    return out
+
+
+def _masked_rows(case: ShapeCase, gots, wants, special, out_dims) -> list[MaskedRows]:
+    """What each runtime gives for the batch entries whose keys are all masked."""
+    out = []
+    batch_dim, rows = special
+    for name, dims_ in out_dims.items():
+        if batch_dim not in dims_:
+            continue
+        axis = dims_.index(batch_dim)
+        seen = {key: _behaviour(np.take(want[name], rows, axis=axis))
+                for key, want in wants.items() if name in want}
+        for provider, got in gots.items():
+            seen[f"ort {provider}"] = _behaviour(np.take(got[name], rows, axis=axis))
+        out.append(MaskedRows(case.describe(), name, f"batch entries {rows}", seen))
+    return out

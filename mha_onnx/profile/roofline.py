@@ -1,0 +1,79 @@
+"""The machine a profile ran on, and its practical ceiling for the attention's matrix
+products: the GFLOP/s of large square MatMuls on the same provider and threads."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_info() -> dict[str, Any] | None:
+    """Name and memory of GPU 0 (NVML), or None where there is none."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+        return {"name": name.decode() if isinstance(name, bytes) else str(name), "bytes": int(memory)}
+    except Exception:  # noqa: BLE001 - NVML is optional
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """What a profile needs to say about where it ran, to be compared with others."""
+    import onnxruntime as ort
+
+    return {"machine": platform.machine(), "processor": cpu_name(), "cpus": os.cpu_count(),
+            "gpu": gpu_info(), "onnxruntime": ort.__version__,
+            "python": platform.python_version(), "hostname": platform.node()}
+
+
+def matmul_roofline(provider: str, threads: int | None, dtype: str = "float32") -> float:
+    """GFLOP/s of large square MatMuls on ``provider`` (best of several runs and sizes)."""
+    from onnx import TensorProto, helper
+
+    from mha_onnx.runtimes import OrtRunner
+
+    sizes = (1024, 2048) if provider == "cpu" else (4096, 8192)
+    elem = TensorProto.FLOAT16 if dtype == "float16" else TensorProto.FLOAT
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    rng = np.random.default_rng(0)
+    best = 0.0
+    for n in sizes:
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["a", "b"], ["c"])], "roofline",
+            [helper.make_tensor_value_info("a", elem, [n, n]),
+             helper.make_tensor_value_info("b", elem, [n, n])],
+            [helper.make_tensor_value_info("c", elem, [n, n])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        feeds = {"a": rng.standard_normal((n, n)).astype(np_dtype),
+                 "b": rng.standard_normal((n, n)).astype(np_dtype)}
+        with OrtRunner(model.SerializeToString(), provider, threads=threads,
+                       io_binding=provider != "cpu") as runner:
+            runner.infer(feeds)
+            seconds = min(_timed(runner, feeds) for _ in range(5))
+        best = max(best, 2.0 * n**3 / seconds / 1e9)
+    return best
+
+
+def _timed(runner: Any, feeds: dict[str, np.ndarray]) -> float:
+    start = time.perf_counter()
+    runner.infer(feeds)
+    return time.perf_counter() - start

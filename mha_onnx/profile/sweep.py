@@ -1,0 +1,125 @@
+"""``profile_models``: every model x provider x batch x length x thread count, each point in
+a child process of its own (or, interleaved, all models of a point in one), turned into a
+:class:`~mha_onnx.profile.report.ProfileReport`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mha_onnx.config import MhaConfig
+from mha_onnx.graphio import check_readable, read_model
+from mha_onnx.inputs import case_for, ensure_fits, input_specs
+from mha_onnx.metadata import config_of
+from mha_onnx.profile.flops import attention_flops
+from mha_onnx.profile.report import OpTime, Point, ProfileConfig, ProfileReport
+from mha_onnx.profile.roofline import machine_info
+from mha_onnx.profile.worker import PointSpec, in_child
+
+
+def check_memory(paths: Sequence[str], config: ProfileConfig) -> None:
+    """Refuse points whose estimated working set exceeds the memory available now."""
+    if not config.memory_check or "cpu" not in config.providers:
+        return
+    for path in paths:
+        model = read_model(path)
+        specs = input_specs(model)
+        cases = [case_for(specs, Path(path).name, b, [s])
+                 for b in config.batches for s in config.seq_lens]
+        ensure_fits(model, cases, hint="lower --seq-lens/--batch, fuse the model, or pass "
+                                       "--no-memory-check")
+
+
+def resolved_threads(threads: int | None) -> int:
+    """The intra-op threads ORT uses: as given, or its default (one per physical core)."""
+    if threads:
+        return threads
+    import os
+
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def _rooflines(paths: Sequence[str], config: ProfileConfig) -> dict[str, float]:
+    dtypes = {(config_of(read_model(p, load_external_data=False)) or MhaConfig()).dtype
+              for p in paths}
+    out = {}
+    for provider in config.providers:
+        for dtype in sorted(dtypes):
+            raw = in_child({"roofline": True, "provider": provider,
+                            "threads": config.threads[-1], "dtype": dtype})
+            out[f"{provider} {dtype}"] = raw.get("gflops", 0.0)
+    return out
+
+
+def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
+                   on_point: Callable[[int, int, str], None] | None = None) -> ProfileReport:
+    """Profile every model x provider x batch x length x threads of ``config``."""
+    from mha_onnx.runtimes import OrtRunner
+
+    started = time.perf_counter()
+    paths = [str(check_readable(p)) for p in paths]
+    for path in paths:
+        read_model(path, load_external_data=False)  # refuse non-models before any timing
+    check_memory(paths, config)
+    for provider in config.providers:  # a provider that cannot run is an error, not a CPU run
+        OrtRunner(paths[0], provider, strict=False).session  # noqa: B018
+    if config.trace_dir:
+        Path(config.trace_dir).mkdir(parents=True, exist_ok=True)
+    roofline = _rooflines(paths, config)
+    groups = [tuple(paths)] if config.interleave else [(p,) for p in paths]
+    jobs = [(group, provider, batch, seq, threads) for group in groups
+            for provider in config.providers for batch in config.batches
+            for seq in config.seq_lens for threads in config.threads]
+    points: list[Point] = []
+    for n, (group, provider, batch, seq, threads) in enumerate(jobs):
+        if on_point:
+            on_point(n, len(jobs), f"{', '.join(Path(p).name for p in group)} {provider} "
+                                   f"b{batch} s{seq} t{threads or 'default'}")
+        spec = PointSpec(models=group, provider=provider, batch=batch, seq_len=seq,
+                         threads=threads, warmup=config.warmup, iters=config.iters,
+                         min_time=config.min_time, io_binding=config.io_binding and provider != "cpu",
+                         pad_fraction=config.pad_fraction,
+                         op_breakdown=config.op_breakdown and len(group) == 1,
+                         trace_dir=config.trace_dir, inputs=config.inputs)
+        raw = in_child({"point": asdict(spec)})
+        points += [_point(model, spec, raw, config, roofline) for model in group]
+    if on_point:
+        on_point(len(jobs), len(jobs), "done")
+    return ProfileReport(tuple(points), roofline, machine_info(), time.perf_counter() - started,
+                         tuple(paths), config.interleave)
+
+
+def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConfig,
+           roofline: dict[str, float]) -> Point:
+    where = dict(model=model, provider=spec.provider, batch=spec.batch, seq_len=spec.seq_len,
+                 threads=resolved_threads(spec.threads))
+    if "error" in raw:
+        return Point(**where, error=raw["error"])
+    mine = raw["models"][model]
+    ms = np.array(mine["times"]) * 1e3
+    p50 = float(np.percentile(ms, 50))
+    cfg = config_of(read_model(model, load_external_data=False))
+    gflop = gflops = fraction = None
+    if cfg is not None:
+        kept = spec.seq_len - int(round(spec.seq_len * config.pad_fraction)) \
+            if cfg.mask == "key-padding" else spec.seq_len
+        gflop = attention_flops(cfg, spec.batch, spec.seq_len, spec.seq_len, kept) / 1e9
+        gflops = gflop / (p50 / 1e3)
+        ceiling = roofline.get(f"{spec.provider} {cfg.dtype}")
+        fraction = gflops / ceiling if ceiling else None
+    return Point(
+        **where, iters=len(ms), p50_ms=p50, p90_ms=float(np.percentile(ms, 90)),
+        p99_ms=float(np.percentile(ms, 99)), mean_ms=float(ms.mean()), min_ms=float(ms.min()),
+        tokens_per_s=spec.batch * spec.seq_len / (p50 / 1e3), gflop=gflop, gflops=gflops,
+        roofline_fraction=fraction, peak_rss_bytes=raw.get("peak_rss"),
+        run_rss_bytes=raw.get("run_rss"), device_bytes=raw.get("device_bytes"),
+        session_s=float(mine["session_s"]), top_ops=tuple(OpTime(**o) for o in raw.get("top_ops", [])),
+        trace=raw.get("trace"),
+    )

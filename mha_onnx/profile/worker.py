@@ -1,0 +1,222 @@
+"""Timing one point, in this process or in a child process of its own (so that its peak
+memory is its own and a crash inside ONNX Runtime cannot take the caller down).
+
+A point is one or more models on one provider, batch, length and thread count. With several
+models they run interleaved (A, B, A, B, ...) so that all of them see the same machine state
+-- the way ratios are measured on shared, noisy machines. Public: :class:`PointSpec`,
+:func:`measure`, :func:`in_child`, :func:`timed_loop` and the memory readers (used by
+tools/bench.py for the PyTorch peers too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CONTROL_FLOW = ("Loop", "If", "Scan")
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    """What to time. ``iters``/``min_time``: at least that many runs and that long per
+    model, after ``warmup`` runs."""
+
+    models: tuple[str, ...]
+    provider: str = "cpu"
+    batch: int = 1
+    seq_len: int = 128
+    threads: int | None = None
+    warmup: int = 3
+    iters: int | None = 10
+    min_time: float | None = 0.3
+    io_binding: bool = False
+    pad_fraction: float = 0.0
+    op_breakdown: bool = False
+    trace_dir: str | None = None
+    inputs: str | None = None  # an .npz of feeds instead of generated ones
+
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark (Linux >= 4.0), so that the peak read after the
+    runs is theirs, not that of start-up (imports, session creation)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """VmHWM of this process (since the last reset), or ru_maxrss where /proc has none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def device_used() -> int | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+    except Exception:  # noqa: BLE001 - NVML is optional
+        return None
+
+
+# -- timing -----------------------------------------------------------------------------------------
+
+def timed_loop(runs: list[Callable[[], Any]], *, warmup: int, iters: int | None,
+               min_time: float | None) -> list[list[float]]:
+    """Seconds per run of each callable, interleaved, until each has ``iters`` runs and
+    ``min_time`` seconds (defaults: 10 runs, or 3 when only a time is given)."""
+    for run in runs:
+        for _ in range(warmup):
+            run()
+    target = iters if iters else (3 if min_time else 10)
+    times: list[list[float]] = [[] for _ in runs]
+    spent = [0.0] * len(runs)
+    while min(len(t) for t in times) < target or min(spent) < (min_time or 0.0):
+        for n, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            elapsed = time.perf_counter() - start
+            times[n].append(elapsed)
+            spent[n] += elapsed
+        if len(times[0]) >= 100_000:
+            break
+    return times
+
+
+def _feeds(spec: PointSpec, model: str) -> dict[str, np.ndarray]:
+    from mha_onnx.graphio import read_model
+    from mha_onnx.inputs import case_for, input_specs, load_inputs, make_inputs
+
+    specs = input_specs(read_model(model, load_external_data=False))
+    if spec.inputs:
+        return load_inputs(spec.inputs, specs)
+    padding = "tail" if spec.pad_fraction else "none"
+    case = case_for(specs, "profile", spec.batch, [spec.seq_len], padding, spec.pad_fraction)
+    return make_inputs(specs, case)
+
+
+def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
+    """A session as the model needs it (session options recorded in its metadata)."""
+    from mha_onnx.graphio import read_model
+    from mha_onnx.metadata import session_options
+    from mha_onnx.runtimes import OrtRunner
+
+    needs = session_options(read_model(model, load_external_data=False))
+    return OrtRunner(model, spec.provider, threads=spec.threads, io_binding=spec.io_binding,
+                     strict=False, profile_dir=profile_dir,
+                     optimization=needs.get("optimization", "all"))
+
+
+def _bound_run(runner, feeds: dict[str, np.ndarray]) -> Callable[[], Any]:
+    """One run: inputs on the device once (IO binding) or plain host feeds."""
+    if not runner.io_binding:
+        return lambda: runner.infer(feeds)
+    from mha_onnx.runtimes import import_ort
+
+    ort = import_ort(for_gpu=True)
+    binding = runner.session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+    for name in runner.output_names:
+        binding.bind_output(name, "cuda", 0)
+    return lambda: runner.session.run_with_iobinding(binding)
+
+
+def measure(spec: PointSpec) -> dict[str, Any]:
+    """Time ``spec`` in this process: per model its run times and session time; for one
+    model also the peak memory of the runs and, if asked, the time per op."""
+    device0 = device_used() if spec.provider != "cpu" else None
+    runners, runs, sessions = [], [], {}
+    for model in spec.models:
+        start = time.perf_counter()
+        runner = _runner(spec, model)
+        runner.session  # noqa: B018
+        sessions[model] = time.perf_counter() - start
+        runners.append(runner)
+        runs.append(_bound_run(runner, _feeds(spec, model)))
+    rss_before = rss()
+    reset_peak_rss()
+    times = timed_loop(runs, warmup=spec.warmup, iters=spec.iters, min_time=spec.min_time)
+    peak, device = peak_rss(), device_used()
+    for runner in runners:
+        runner.close()
+    out: dict[str, Any] = {"models": {m: {"times": t, "session_s": sessions[m]}
+                                      for m, t in zip(spec.models, times, strict=True)}}
+    if len(spec.models) == 1:
+        out.update(peak_rss=peak, run_rss=max(0, peak - rss_before),
+                   device_bytes=None if device0 is None or device is None else max(0, device - device0))
+        if spec.op_breakdown or spec.trace_dir:
+            out.update(_op_times(spec))
+    return out
+
+
+def _op_times(spec: PointSpec) -> dict[str, Any]:
+    """The top ops by time (and the provider that ran each) from two profiled runs; control
+    flow nodes are left out since their time is their subgraphs' nodes, listed too."""
+    from mha_onnx.runtimes import read_profile
+
+    folder = spec.trace_dir or None
+    with tempfile.TemporaryDirectory(prefix="mha_onnx_prof_") as tmp:
+        runner = _runner(spec, spec.models[0], profile_dir=folder or tmp)
+        feeds = _feeds(spec, spec.models[0])
+        runner.infer(feeds)
+        runner.infer(feeds)
+        trace = runner.end_profiling()
+        runner.close()
+        events = read_profile(trace) if trace else []
+    totals: dict[tuple[str, str], float] = {}
+    for event in events:
+        if event.op_type not in CONTROL_FLOW:
+            key = (event.op_type, event.provider)
+            totals[key] = totals.get(key, 0.0) + event.micros
+    whole = sum(totals.values()) or 1.0
+    top = [{"op_type": k[0], "provider": k[1], "micros": v / 2, "share": v / whole}
+           for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:8]]
+    return {"top_ops": top, "trace": trace if folder else None}
+
+
+def in_child(payload: dict[str, Any] | PointSpec) -> dict[str, Any]:
+    """Run ``python -m mha_onnx.profile`` on ``payload`` (a point spec, or a roofline
+    request); a failure or a crash comes back as {"error": what happened}."""
+    if isinstance(payload, PointSpec):
+        payload = {"point": asdict(payload)}
+    done = subprocess.run([sys.executable, "-m", "mha_onnx.profile"], input=json.dumps(payload),
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        return {"error": f"onnxruntime crashed ({name}) in the measuring process"}
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["child process failed"])[-1]
+        return {"error": tail[:300]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
