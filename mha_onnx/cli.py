@@ -116,16 +116,18 @@ def inspect(model, as_json):
 @click.option("--no-verify", is_flag=True, help="Skip the parity check against the original.")
 @click.option("--atol", type=float, default=None, help="Verification tolerance (default by dtype).")
 @click.option("--rtol", type=float, default=None)
+@click.option("--inputs", "inputs_npz", default=None,
+              help="Verify with these inputs (.npz, one array per input) instead of generated ones.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def fuse(model, output, target, forms, no_verify, atol, rtol, force, as_json):
+def fuse(model, output, target, forms, no_verify, atol, rtol, inputs_npz, force, as_json):
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
     from mha_onnx.rewrite import fuse_file
     from mha_onnx.rewrite.lower_ort import Forms
 
     report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
-                       atol=atol, rtol=rtol, forms=Forms.parse(forms))
+                       atol=atol, rtol=rtol, forms=Forms.parse(forms), inputs=inputs_npz)
     _emit(report, as_json)
 
 
@@ -140,10 +142,16 @@ def fuse(model, output, target, forms, no_verify, atol, rtol, force, as_json):
 @click.option("--threads", type=int, default=None, help="Intra-op threads for ORT.")
 @click.option("--allow-missing", is_flag=True, help="Report providers that cannot run instead of failing.")
 @click.option("--no-memory-check", is_flag=True, help="Run shapes whose estimated memory exceeds what is free.")
+@click.option("--inputs", "inputs_npz", default=None, help="Feed these inputs (.npz) instead.")
+@click.option("--save-outputs", default=None,
+              help="Save inputs, outputs and provenance (.npz) to check on another machine.")
+@click.option("--load-outputs", default=None,
+              help="Run the inputs saved by --save-outputs here and compare with its outputs.")
+@click.option("--force", is_flag=True, help="Replace an existing --save-outputs file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads, allow_missing,
-             no_memory_check, as_json):
+             no_memory_check, inputs_npz, save_outputs, load_outputs, force, as_json):
     """Parity of MODEL across PyTorch, ORT CPU, CUDA and TensorRT. Exit 0 when everything
     passed, 1 when outputs differ, 3 when a requested provider could not run."""
     from mha_onnx.graphio import read_model
@@ -156,6 +164,7 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
         providers=parse_providers(providers), shapes=cases,
         tolerances=parse_tolerances(atol, rtol), seed=seed, allow_missing=allow_missing,
         reference=reference, threads=threads, memory_check=not no_memory_check,
+        inputs=inputs_npz, save_outputs=save_outputs, load_outputs=load_outputs, force=force,
     )
     report = validate_model(model, config)
     _emit(report, as_json)

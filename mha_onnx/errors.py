@@ -49,7 +49,13 @@ class ExportError(MhaOnnxError):
 
 
 class FusionError(MhaOnnxError):
-    """The fused graph failed verification against the original."""
+    """The fused graph failed verification against the original (outputs differ: exit 1)."""
+
+    exit_code = EXIT_MISMATCH
+
+
+class VerifyError(MhaOnnxError):
+    """The original model cannot be run to verify the fused one against (exit 2)."""
 
 
 class InputSpecError(MhaOnnxError):
@@ -64,3 +70,7 @@ class ProviderError(MhaOnnxError):
     """A requested execution provider is unknown or cannot run here."""
 
     exit_code = EXIT_PROVIDER
+
+
+class RuntimeCrash(ProviderError):
+    """ONNX Runtime died by a signal on this model (in a child process, so we did not)."""

@@ -233,6 +233,7 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool) -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    os.chmod(tmp, _creation_mode())  # mkstemp makes 0600; an output is an ordinary file
     try:
         yield tmp
         with tmp.open("rb") as handle:
@@ -244,6 +245,13 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _creation_mode() -> int:
+    """The mode an ordinary new file gets here: 0666 less the umask (0644 under 022)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -285,6 +293,7 @@ def write_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, force: 
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=prepare_output(path, force=force).parent) as tmp_dir:
         onnx.external_data_helper.write_external_data_tensors(model, tmp_dir)
         tmp_data = Path(tmp_dir) / data_name
+        os.chmod(tmp_data, _creation_mode())
         with tmp_data.open("rb") as handle:
             os.fsync(handle.fileno())
         with atomic_path(path, force=force) as tmp_model:

@@ -265,6 +265,13 @@ def load_inputs(path: str | Path, specs: Sequence[InputSpec]) -> dict[str, np.nd
     except (OSError, ValueError) as exc:
         raise InputSpecError(f"cannot read inputs from {path}: {exc}",
                              hint="save them with numpy.savez(path, name=array, ...)") from exc
+    return load_feeds(feeds, specs, str(path))
+
+
+def load_feeds(feeds: dict[str, np.ndarray], specs: Sequence[InputSpec],
+               path: str = "the given inputs") -> dict[str, np.ndarray]:
+    """Given arrays checked against the model's inputs (names, ranks, static dims), cast to
+    the input types."""
     missing = [s.name for s in specs if s.name not in feeds]
     if missing:
         raise InputSpecError(f"{path} lacks input(s) {', '.join(missing)}",

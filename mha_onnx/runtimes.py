@@ -167,12 +167,10 @@ class OrtRunner:
         if self.threads:
             options.intra_op_num_threads = self.threads
             options.inter_op_num_threads = 1
-        levels = {
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        }
-        options.graph_optimization_level = levels[self.optimization]
+        from mha_onnx.preflight import LEVELS
+
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
+                                                   LEVELS[self.optimization])
         if self.provider != "cpu" and not allow_fallback:
             options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
         if self.profile_dir is not None:

@@ -28,8 +28,13 @@ def node(op: str, inputs: list[str], output: str, **attrs) -> onnx.NodeProto:
     return helper.make_node(op, inputs, [output], **attrs)
 
 
-def model(nodes: list, inputs: list, outputs: list[str], opset: int = 18) -> onnx.ModelProto:
-    outs = [onnx.ValueInfoProto(name=o) for o in outputs]  # types come from inference
+def model(nodes: list, inputs: list, outputs: list[str], opset: int = 18,
+          out_types: dict[str, tuple[int, list]] | None = None) -> onnx.ModelProto:
+    """A model of ``nodes``; outputs untyped (types come from inference) unless given in
+    ``out_types`` (which a file on disk needs to pass onnx.checker)."""
+    out_types = out_types or {}
+    outs = [helper.make_tensor_value_info(o, *out_types[o]) if o in out_types
+            else onnx.ValueInfoProto(name=o) for o in outputs]
     graph = helper.make_graph(nodes, "g", inputs, outs)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
 

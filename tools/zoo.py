@@ -408,6 +408,8 @@ DECODERS: dict[str, tuple[str, str, dict]] = {
     "opt": ("OPTConfig", "OPTModel", {"ffn_dim": 2 * D, "word_embed_proj_dim": D}),
     "starcoder2": ("Starcoder2Config", "Starcoder2Model", {"num_key_value_heads": 1}),
     "gptj": ("GPTJConfig", "GPTJModel", {"rotary_dim": 4}),
+    # ALiBi folded into the scores with baddbmm on [B*H, S, T], softmax on [B, H, S, T]
+    "bloom": ("BloomConfig", "BloomModel", {}),
 }
 
 
@@ -473,4 +475,5 @@ ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
     "spelled_triu1_bool_padded": lambda: spelled("triu1_bool", padding=True),
     "hf_mask_builder": lambda: hf_mask_builder(False),
     "hf_mask_builder_vmap": lambda: hf_mask_builder(True),
+    "hf_bloom": lambda: hf_decoder("bloom"),
 }

@@ -31,6 +31,10 @@ class ValidateConfig:
     reference: str | None = None
     threads: int | None = None
     memory_check: bool = True
+    inputs: str | None = None  # an .npz of real inputs instead of generated ones
+    save_outputs: str | None = None  # write inputs, outputs and provenance here
+    load_outputs: str | None = None  # run the inputs stored here, compare with its outputs
+    force: bool = False  # replace an existing --save-outputs file
 
     def tolerance_for(self, output: str, dtype: np.dtype) -> tuple[float, float]:
         default_atol, default_rtol = default_tolerance(dtype)

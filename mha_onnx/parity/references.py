@@ -12,11 +12,12 @@ import onnx
 
 from mha_onnx import metadata
 from mha_onnx.config import MhaConfig
-from mha_onnx.errors import InputSpecError, MhaOnnxError
+from mha_onnx.errors import InputSpecError, MhaOnnxError, RuntimeCrash
 from mha_onnx.graphio import read_model
 from mha_onnx.inputs import input_specs
-from mha_onnx.metadata import CheckResult
+from mha_onnx.metadata import CheckResult, session_options
 from mha_onnx.parity.config import ValidateConfig
+from mha_onnx.preflight import preflight
 from mha_onnx.runtimes import OrtRunner
 
 
@@ -52,7 +53,8 @@ class TorchReference:
         return {"output": run_reference(self.module, dict(feeds))}
 
 
-def references_for(model: onnx.ModelProto, path: str, config: ValidateConfig):
+def references_for(model: onnx.ModelProto, path: str, config: ValidateConfig, *,
+                   needed: bool = True):
     """{"pytorch": TorchReference, "reference": OrtRunner}, their labels, integrity checks and
     the reference model's input specs. The PyTorch reference comes from ``--reference``'s
     metadata when it has some, so a modified file cannot vouch for itself."""
@@ -84,10 +86,16 @@ def references_for(model: onnx.ModelProto, path: str, config: ValidateConfig):
             checks.append(CheckResult("same export", False,
                                       "model and --reference record different weights"))
     if ref_model is not None:
+        checked = preflight(str(config.reference), "cpu",
+                            session_options(ref_model).get("optimization", "all"))
+        if checked.level is None and checked.crashed:
+            raise RuntimeCrash(f"--reference {config.reference}: {checked.message()}")
+        level = checked.level or "all"  # the reference only has to compute right answers
         references["reference"] = OrtRunner(ref_model.SerializeToString(), "cpu",
-                                            threads=config.threads)
-        labels.append(f"reference = {config.reference} on ORT CPU")
-    if not references:
+                                            threads=config.threads, optimization=level)
+        labels.append(f"reference = {config.reference} on ORT CPU"
+                      + (f" ({checked.message()})" if checked.crashed else ""))
+    if not references and needed:
         raise MhaOnnxError(
             f"{path} has no mha-onnx metadata to rebuild the PyTorch reference from",
             hint="pass --reference ORIGINAL.onnx (e.g. the unfused model)")

@@ -16,11 +16,31 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_onnx.graphio import read_model
-from mha_onnx.inputs import InputSpec, ShapeCase, case_for, ensure_fits, input_specs, make_inputs
+from mha_onnx.graphio import prepare_output, read_model
+from mha_onnx.inputs import (
+    InputSpec,
+    ShapeCase,
+    case_for,
+    case_of_feeds,
+    ensure_fits,
+    input_specs,
+    load_feeds,
+    load_inputs,
+    make_inputs,
+)
+from mha_onnx.metadata import session_options
 from mha_onnx.parity.config import ValidateConfig
+from mha_onnx.parity.golden import (
+    GoldenReference,
+    GoldenRun,
+    file_sha256,
+    load_golden,
+    save_golden,
+)
 from mha_onnx.parity.references import references_for
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
+from mha_onnx.preflight import preflight
+from mha_onnx.profile.roofline import machine_info
 from mha_onnx.runtimes import OrtRunner, ProviderError, node_placement
 from mha_onnx.stats import compare
 
@@ -69,33 +89,50 @@ def _cast_feeds(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec] | No
     return {k: v.astype(by_name[k].dtype) if k in by_name else v for k, v in feeds.items()}
 
 
+def _runs(specs: Sequence[InputSpec], config: ValidateConfig
+          ) -> tuple[list[tuple[ShapeCase, dict[str, np.ndarray]]], GoldenReference | None]:
+    """What to feed: a golden file's stored inputs, the user's inputs, or generated cases."""
+    if config.load_outputs:
+        stored, meta = load_golden(config.load_outputs)
+        runs = [(ShapeCase(r.case, {}, "given"), load_feeds(r.inputs, specs)) for r in stored]
+        return runs, GoldenReference(stored, meta, config.load_outputs)
+    if config.inputs:
+        feeds = load_inputs(config.inputs, specs)
+        return [(case_of_feeds(specs, feeds, f"inputs from {config.inputs}"), feeds)], None
+    cases = list(config.shapes) if config.shapes else validation_cases(specs)
+    return [(case, make_inputs(specs, case, seed=config.seed + n))
+            for n, case in enumerate(cases)], None
+
+
 def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport:
     """Compare ``path`` on every requested provider against the available references."""
     started = time.perf_counter()
+    if config.save_outputs:
+        prepare_output(config.save_outputs, force=config.force)
     model = read_model(path)
     specs = input_specs(model)
-    cases = list(config.shapes) if config.shapes else validation_cases(specs)
+    runs, golden = _runs(specs, config)
     if config.memory_check:  # the model, PyTorch and the reference run at once
-        ensure_fits(model, cases, copies=3, hint="use smaller --shapes or pass --no-memory-check")
-    references, labels, checks, ref_specs = references_for(model, str(path), config)
-    runners, statuses = _start_providers(str(path), config, make_inputs(specs, cases[0], seed=config.seed))
-    out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
-                for o in model.graph.output}
-    comparisons: list[Comparison] = []
-    masked: list[MaskedRows] = []
+        ensure_fits(model, [c for c, _ in runs], copies=3,
+                    hint="use smaller --shapes or pass --no-memory-check")
+    references, labels, checks, ref_specs = references_for(model, str(path), config,
+                                                           needed=golden is None)
+    if golden is not None:
+        references["golden"] = golden
+        labels.append(golden.label)
+    level = session_options(model).get("optimization", "all")
+    runners, statuses = _start_providers(str(path), config, runs[0][1], level)
     try:
-        for n, case in enumerate(cases):
-            feeds = make_inputs(specs, case, seed=config.seed + n)
-            wants = {key: ref.infer(_cast_feeds(feeds, ref_specs) if key == "reference" else feeds)
-                     for key, ref in references.items()}
-            gots = {p: r.infer(feeds) for p, r in runners.items()}
-            special = _fully_masked(specs, feeds)
-            comparisons += _compare_case(case, gots, wants, special, out_dims, config)
-            if special is not None:
-                masked += _masked_rows(case, gots, wants, special, out_dims)
+        comparisons, masked, saved = _compare_runs(model, specs, runs, references, ref_specs,
+                                                   runners, config)
     finally:
         for runner in runners.values():
             runner.close()
+    if config.save_outputs and saved:
+        provider = next(iter(runners))
+        save_golden(config.save_outputs, saved, {
+            "model": Path(path).name, "model_sha256": file_sha256(path), "provider": provider,
+            "machine": machine_info()}, force=config.force)
     return ValidationReport(
         model=str(path), references=tuple(labels), providers=tuple(statuses),
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
@@ -103,14 +140,41 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     )
 
 
-def _start_providers(path: str, config: ValidateConfig, probe_feeds: dict[str, np.ndarray]):
+def _compare_runs(model, specs, runs, references, ref_specs, runners, config: ValidateConfig):
+    """Every run on every provider against every reference; the first provider's outputs
+    are kept for a golden file."""
+    out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
+                for o in model.graph.output}
+    comparisons: list[Comparison] = []
+    masked: list[MaskedRows] = []
+    saved: list[GoldenRun] = []
+    for case, feeds in runs:
+        wants = {key: ref.infer(_cast_feeds(feeds, ref_specs) if key == "reference" else feeds)
+                 for key, ref in references.items()}
+        gots = {p: r.infer(feeds) for p, r in runners.items()}
+        special = _fully_masked(specs, feeds)
+        comparisons += _compare_case(case, gots, wants, special, out_dims, config)
+        if special is not None:
+            masked += _masked_rows(case, gots, wants, special, out_dims)
+        if gots:
+            saved.append(GoldenRun(case.describe(), feeds, next(iter(gots.values()))))
+    return comparisons, masked, saved
+
+
+def _start_providers(path: str, config: ValidateConfig, probe_feeds: dict[str, np.ndarray],
+                     level: str):
     """A runner per provider that starts; a status per provider (ORT's reason when it does
-    not; the nodes ORT put on the CPU under another provider when it does)."""
+    not, or the crash a child process saw; the nodes ORT put on the CPU under another
+    provider when it does). ``level``: the optimisation level the model needs."""
     statuses: list[ProviderStatus] = []
     runners: dict[str, OrtRunner] = {}
     for provider in config.providers:
+        checked = preflight(path, provider, level)
+        if checked.crashed:
+            statuses.append(ProviderStatus(provider, False, checked.message()))
+            continue
         runner = OrtRunner(path, provider, threads=config.threads,
-                           io_binding=provider != "cpu", strict=False)
+                           io_binding=provider != "cpu", strict=False, optimization=level)
         try:
             runner.session  # noqa: B018
         except ProviderError as exc:

@@ -46,6 +46,26 @@ def resolved_threads(threads: int | None) -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
+def _check_sessions(paths: Sequence[str], config: ProfileConfig) -> None:
+    """Each model on each provider: a crash (seen in a child process) is refused with what
+    still works; a provider that cannot run is an error, never a CPU run."""
+    from mha_onnx.errors import RuntimeCrash
+    from mha_onnx.metadata import session_options
+    from mha_onnx.preflight import preflight
+    from mha_onnx.runtimes import OrtRunner
+
+    for provider in config.providers:
+        for path in paths:
+            level = session_options(read_model(path, load_external_data=False)).get(
+                "optimization", "all")
+            checked = preflight(path, provider, level)
+            if checked.crashed:
+                raise RuntimeCrash(f"{Path(path).name}: {checked.message()}",
+                                   hint="fuse the model: the fused file records the session "
+                                        "options it needs")
+        OrtRunner(paths[0], provider, strict=False).session  # noqa: B018
+
+
 def _rooflines(paths: Sequence[str], config: ProfileConfig) -> dict[str, float]:
     dtypes = {(config_of(read_model(p, load_external_data=False)) or MhaConfig()).dtype
               for p in paths}
@@ -61,15 +81,12 @@ def _rooflines(paths: Sequence[str], config: ProfileConfig) -> dict[str, float]:
 def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
                    on_point: Callable[[int, int, str], None] | None = None) -> ProfileReport:
     """Profile every model x provider x batch x length x threads of ``config``."""
-    from mha_onnx.runtimes import OrtRunner
-
     started = time.perf_counter()
     paths = [str(check_readable(p)) for p in paths]
     for path in paths:
         read_model(path, load_external_data=False)  # refuse non-models before any timing
     check_memory(paths, config)
-    for provider in config.providers:  # a provider that cannot run is an error, not a CPU run
-        OrtRunner(paths[0], provider, strict=False).session  # noqa: B018
+    _check_sessions(paths, config)
     if config.trace_dir:
         Path(config.trace_dir).mkdir(parents=True, exist_ok=True)
     roofline = _rooflines(paths, config)

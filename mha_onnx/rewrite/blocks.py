@@ -4,7 +4,7 @@ MatMul -> Softmax -> MatMul chains (subgraphs of Loop/If/Scan included)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
@@ -22,11 +22,14 @@ FUSED_OPS = {
     ("", "Attention"),
 }
 # Ops allowed between the Softmax and the MatMul with V.
-PROBS_PASSTHROUGH = {"Cast", "Where", "IsNaN", "Dropout", "Identity"}
+PROBS_PASSTHROUGH = {"Cast", "Where", "IsNaN", "Dropout", "Identity", "Reshape"}
+# Ops that multiply two tensors: a product of two activations feeding a Softmax is attention.
+PRODUCTS = {"MatMul", "Einsum", "Gemm"}
 # Ops walked through from the Softmax back to Q·K^T when looking for blocks (wider than what
 # the fusion accepts, so that a block it cannot fuse is still reported with a reason).
 SCORES_WALK_OPS = {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh", "Relu", "Sigmoid",
-                   "Clip", "Neg", "Abs", "Identity", "Min", "Max", "Pow", "Sqrt", "Exp"}
+                   "Clip", "Neg", "Abs", "Identity", "Min", "Max", "Pow", "Sqrt", "Exp",
+                   "Reshape", "Unsqueeze", "Squeeze", "Expand", "Transpose", "Erf", "Softplus"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Block:
     op: str
     node: str
     graph: str
+    softmax: ir.Node | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, str]:
         return {"kind": self.kind, "op": self.op, "node": self.node, "graph": self.graph}
@@ -78,8 +82,17 @@ def probs_matmul(softmax: ir.Node) -> ir.Node | None:
     return None
 
 
+def _is_activation(value: ir.Value | None) -> bool:
+    """Computed at run time (not an initializer or a constant)."""
+    if value is None or value.const_value is not None or value.is_initializer():
+        return False
+    node = value.producer()
+    return node is None or node.op_type not in ("Constant", "ConstantOfShape")
+
+
 def scores_matmul(softmax: ir.Node) -> ir.Node | None:
-    """The MatMul (Q K^T) upstream of the Softmax input, through elementwise ops."""
+    """The product of two activations (Q K^T) upstream of the Softmax input, through
+    elementwise and layout ops."""
     seen: set[int] = set()
     stack = [softmax.inputs[0]]
     steps = 0
@@ -92,20 +105,31 @@ def scores_matmul(softmax: ir.Node) -> ir.Node | None:
         producer = value.producer()
         if producer is None:
             continue
-        if producer.op_type == "MatMul":
-            return producer
+        if producer.op_type in PRODUCTS and producer.domain in ("", "ai.onnx"):
+            if sum(_is_activation(v) for v in producer.inputs[:2]) == 2:
+                return producer
+            continue  # a projection: a weight times an activation
         if producer.op_type in SCORES_WALK_OPS:
             stack.extend(v for v in producer.inputs if v is not None)
     return None
 
 
 def is_attention_softmax(node: ir.Node) -> bool:
-    return (
-        node.op_type == "Softmax"
-        and node.domain in ("", "ai.onnx")
-        and probs_matmul(node) is not None
-        and scores_matmul(node) is not None
-    )
+    """Every Softmax over a product of two activations is an attention candidate (whether
+    or not its probabilities reach V)."""
+    return (node.op_type == "Softmax" and node.domain in ("", "ai.onnx")
+            and scores_matmul(node) is not None)
+
+
+def why_left(softmax: ir.Node) -> str:
+    """A reason for a candidate no rule looked at."""
+    if probs_matmul(softmax) is None:
+        return ("its probabilities never reach a MatMul with V (returned, or used another "
+                "way): not a fusable attention core")
+    mm = scores_matmul(softmax)
+    if mm is not None and mm.op_type != "MatMul":
+        return f"Q·K^T is computed by {mm.op_type}, which the fusion does not read"
+    return "not recognised as attention by any rule"
 
 
 def _subgraphs(node: ir.Node) -> list[ir.Graph]:
@@ -133,5 +157,6 @@ def find_blocks(graph: ir.Graph) -> list[Block]:
         if is_fused_attention(node):
             blocks.append(Block("fused", op_label(node), node.name or "", graph.name or ""))
         elif is_attention_softmax(node):
-            blocks.append(Block("unfused", "MatMul-Softmax-MatMul", node.name or "", graph.name or ""))
+            blocks.append(Block("unfused", "MatMul-Softmax-MatMul", node.name or "",
+                                graph.name or "", node))
     return blocks

@@ -68,6 +68,7 @@ class Core:
     nan_to_zero: bool
     self_attention: bool
     softcap: float = 0.0
+    split_heads: bool = False  # rank-3 [B*H, S, D] operands around a [B, H, S, T] softmax
 
     def describe(self) -> str:
         """e.g. ``causal + key padding, window 4096, 8 q heads / 2 kv heads, softcap 50``."""
@@ -147,13 +148,30 @@ def _operands(qk: ir.Node, value: ir.Value, rank: int, block: str) -> _Operands:
                      q_scale * k_scale, sd)
 
 
+def _split_operands(tail, chain, value: ir.Value, rank: int, block: str) -> _Operands:
+    """Heads merged into the batch for Q·K^T and A·V ([B*H, S, D], baddbmm style) while the
+    Softmax sees [B, H, S, T]: the rank-3 operands, with H and the 4-D score dims."""
+    if tail.merged != chain.split or rank != 4:
+        raise Reject(tail.block, "heads are merged and split around the Softmax inconsistently")
+    ops = _operands(chain.matmul, value, 3, tail.block)
+    score = dims(tail.softmax.inputs[0]) or [None] * 4
+    sd = ScoreDims(score[0], tail.merged, score[2], score[3], 4)
+    return _Operands(ops.query, ops.key, ops.key_form, ops.value, tail.merged, tail.merged,
+                     ops.scale, sd)
+
+
 def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core:
     """Recognise ``MatMul(probs, V)`` as an attention core or raise Reject(reason)."""
     tail = probs_tail(matmul)
     block = tail.block
     rank = _score_rank(tail.softmax, opset, block)
     chain = score_chain(tail.softmax, block)
-    ops = _operands(chain.matmul, matmul.inputs[1], rank, block)
+    split = bool(tail.merged or chain.split)
+    if split:
+        ops = _split_operands(tail, chain, matmul.inputs[1], rank, block)
+        rank = 3
+    else:
+        ops = _operands(chain.matmul, matmul.inputs[1], rank, block)
     if ops.query.dtype not in SUPPORTED_DTYPES or ops.value.dtype != ops.query.dtype:
         raise Reject(block, f"dtype {ops.query.dtype} has no fused attention kernel here")
     try:
@@ -165,7 +183,7 @@ def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core
         rank=rank, heads=ops.heads, kv_heads=ops.kv_heads, scale=chain.scale * ops.scale,
         mask=mask, nan_to_zero=tail.nan_to_zero,
         self_attention=same_dim(ops.dims.seq_q, ops.dims.seq_kv),
-        softcap=chain.softcap,
+        softcap=chain.softcap, split_heads=split,
     )
 
 

@@ -20,9 +20,11 @@ from onnxscript.optimizer import optimize, remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx import __version__, metadata
-from mha_onnx.errors import ConfigError, FusionError
+from mha_onnx.errors import ConfigError, FusionError, RuntimeCrash
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
-from mha_onnx.rewrite.blocks import find_blocks
+from mha_onnx.inputs import input_specs, load_inputs
+from mha_onnx.preflight import Preflight, preflight
+from mha_onnx.rewrite.blocks import find_blocks, why_left
 from mha_onnx.rewrite.core import (
     BlockLog,
     OnnxAttention,
@@ -230,7 +232,7 @@ def _results(before, blog: BlockLog, chosen: dict[str, str]) -> list[BlockResult
         elif block.kind == "fused":
             results.append(BlockResult(name, "already fused", form=block.op))
         else:
-            reason = blog.reasons.get(name, "not recognised as attention by any rule")
+            reason = blog.reasons.get(name) or why_left(block.softmax)
             results.append(BlockResult(name, "left", reason=reason))
     return results
 
@@ -245,33 +247,57 @@ def fuse_file(
     atol: float | None = None,
     rtol: float | None = None,
     forms: Forms | None = None,
+    inputs: str | Path | None = None,
 ) -> FuseReport:
     """Fuse ``source`` into ``output``; refuses to write when the fused graph's outputs differ
-    from the original's beyond tolerance (unless ``verify_result`` is False)."""
+    from the original's beyond tolerance (unless ``verify_result`` is False). ``inputs``: an
+    .npz of real inputs to verify with instead of generated ones. ONNX Runtime first meets
+    each model in a child process, so a crash in it cannot take this process down."""
     started = time.perf_counter()
     output = prepare_output(output, force=force)
     original = read_model(source)
+    given = load_inputs(inputs, input_specs(original)) if inputs is not None else None
+    level = _safe_level(preflight(source), "the original model") if verify_result else "all"
     fused, results, notes = fuse_model(original, target=target, forms=forms)
     _carry_metadata(original, fused, results, target)
     if not results:
         notes.append("the model has no attention block; the output is an unchanged copy")
+    checked = preflight(fused.SerializeToString())
+    fused_level = _safe_level(checked, "the fused model")
+    if checked.crashed:
+        metadata.write(fused, {"session": {"optimization": fused_level}})
+        notes.append(f"{checked.message()}; recorded in the fused model for validate and profile")
     verification = None
     if verify_result:
-        verification = verify(original, fused, atol=atol, rtol=rtol)
-        failure = verification.first_failure()
-        if failure is not None:
-            raise FusionError(
-                f"fused graph differs from the original: output {failure.output!r} at "
-                f"{failure.case}: max abs error {failure.stats.max_abs:.3g} "
-                f"(atol {failure.stats.atol:g}); nothing was written",
-                hint="please report this model; --no-verify writes it anyway",
-            )
+        verification = verify(original, fused, given=given, atol=atol, rtol=rtol,
+                              levels=(level, fused_level))
+        _refuse_mismatch(verification)
     write_model(fused, output, force=force)
     return FuseReport(
         input=str(source), output=str(output), target=target, blocks=tuple(results),
         verification=verification, seconds=time.perf_counter() - started, written=True,
         notes=tuple(notes),
     )
+
+
+def _safe_level(checked: Preflight, what: str) -> str:
+    """The optimisation level at which ORT runs a model without crashing; a model it crashes
+    on at every level is refused (exit 3). A model ORT merely refuses is left to verify, which
+    falls back to the ONNX reference evaluator for the original."""
+    if checked.crashed and checked.level is None:
+        raise RuntimeCrash(f"{what}: {checked.message()}",
+                           hint="nothing was written; please report this model to onnxruntime")
+    return checked.level or "all"
+
+
+def _refuse_mismatch(verification: Verification) -> None:
+    failure = verification.first_failure()
+    if failure is not None:
+        raise FusionError(
+            f"fused graph differs from the original: output {failure.output!r} at "
+            f"{failure.case}: max abs error {failure.stats.max_abs:.3g} "
+            f"(atol {failure.stats.atol:g}); nothing was written",
+            hint="please report this model; --no-verify writes it anyway")
 
 
 def _carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,

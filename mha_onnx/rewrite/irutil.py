@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import re
+
 import numpy as np
 import onnx_ir as ir
 
@@ -92,8 +95,31 @@ def dims(value: ir.Value | None) -> list[Dim] | None:
 
 
 def same_dim(a: Dim, b: Dim) -> bool:
-    """True only when both dims are known and provably equal."""
-    return a is not None and b is not None and a == b
+    """True only when both dims are known and provably equal (symbolic expressions such as
+    torch's ``((seq**2)//seq)`` are simplified first)."""
+    if a is None or b is None:
+        return False
+    if a == b:
+        return True
+    if isinstance(a, str) and isinstance(b, str) and _EXPRESSION.search(a + b):
+        return _equal_expressions(a, b)
+    return False
+
+
+_EXPRESSION = re.compile(r"[-+*/()]")
+
+
+@functools.lru_cache(maxsize=4096)
+def _equal_expressions(a: str, b: str) -> bool:
+    import sympy
+
+    try:
+        names = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", a + " " + b))
+        symbols = {n: sympy.Symbol(n, integer=True, positive=True) for n in names}
+        return sympy.simplify(sympy.sympify(a, locals=symbols)
+                              - sympy.sympify(b, locals=symbols)) == 0
+    except (sympy.SympifyError, TypeError, ValueError, SyntaxError):
+        return False
 
 
 def int_attr(node: ir.Node, name: str, default: int) -> int:

@@ -31,9 +31,14 @@ from mha_onnx.rewrite.lower_common import (
 from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
 
 
+def gqa_shapes_ok(info: SdpaInfo) -> bool:
+    """GQA's own limits: one head size for K and V, a multiple of 8; heads grouped evenly."""
+    return info.dk == info.dv and info.dk % 8 == 0 and info.heads % info.kv_heads == 0
+
+
 def gqa_ok(info: SdpaInfo) -> bool:
-    """Can GQA compute this block exactly (possibly behind a run-time check)?"""
-    if not info.causal or info.dk != info.dv or info.dk % 8 or info.heads % info.kv_heads:
+    """Can GQA compute this causal block exactly (possibly behind a run-time check)?"""
+    if not info.causal or not gqa_shapes_ok(info):
         return False
     if info.alignment == "square":
         return True
@@ -47,16 +52,19 @@ def _total_length(op, k3: ir.Value) -> ir.Value:
     return op.Cast(op.Reshape(seq_dim(op, k3, 1), scalar_shape(op)), to=ir.DataType.INT32)
 
 
-def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None) -> ir.Value:
+def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None, *,
+             causal: bool = True) -> ir.Value:
     """One GroupQueryAttention node on [B, S, H*D] / [B, T, G*D] inputs; without ``seqlens``
-    every row keeps all T keys."""
+    every row keeps all T keys. ``causal=False``: bidirectional (key padding by seqlens_k)."""
     if total is None:
         total = _total_length(op, k3)
     if seqlens is None:
         seqlens = op.Expand(op.Sub(total, int_const(op, 1, np.int32)), seq_dim(op, q3, 0))
     attrs: dict[str, object] = {"num_heads": info.heads, "kv_num_heads": info.kv_heads,
                                 "scale": info.scale}
-    if info.window:
+    if not causal:
+        attrs["causal"] = 0
+    elif info.window:
         attrs["local_window_size"] = info.window
     if info.softcap:
         attrs["softcap"] = info.softcap
@@ -82,7 +90,8 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value) -> tuple[ir.Value, str]:
     return _right_padded(op, info, q3, k3, v3), f"If(right padding): {label} | MHA + attention_bias"
 
 
-def _if(op, info: SdpaInfo, cond: ir.Value, then, otherwise, tag: str) -> ir.Value:
+def if_forms(op, info: SdpaInfo, cond: ir.Value, then, otherwise, tag: str) -> ir.Value:
+    """If(cond) then ``then(ops)`` else ``otherwise(ops)``, each built in its own branch."""
     dtype = info.query.dtype
     then_graph = branch(f"{tag}_fast", then, dtype)
     else_graph = branch(f"{tag}_general", otherwise, dtype)
@@ -93,8 +102,9 @@ def _if(op, info: SdpaInfo, cond: ir.Value, then, otherwise, tag: str) -> ir.Val
     return out
 
 
-def _right_padded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
-    """If every row is right-padded (and no query loses all its keys): GQA with seqlens_k."""
+def right_padding(op, info: SdpaInfo, q3, k3) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """(cond, seqlens_k, total): cond is True when every row's padded keys are a suffix and
+    every query keeps a key (within the window, if any); seqlens_k = kept keys - 1."""
     assert info.padded is not None
     keep = op.Not(info.padded)  # [B, T]
     lens = op.ReduceSum(op.Cast(keep, to=ir.DataType.INT32), op.Constant(value_ints=[1]),
@@ -105,14 +115,18 @@ def _right_padded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
                      op.Unsqueeze(lens, op.Constant(value_ints=[1])))
     suffix_padded = op.ReduceMin(op.Cast(op.Equal(prefix, keep), to=ir.DataType.INT32),
                                  keepdims=0)
-    shortest = op.ReduceMin(lens, keepdims=0)
     enough = int_const(op, 1, np.int32)
-    if info.window:  # a padded query further than the window from every kept key
+    if info.causal and info.window:  # a padded query further than the window from every key
         seq_q = op.Cast(op.Reshape(seq_dim(op, q3, 1), scalar_shape(op)), to=ir.DataType.INT32)
         enough = op.Max(enough, op.Sub(seq_q, int_const(op, info.window - 1, np.int32)))
     cond = op.And(op.Equal(suffix_padded, int_const(op, 1, np.int32)),
-                  op.GreaterOrEqual(shortest, enough))
-    seqlens = op.Sub(lens, int_const(op, 1, np.int32))
+                  op.GreaterOrEqual(op.ReduceMin(lens, keepdims=0), enough))
+    return cond, op.Sub(lens, int_const(op, 1, np.int32)), total
+
+
+def _right_padded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
+    """If every row is right-padded (and no query loses all its keys): GQA with seqlens_k."""
+    cond, seqlens, total = right_padding(op, info, q3, k3)
 
     def fast(ops: TapeOps) -> ir.Value:
         return gqa_call(ops, info, q3, k3, v3, seqlens, total)
@@ -120,7 +134,20 @@ def _right_padded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
     def general(ops: TapeOps) -> ir.Value:
         return dense_mha(ops, info, q3, lazy=True)
 
-    return _if(op, info, cond, fast, general, "right_padded")
+    return if_forms(op, info, cond, fast, general, "right_padded")
+
+
+def key_padding_gqa(op, info: SdpaInfo, q3, otherwise) -> ir.Value:
+    """Key padding on bidirectional GQA with seqlens_k when every row is right-padded (the
+    whole batch in one kernel call, padded keys skipped); ``otherwise(ops)`` builds the form
+    for any other padding."""
+    k3, v3 = to_bsd(op, info.key, info.kv_heads), to_bsd(op, info.value, info.kv_heads)
+    cond, seqlens, total = right_padding(op, info, q3, k3)
+
+    def fast(ops: TapeOps) -> ir.Value:
+        return gqa_call(ops, info, q3, k3, v3, seqlens, total, causal=False)
+
+    return if_forms(op, info, cond, fast, otherwise, "right_padded")
 
 
 def _top_left(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
@@ -137,4 +164,4 @@ def _top_left(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
     def general(ops: TapeOps) -> ir.Value:
         return dense_mha(ops, info, q3, lazy=True)
 
-    return _if(op, info, cond, fast, general, "top_left")
+    return if_forms(op, info, cond, fast, general, "top_left")

@@ -24,7 +24,7 @@ from onnxscript.rewriter._basics import MatchResult
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, same_dim
 from mha_onnx.rewrite.lower_common import causal_bias, dense_mha, fully_masked_value
-from mha_onnx.rewrite.lower_gqa import gqa_ok, lower_gqa
+from mha_onnx.rewrite.lower_gqa import gqa_ok, gqa_shapes_ok, key_padding_gqa, lower_gqa
 from mha_onnx.rewrite.lower_loop import padding_loop
 from mha_onnx.rewrite.sdpa import (
     FUSION_DOMAIN,
@@ -46,7 +46,8 @@ class Forms:
     key_padding: str = "loop"
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "causal": ("gqa", "unidirectional", "bias"), "key_padding": ("loop", "mask", "bias")}
+        "causal": ("gqa", "unidirectional", "bias"),
+        "key_padding": ("loop", "mask", "bias", "gqa")}
 
     def __post_init__(self) -> None:
         for kind, choices in self.CHOICES.items():
@@ -64,7 +65,7 @@ class Forms:
             if kind not in cls.CHOICES or not form:
                 raise ConfigError(f"malformed --form {item!r}",
                                   hint="use causal=gqa|unidirectional|bias or "
-                                       "key_padding=loop|mask|bias")
+                                       "key_padding=loop|mask|bias|gqa")
             values[kind] = form.strip()
         return cls(**values)
 
@@ -117,8 +118,15 @@ def _causal_mha(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Valu
 
 
 def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, str]:
+    if forms.key_padding == "gqa" and info.self_attention and gqa_shapes_ok(info):
+        def loop(ops) -> ir.Value:
+            k, v, k3d = kv_operands(ops, info)
+            return padding_loop(ops, info, q3, k, v, k3d)
+
+        return (key_padding_gqa(op, info, q3, loop),
+                "If(right padding): GroupQueryAttention (bidirectional) | Loop(Compress keys)")
     k, v, k3d = kv_operands(op, info)
-    if forms.key_padding == "loop":
+    if forms.key_padding in ("loop", "gqa"):
         return padding_loop(op, info, q3, k, v, k3d), "Loop(Compress keys) + MultiHeadAttention"
     assert info.padded is not None
     if forms.key_padding == "mask":

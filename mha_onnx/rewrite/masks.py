@@ -56,6 +56,7 @@ class Term:
     post: float
     fill: float = 0.0
     masked_when: bool = True
+    lift: int = 0  # the value is [B*H, ..]: split its first dim into [B, lift] for the scores
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class SizeLeaf:
     masked_when: bool | None
     post: float = 1.0
     fill: float = 0.0  # boolean leaves: the score their masked keys get
+    lift: int = 0  # as Term.lift
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,9 @@ class _Collector:
         return Pieces(tuple(self.size), tuple(self.padding), "; ".join(dict.fromkeys(self.reasons)))
 
     def term(self, term: Term) -> None:
-        if term.mode == "replace":
+        if term.lift:  # [B*H, S, T] pieces: kept as they are (a dense bias)
+            self.reasons.append("a mask applied with batch and heads merged")
+        elif term.mode == "replace":
             self.boolean(term.value, term.masked_when, term.fill * term.post, 0)
         else:
             self.additive(term.value, term.post, 0)

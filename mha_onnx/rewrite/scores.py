@@ -44,11 +44,13 @@ class Reject(Exception):
 
 @dataclass(frozen=True)
 class ProbsTail:
-    """Softmax -> (NaN guard | Cast | Dropout | Identity)* -> MatMul(., V)."""
+    """Softmax -> (NaN guard | Cast | Dropout | Identity)* -> MatMul(., V); ``merged``: the
+    heads a Reshape [B, H, S, T] -> [B*H, S, T] folded into the batch on the way (0: none)."""
 
     softmax: ir.Node
     nodes: tuple[ir.Node, ...]  # from the MatMul with V up to the Softmax
     nan_to_zero: bool
+    merged: int = 0
 
     @property
     def block(self) -> str:
@@ -63,20 +65,42 @@ def _nan_guard(node: ir.Node) -> bool:
     return isnan is not None and isnan.inputs[0] is node.inputs[2]
 
 
+def heads_merged(node: ir.Node) -> int:
+    """For ``Reshape([B, H, S, T] -> [B*H, S, T])``: H (static); else 0."""
+    src, out = dims(node.inputs[0]), dims(node.outputs[0])
+    if node.op_type != "Reshape" or src is None or out is None or len(src) != 4 or len(out) != 3:
+        return 0
+    fits = isinstance(src[1], int) and same_dim(out[1], src[2]) and same_dim(out[2], src[3])
+    return int(src[1]) if fits else 0
+
+
+def heads_split(node: ir.Node) -> int:
+    """For ``Reshape([B*H, S, T] -> [B, H, S, T])``: H (static); else 0."""
+    src, out = dims(node.inputs[0]), dims(node.outputs[0])
+    if node.op_type != "Reshape" or src is None or out is None or len(src) != 3 or len(out) != 4:
+        return 0
+    fits = isinstance(out[1], int) and same_dim(src[1], out[2]) and same_dim(src[2], out[3])
+    return int(out[1]) if fits else 0
+
+
 def probs_tail(matmul: ir.Node) -> ProbsTail:
     """The Softmax whose probabilities ``matmul`` multiplies with V."""
     chain: list[ir.Node] = [matmul]
-    nan_to_zero = False
+    nan_to_zero, merged = False, 0
     current = matmul.inputs[0]
     for _ in range(6):
         node = producer(current)
         if node is None:
             break
         if node.op_type == "Softmax":
-            tail = ProbsTail(node, tuple(chain + [node]), nan_to_zero)
+            tail = ProbsTail(node, tuple(chain + [node]), nan_to_zero, merged)
             _check_private(tail)
             return tail
-        if _nan_guard(node):
+        if not merged and heads_merged(node):
+            merged = heads_merged(node)
+            chain.append(node)
+            current = node.inputs[0]
+        elif _nan_guard(node):
             nan_to_zero = True
             chain += [node, producer(node.inputs[0])]  # type: ignore[list-item]
             current = node.inputs[2]
@@ -140,6 +164,7 @@ class ScoreChain:
     terms: tuple[Term, ...]
     scale: float
     softcap: float = 0.0
+    split: int = 0  # heads a Reshape [B*H, S, T] -> [B, H, S, T] split out on the way
 
 
 def reaches_matmul(value: ir.Value | None, depth: int = 0) -> bool:
@@ -156,7 +181,7 @@ def reaches_matmul(value: ir.Value | None, depth: int = 0) -> bool:
         return any(reaches_matmul(v, depth + 1) for v in node.inputs)
     if node.op_type == "Where":
         return reaches_matmul(node.inputs[1], depth + 1) or reaches_matmul(node.inputs[2], depth + 1)
-    if node.op_type == "Cast":
+    if node.op_type == "Cast" or heads_split(node):
         return reaches_matmul(node.inputs[0], depth + 1)
     return False
 
@@ -183,6 +208,7 @@ class _ChainWalk:
         self.post = 1.0
         self.terms: list[Term] = []
         self.softcap = 0.0
+        self.split = 0
 
     def step(self, node: ir.Node) -> ir.Value:
         """Consume ``node``; return the value to continue from."""
@@ -201,6 +227,9 @@ class _ChainWalk:
         if op == "Where":
             return self._where(node)
         if op == "Cast":
+            return node.inputs[0]
+        if not self.split and heads_split(node):  # terms above this are [B*H, ..] tensors
+            self.split = heads_split(node)
             return node.inputs[0]
         if op == "Tanh":
             raise Reject(self.block, "a Tanh between Q·K^T and Softmax that is not a soft-cap "
@@ -222,7 +251,7 @@ class _ChainWalk:
             raise Reject(self.block, "cannot tell scores from mask in an Add")
         self._no_mask_inside_cap()
         scores, bias = (a, b) if ra else (b, a)
-        self.terms.append(Term("add", bias, self.post))
+        self.terms.append(Term("add", bias, self.post, lift=self.split))
         return scores
 
     def _where(self, node: ir.Node) -> ir.Value:
@@ -230,10 +259,12 @@ class _ChainWalk:
         fa, fb = const_fill(a), const_fill(b)
         self._no_mask_inside_cap()
         if fa is not None and fb is None and reaches_matmul(b):
-            self.terms.append(Term("replace", cond, self.post, fill=fa, masked_when=True))
+            self.terms.append(Term("replace", cond, self.post, fill=fa, masked_when=True,
+                                   lift=self.split))
             return b
         if fb is not None and fa is None and reaches_matmul(a):
-            self.terms.append(Term("replace", cond, self.post, fill=fb, masked_when=False))
+            self.terms.append(Term("replace", cond, self.post, fill=fb, masked_when=False,
+                                   lift=self.split))
             return a
         raise Reject(self.block, "a Where between Q·K^T and Softmax is not a masked fill")
 
@@ -252,7 +283,7 @@ def score_chain(softmax: ir.Node, block: str) -> ScoreChain:
             break
         if node.op_type == "MatMul":
             # with a cap, the factors met before it were 1; walk.post holds those inside it
-            return ScoreChain(node, tuple(walk.terms), walk.post, walk.softcap)
+            return ScoreChain(node, tuple(walk.terms), walk.post, walk.softcap, walk.split)
         current = walk.step(node)
     raise Reject(block, "the Softmax input does not come from Q·K^T")
 

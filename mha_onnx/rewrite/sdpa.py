@@ -99,7 +99,9 @@ def emit_sdpa(op, core) -> ir.Value:
         key = op.Transpose(key, perm=[0, 2, 1, 3])
     elif core.key_form == "kt":
         key = op.Transpose(key, perm=[0, 1, 3, 2] if core.rank == 4 else [0, 2, 1])
-    if core.rank == 3:  # one head per (batch x head) row: [N, 1, S, D]
+    if core.split_heads:  # [B*H, S, D] -> [B, H, S, D]
+        query, key, value = (split_heads(op, x, core.heads) for x in (query, key, value))
+    elif core.rank == 3:  # one head per (batch x head) row: [N, 1, S, D]
         axis = op.Constant(value_ints=[1])
         query, key, value = (op.Unsqueeze(x, axis) for x in (query, key, value))
     mask = core.mask
@@ -118,9 +120,21 @@ def emit_sdpa(op, core) -> ir.Value:
     while inputs[-1] is None:
         inputs.pop()
     out = op.Sdpa(*inputs, _domain=FUSION_DOMAIN, **attrs)
+    if core.split_heads:  # back to [B*H, S, Dv]
+        return op.Reshape(out, op.Concat(op.Constant(value_ints=[-1]),
+                                         op.Shape(out, start=2, end=4), axis=0))
     if core.rank == 3:
         out = op.Squeeze(out, op.Constant(value_ints=[1]))
     return out
+
+
+def split_heads(op, x3: ir.Value, heads: int) -> ir.Value:
+    """[B*H, a, b] -> [B, H, a, b]; a tensor broadcast over B*H ([1, a, b]) -> [1, 1, a, b]."""
+    shape = dims(x3)
+    if shape is not None and shape and shape[0] == 1:
+        return op.Unsqueeze(x3, op.Constant(value_ints=[0]))
+    return op.Reshape(x3, op.Concat(op.Constant(value_ints=[-1, heads]),
+                                    op.Shape(x3, start=1), axis=0))
 
 
 def _padded_keys(op, padding) -> ir.Value:
@@ -135,7 +149,7 @@ def _padded_keys(op, padding) -> ir.Value:
 def _bias_term(leaf):
     from mha_onnx.rewrite.masks import Term
 
-    return Term("add", leaf.value, leaf.post)
+    return Term("add", leaf.value, leaf.post, lift=leaf.lift)
 
 
 def _sum_terms(op, core, terms: list) -> ir.Value:
@@ -144,14 +158,15 @@ def _sum_terms(op, core, terms: list) -> ir.Value:
     np_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
     total = None
     for term in terms:
+        value = split_heads(op, term.value, term.lift) if term.lift else term.value
         if term.mode == "add":
-            piece = term.value if term.value.dtype == dtype else op.Cast(term.value, to=dtype)
+            piece = value if value.dtype == dtype else op.Cast(value, to=dtype)
             if term.post != 1.0:
                 piece = op.Mul(piece, op.Constant(value=ir.tensor(np.array(term.post, np_dtype))))
         else:
             fill, zero = np.array(term.fill * term.post, np_dtype), np.array(0.0, np_dtype)
             on, off = (fill, zero) if term.masked_when else (zero, fill)
-            cond = term.value
+            cond = value
             if cond.dtype != ir.DataType.BOOL:
                 cond = op.Cast(cond, to=ir.DataType.BOOL)
             piece = op.Where(cond, op.Constant(value=ir.tensor(on)),
@@ -160,7 +175,9 @@ def _sum_terms(op, core, terms: list) -> ir.Value:
     assert total is not None
     shape = dims(total) or dims(terms[0].value)
     r = len(shape) if shape is not None else core.rank
-    if core.rank == 3:
+    if any(t.lift for t in terms):
+        r = 4  # lifted pieces are 4-D; the sum broadcasts to that
+    if core.rank == 3 and not core.split_heads:
         if r < 3:
             total = op.Unsqueeze(total, op.Constant(value_ints=list(range(3 - r))))
         return op.Unsqueeze(total, op.Constant(value_ints=[1]))

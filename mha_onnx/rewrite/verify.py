@@ -5,14 +5,15 @@ padded batch entry), compared with a dtype-aware tolerance."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import onnx
 
-from mha_onnx.errors import FusionError, MhaOnnxError
-from mha_onnx.inputs import ShapeCase, default_cases, input_specs, iter_feeds
+from mha_onnx.errors import MhaOnnxError, VerifyError
+from mha_onnx.inputs import ShapeCase, case_of_feeds, default_cases, input_specs, iter_feeds
 from mha_onnx.runtimes import OrtRunner
 from mha_onnx.stats import ErrorStats, compare
 
@@ -58,17 +59,24 @@ def verify(
     fused: onnx.ModelProto,
     *,
     cases: Sequence[ShapeCase] | None = None,
+    given: Mapping[str, np.ndarray] | None = None,
     atol: float | None = None,
     rtol: float | None = None,
     threads: int | None = None,
+    levels: tuple[str, str] = ("all", "all"),
 ) -> Verification:
-    """Run both models on the same generated inputs and compare every output."""
+    """Run both models on the same inputs (``given`` ones, else generated ``cases``) and
+    compare every output; ``levels``: the ORT optimisation level of each model."""
     specs = input_specs(original)
-    cases = list(cases) if cases is not None else default_cases(specs)
+    if given is not None:
+        runs = [(case_of_feeds(specs, dict(given), "given inputs"), dict(given))]
+    else:
+        runs = list(iter_feeds(specs, list(cases) if cases is not None else default_cases(specs)))
     results = []
-    before = _Original(original, threads)
-    with OrtRunner(fused.SerializeToString(), "cpu", threads=threads) as after:
-        for case, feeds in iter_feeds(specs, cases):
+    before = _Original(original, threads, levels[0])
+    with OrtRunner(fused.SerializeToString(), "cpu", threads=threads,
+                   optimization=levels[1]) as after:
+        for case, feeds in runs:
             want = before.infer(feeds)
             got = after.infer(feeds)
             for name, expected in want.items():
@@ -82,9 +90,10 @@ class _Original:
     with a [B, 1, 1, T] mask) runs on the ONNX reference evaluator instead, which follows
     the spec."""
 
-    def __init__(self, model: onnx.ModelProto, threads: int | None) -> None:
+    def __init__(self, model: onnx.ModelProto, threads: int | None, level: str) -> None:
         self.model = model
-        self.runner: OrtRunner | None = OrtRunner(model.SerializeToString(), "cpu", threads=threads)
+        self.runner: OrtRunner | None = OrtRunner(model.SerializeToString(), "cpu",
+                                                  threads=threads, optimization=level)
         self.evaluator: Any = None
         self.label = "onnxruntime CPU"
 
@@ -105,7 +114,7 @@ class _Original:
         try:
             values = self.evaluator.run(None, dict(feeds))
         except Exception as exc:  # noqa: BLE001 - the evaluator raises anything
-            raise FusionError(
+            raise VerifyError(
                 f"cannot run the original model to verify against: {type(exc).__name__}: {exc}",
                 hint="--no-verify skips the check (not recommended)",
             ) from exc

@@ -1,0 +1,105 @@
+"""Before ONNX Runtime touches a model in our own process: create a session and run it once in
+a child process, so that a crash inside ORT (a segmentation fault at session creation, say)
+becomes a message instead of a dead CLI. When the default optimisation level crashes, the
+lower ones are tried and the first that runs is reported: what still works.
+
+``python -m mha_onnx.preflight`` is the child: one JSON request on stdin, one line of JSON out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# Our names for ORT's graph optimisation levels, from the most to the least optimised.
+LEVELS = {"all": "ORT_ENABLE_ALL", "extended": "ORT_ENABLE_EXTENDED",
+          "basic": "ORT_ENABLE_BASIC", "none": "ORT_DISABLE_ALL"}
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What happened: ``level`` is the first level (from ``start`` down) at which a session
+    was created and ran; ``crashes`` the (level, signal) that killed the child before it."""
+
+    provider: str
+    level: str | None
+    crashes: tuple[tuple[str, str], ...] = ()
+    error: str = ""  # an ordinary failure (ORT refused the model); nothing crashed
+
+    @property
+    def crashed(self) -> bool:
+        return bool(self.crashes)
+
+    def message(self) -> str:
+        """One line: the signal, provider and level, and what still works."""
+        if not self.crashes:
+            return self.error
+        level, sig = self.crashes[0]
+        head = (f"onnxruntime crashed ({sig}) creating or running a {self.provider.upper()} "
+                f"session for this model at {LEVELS[level]}")
+        if self.level is None:
+            return head + "; it crashed at every optimisation level"
+        return head + f"; it runs at {LEVELS[self.level]}"
+
+
+def preflight(model: str | os.PathLike[str] | bytes, provider: str = "cpu",
+              start: str = "all") -> Preflight:
+    """Session + one run of ``model`` in a child process, from level ``start`` down."""
+    if isinstance(model, bytes):
+        with tempfile.TemporaryDirectory(prefix="mha_onnx_preflight_") as folder:
+            path = Path(folder) / "model.onnx"
+            path.write_bytes(model)
+            return preflight(path, provider, start)
+    names = list(LEVELS)
+    crashes: list[tuple[str, str]] = []
+    for level in names[names.index(start):]:
+        outcome = _child({"model": str(model), "provider": provider, "level": level})
+        if "signal" in outcome:
+            crashes.append((level, outcome["signal"]))
+            continue
+        if "error" in outcome and not crashes:
+            return Preflight(provider, None, error=outcome["error"])
+        return Preflight(provider, level, tuple(crashes))
+    return Preflight(provider, None, tuple(crashes))
+
+
+def _child(request: dict) -> dict:
+    done = subprocess.run([sys.executable, "-m", "mha_onnx.preflight"], input=json.dumps(request),
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if done.returncode < 0:
+        return {"signal": signal.Signals(-done.returncode).name}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["the check failed"])[-1]
+        return {"error": tail[:300]}
+    return json.loads(lines[-1])
+
+
+def _main() -> None:
+    from mha_onnx.errors import MhaOnnxError
+    from mha_onnx.graphio import read_model
+    from mha_onnx.inputs import case_for, input_specs, make_inputs
+    from mha_onnx.runtimes import OrtRunner
+
+    request = json.loads(sys.stdin.read())
+    try:
+        specs = input_specs(read_model(request["model"], load_external_data=False))
+        feeds = make_inputs(specs, case_for(specs, "preflight", 2, [7, 5]))
+        with OrtRunner(request["model"], request["provider"], optimization=request["level"],
+                       strict=False) as runner:
+            runner.infer(feeds)
+    except MhaOnnxError as exc:
+        print(json.dumps({"error": str(exc)}))
+        return
+    print(json.dumps({"ok": True}))
+
+
+if __name__ == "__main__":
+    _main()
