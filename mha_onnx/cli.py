@@ -269,6 +269,53 @@ def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threa
     _emit(report, as_json)
 
 
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", "repository", required=True, help="The model repository folder.")
+@click.option("--name", default=None, help="Model name in the repository (default: the file's stem).")
+@click.option("--max-batch-size", type=int, default=8, show_default=True)
+@click.option("--target", "targets", multiple=True, type=click.Choice(["cpu", "cuda", "tensorrt"]),
+              help="A config per target (repeat; the first is config.pbtxt). Default: cpu.")
+@click.option("--instances", type=int, default=1, show_default=True, help="Instances per device.")
+@click.option("--from-profile", default=None, help="A profile --json: batch sizes, queue delay, threads.")
+@click.option("--lengths", default="1:128:2048", show_default=True,
+              help="min:opt:max sequence length of TensorRT's optimisation profile.")
+@click.option("--force", is_flag=True, help="Write into an existing model folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def package(model, repository, name, max_batch_size, targets, instances, from_profile, lengths,
+            force, as_json):
+    """Write a Triton Inference Server model repository (onnxruntime backend) for MODEL."""
+    from pathlib import Path
+
+    from mha_onnx.errors import ConfigError
+    from mha_onnx.package import PackageConfig, package_model
+
+    try:
+        low, opt, high = (int(x) for x in lengths.split(":"))
+    except ValueError:
+        raise ConfigError(f"malformed --lengths {lengths!r}", hint="e.g. --lengths 1:128:2048") from None
+    config = PackageConfig(name=name or Path(model).stem.replace(".", "_"),
+                           max_batch_size=max_batch_size, targets=tuple(targets) or ("cpu",),
+                           instances=instances, from_profile=from_profile,
+                           lengths=(low, opt, high), force=force)
+    _emit(package_model(model, repository, config), as_json)
+
+
+@main.command()
+@click.argument("profiles", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, help="The markdown report to write.")
+@click.option("--plot", "plot_path", default=None, help="Also draw the targets side by side (PNG).")
+@click.option("--force", is_flag=True, help="Replace existing output files.")
+@click.option("--json", "as_json", is_flag=True, help="Print the merged table as JSON.")
+def report(profiles, output, plot_path, force, as_json):
+    """Merge profile --json files from several machines and providers into one table."""
+    from mha_onnx.report import merge_profiles, write_report
+
+    merged = merge_profiles(list(profiles))
+    write_report(merged, output, plot_path, force=force)
+    _emit(merged, as_json)
+
+
 def run() -> None:  # pragma: no cover - console entry point
     main(prog_name="mha-onnx")
 

@@ -147,9 +147,15 @@ def symbolic_dims(specs: Sequence[InputSpec]) -> list[str]:
 
 def split_dims(specs: Sequence[InputSpec]) -> tuple[list[str], list[str]]:
     """(batch dims, length dims) of the inputs' symbolic dims, lengths in order of
-    appearance (query length first, then key/value length)."""
+    appearance (query length first, then key/value length). Batch dims go by their name; a
+    model whose dims have none of the usual names (torch's ``s0``, ``s1``) has as batch the
+    dim that leads every input of rank >= 2."""
     names = symbolic_dims(specs)
     batch = [n for n in names if is_batch_dim(n)]
+    if not batch:
+        leading = {spec.dims[0] for spec in specs if len(spec.dims) >= 2}
+        if len(leading) == 1 and isinstance(next(iter(leading)), str):
+            batch = [next(iter(leading))]
     return batch, [n for n in names if n not in batch]
 
 

@@ -128,6 +128,7 @@ class OrtRunner:
         profile_dir: str | os.PathLike[str] | None = None,
         strict: bool = True,
         optimization: str = "all",
+        spinning: bool = True,
     ) -> None:
         if provider not in PROVIDERS:
             raise ProviderError(
@@ -141,6 +142,7 @@ class OrtRunner:
         self.profile_dir = profile_dir
         self.strict = strict
         self.optimization = optimization
+        self.spinning = spinning
         self._session: Any = None
         self._quiet_run: Any = None
         self.info: SessionInfo | None = None
@@ -167,6 +169,9 @@ class OrtRunner:
         if self.threads:
             options.intra_op_num_threads = self.threads
             options.inter_op_num_threads = 1
+        if not self.spinning:  # idle pool threads sleep instead of spinning (shared CPUs)
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         from mha_onnx.preflight import LEVELS
 
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel,

@@ -30,8 +30,9 @@ EXPECTED_ORT = {
     ("self", "causal"): "GroupQueryAttention",
     # top-left causal with S != T: GQA on the first S keys when S <= T, else the general form
     ("cross", "causal"): "If(S <= T): GroupQueryAttention (causal)",
-    ("self", "key-padding"): "Loop(Compress keys)",
-    ("cross", "key-padding"): "Loop(Compress keys)",
+    # right-padded self-attention: bidirectional GQA; otherwise by length (see Forms)
+    ("self", "key-padding"): "If(right padding, T <= 1024): GroupQueryAttention",
+    ("cross", "key-padding"): "If(T < 128): MHA key_padding_mask | Loop(Compress keys)",
 }
 
 
@@ -44,7 +45,8 @@ def test_own_exports_fuse_fully(export_cache, attention, mask, target):
     assert [r.status for r in results] == ["fused"]
     if target == "ort":
         assert results[0].form.startswith(EXPECTED_ORT[(attention, mask)])
-        kernel = "GroupQueryAttention" if mask == "causal" else "MultiHeadAttention"
+        kernel = ("GroupQueryAttention" if mask == "causal"
+                  or (attention, mask) == ("self", "key-padding") else "MultiHeadAttention")
         assert kernel in ops(fused)
         assert results[0].mask == {"none": "none", "causal": "causal", "key-padding": "key_padding"}[mask]
     else:
@@ -84,7 +86,7 @@ def test_float16_exports(export_cache, mask):
 def test_presets(export_cache, preset):
     model = onnx.load(export_cache(load_preset(preset).replace(mask="key-padding")))
     _, results = fused_and_checked(model)
-    assert results[0].form.startswith("Loop")
+    assert results[0].form.startswith("If(right padding, T <= 1024)")
 
 
 # -- fully masked rows: each form reproduces the original exactly -------------------------
@@ -114,45 +116,47 @@ def test_fully_padded_rows_stay_nan(export_cache, target):
 
 # -- graphs exported elsewhere --------------------------------------------------------------
 
+SELF_PADDED = "If(right padding, T <= 1024): GroupQueryAttention (bidirectional)"
+CROSS_PADDED = "If(T < 128): MHA key_padding_mask | Loop(Compress keys)"
 ZOO_FORMS = {
     "torch_mha_self_bf": "MultiHeadAttention",
     "torch_mha_self_sf": "MultiHeadAttention",
     "torch_mha_cross_bf": "MultiHeadAttention",
     "torch_mha_cross_sf": "MultiHeadAttention",
-    "torch_mha_key_padding": "Loop(Compress keys)",
+    "torch_mha_key_padding": SELF_PADDED,
     "torch_mha_causal": "GroupQueryAttention",
     "sdpa18_none": "MultiHeadAttention",
     "sdpa18_bool": "MultiHeadAttention + attention_bias",
     "sdpa18_float": "MultiHeadAttention + attention_bias",
     "sdpa18_causal": "GroupQueryAttention",
-    "sdpa18_key_padding": "Loop(Compress keys)",
+    "sdpa18_key_padding": CROSS_PADDED,
     "sdpa23_none": "MultiHeadAttention",
     "sdpa23_bool": "MultiHeadAttention + attention_bias",
     "sdpa23_float": "MultiHeadAttention + attention_bias",
     "sdpa23_causal": "GroupQueryAttention",
-    "sdpa23_key_padding": "Loop(Compress keys)",
+    "sdpa23_key_padding": CROSS_PADDED,
     "scale_div": "MultiHeadAttention",
     "scale_mul": "MultiHeadAttention",
     "scale_split": "MultiHeadAttention",
     "scale_none": "MultiHeadAttention",
     "bmm_rank3": "MultiHeadAttention",
-    "encoder_post_norm": "Loop(Compress keys)",
-    "encoder_pre_norm": "Loop(Compress keys)",
+    "encoder_post_norm": SELF_PADDED,
+    "encoder_pre_norm": SELF_PADDED,
     # per block: causal self-attention, padded cross-attention (two layers)
-    "decoder_post_norm": ("GroupQueryAttention", "Loop(Compress keys)") * 2,
-    "decoder_pre_norm": ("GroupQueryAttention", "Loop(Compress keys)") * 2,
+    "decoder_post_norm": ("GroupQueryAttention", CROSS_PADDED) * 2,
+    "decoder_pre_norm": ("GroupQueryAttention", CROSS_PADDED) * 2,
     # Hugging Face builds padding masks with GatherND over aranges: recognised as key padding
-    "hf_bert": "Loop(Compress keys)",
-    "hf_bert_eager": "Loop(Compress keys)",
+    "hf_bert": SELF_PADDED,
+    "hf_bert_eager": SELF_PADDED,
     # causal + padding: GQA with seqlens_k when right-padded (checked at run time)
     "hf_gpt2": "If(right padding): GroupQueryAttention (causal)",
     "hf_gpt2_eager": "If(right padding): GroupQueryAttention (causal)",
     # encoder (padding), decoder self (causal, no decoder mask given), cross (padding)
-    "hf_bart": ("Loop(Compress keys)", "GroupQueryAttention (causal)", "Loop(Compress keys)"),
+    "hf_bart": (SELF_PADDED, "GroupQueryAttention (causal)", CROSS_PADDED),
     # encoder: relative position bias + padding (dense); decoder: causal + position bias;
     # cross-attention: padding only
     "hf_t5": ("MultiHeadAttention + attention_bias", "GroupQueryAttention (causal, bias)",
-              "Loop(Compress keys)"),
+              CROSS_PADDED),
     "hf_vit": "MultiHeadAttention",
 }
 

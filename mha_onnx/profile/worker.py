@@ -126,7 +126,9 @@ def _feeds(spec: PointSpec, model: str) -> dict[str, np.ndarray]:
 
 
 def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
-    """A session as the model needs it (session options recorded in its metadata)."""
+    """A session as the model needs it (session options recorded in its metadata). Models
+    timed in turn in one process get thread pools that sleep when idle: a spinning pool of
+    one session would steal the cores of the next one's run."""
     from mha_onnx.graphio import read_model
     from mha_onnx.metadata import session_options
     from mha_onnx.runtimes import OrtRunner
@@ -134,7 +136,8 @@ def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
     needs = session_options(read_model(model, load_external_data=False))
     return OrtRunner(model, spec.provider, threads=spec.threads, io_binding=spec.io_binding,
                      strict=False, profile_dir=profile_dir,
-                     optimization=needs.get("optimization", "all"))
+                     optimization=needs.get("optimization", "all"),
+                     spinning=len(spec.models) == 1)
 
 
 def _bound_run(runner, feeds: dict[str, np.ndarray]) -> Callable[[], Any]:

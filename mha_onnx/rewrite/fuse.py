@@ -8,6 +8,7 @@ against the original on ORT CPU -> atomic write. A block that is not fused gets 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from onnxscript.rewriter import RewriteRuleSet
 from mha_onnx import __version__, metadata
 from mha_onnx.errors import ConfigError, FusionError, RuntimeCrash
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
-from mha_onnx.inputs import input_specs, load_inputs
+from mha_onnx.inputs import ShapeCase, case_for, default_cases, input_specs, load_inputs
 from mha_onnx.preflight import Preflight, preflight
 from mha_onnx.rewrite.blocks import find_blocks, why_left
 from mha_onnx.rewrite.core import (
@@ -269,7 +270,8 @@ def fuse_file(
         notes.append(f"{checked.message()}; recorded in the fused model for validate and profile")
     verification = None
     if verify_result:
-        verification = verify(original, fused, given=given, atol=atol, rtol=rtol,
+        cases = None if given is not None else verification_cases(original, results)
+        verification = verify(original, fused, cases=cases, given=given, atol=atol, rtol=rtol,
                               levels=(level, fused_level))
         _refuse_mismatch(verification)
     write_model(fused, output, force=force)
@@ -278,6 +280,20 @@ def fuse_file(
         verification=verification, seconds=time.perf_counter() - started, written=True,
         notes=tuple(notes),
     )
+
+
+def verification_cases(original: onnx.ModelProto, results: list[BlockResult]) -> list[ShapeCase]:
+    """The default cases, plus lengths just past every length threshold a chosen form
+    switches at ("If(T < 128)", "T <= 1024"), so that each branch is checked."""
+    specs = input_specs(original)
+    cases = default_cases(specs)
+    thresholds = set()
+    for result in results:
+        for op_, number in re.findall(r"T (<=?) (\d+)", result.form):
+            thresholds.add(int(number) + (1 if op_ == "<=" else 0))
+    for n in sorted(thresholds):
+        cases.append(case_for(specs, f"past a form threshold ({n})", 2, [n + 1, n], "some"))
+    return cases
 
 
 def _safe_level(checked: Preflight, what: str) -> str:

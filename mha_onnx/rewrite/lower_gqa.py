@@ -137,12 +137,14 @@ def _right_padded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
     return if_forms(op, info, cond, fast, general, "right_padded")
 
 
-def key_padding_gqa(op, info: SdpaInfo, q3, otherwise) -> ir.Value:
+def key_padding_gqa(op, info: SdpaInfo, q3, otherwise, max_keys: int | None = None) -> ir.Value:
     """Key padding on bidirectional GQA with seqlens_k when every row is right-padded (the
-    whole batch in one kernel call, padded keys skipped); ``otherwise(ops)`` builds the form
-    for any other padding."""
+    whole batch in one kernel call, padded keys skipped) and, if ``max_keys`` is given, there
+    are at most that many keys; ``otherwise(ops)`` builds the form for the other cases."""
     k3, v3 = to_bsd(op, info.key, info.kv_heads), to_bsd(op, info.value, info.kv_heads)
     cond, seqlens, total = right_padding(op, info, q3, k3)
+    if max_keys is not None:
+        cond = op.And(cond, op.LessOrEqual(total, int_const(op, max_keys, np.int32)))
 
     def fast(ops: TapeOps) -> ir.Value:
         return gqa_call(ops, info, q3, k3, v3, seqlens, total, causal=False)

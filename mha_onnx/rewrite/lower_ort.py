@@ -23,7 +23,12 @@ from onnxscript.rewriter._basics import MatchResult
 
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, same_dim
-from mha_onnx.rewrite.lower_common import causal_bias, dense_mha, fully_masked_value
+from mha_onnx.rewrite.lower_common import (
+    causal_bias,
+    dense_mha,
+    fully_masked_value,
+    scalar_shape,
+)
 from mha_onnx.rewrite.lower_gqa import gqa_ok, gqa_shapes_ok, key_padding_gqa, lower_gqa
 from mha_onnx.rewrite.lower_loop import padding_loop
 from mha_onnx.rewrite.sdpa import (
@@ -40,14 +45,21 @@ from mha_onnx.rewrite.sdpa import (
 @dataclass(frozen=True)
 class Forms:
     """Which kernel form each mask kind is lowered to (defaults: fastest measured on CPU,
-    docs/fusion-forms.md). causal: gqa | unidirectional | bias; key_padding: loop | mask | bias."""
+    docs/fusion-forms.md). causal: gqa | unidirectional | bias; key_padding: auto | loop |
+    mask | bias | gqa (auto: gqa up to GQA_MAX_KEYS keys when right-padded, else loop)."""
 
     causal: str = "gqa"
-    key_padding: str = "loop"
+    key_padding: str = "auto"
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "causal": ("gqa", "unidirectional", "bias"),
-        "key_padding": ("loop", "mask", "bias", "gqa")}
+        "key_padding": ("auto", "loop", "mask", "bias", "gqa")}
+    # Bidirectional GQA holds the [B, H, S, T] probabilities: fastest up to ~1k keys, then
+    # slower than the Loop form and O(L^2) in memory (docs/fusion-forms.md, key padding).
+    GQA_MAX_KEYS: ClassVar[int] = 1024
+    # Below this many keys the Loop's per-row cost shows; MHA's key_padding_mask is as fast
+    # as the original there (docs/fusion-forms.md, key padding by shape).
+    LOOP_MIN_KEYS: ClassVar[int] = 128
 
     def __post_init__(self) -> None:
         for kind, choices in self.CHOICES.items():
@@ -65,7 +77,7 @@ class Forms:
             if kind not in cls.CHOICES or not form:
                 raise ConfigError(f"malformed --form {item!r}",
                                   hint="use causal=gqa|unidirectional|bias or "
-                                       "key_padding=loop|mask|bias|gqa")
+                                       "key_padding=auto|loop|mask|bias|gqa")
             values[kind] = form.strip()
         return cls(**values)
 
@@ -118,22 +130,50 @@ def _causal_mha(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Valu
 
 
 def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, str]:
-    if forms.key_padding == "gqa" and info.self_attention and gqa_shapes_ok(info):
-        def loop(ops) -> ir.Value:
-            k, v, k3d = kv_operands(ops, info)
-            return padding_loop(ops, info, q3, k, v, k3d)
+    """The key padding form: fixed by ``forms``, or (auto) chosen at run time by shape and
+    padding, from measurements (docs/fusion-forms.md): bidirectional GQA for right-padded
+    self-attention up to GQA_MAX_KEYS keys; otherwise MHA's key_padding_mask below
+    LOOP_MIN_KEYS keys and the Loop form from there."""
+    form = forms.key_padding
+    gqa_able = info.self_attention and gqa_shapes_ok(info)
+    if form == "auto":
+        general = f"If(T < {forms.LOOP_MIN_KEYS}): MHA key_padding_mask | Loop(Compress keys)"
+        if gqa_able:
+            out = key_padding_gqa(op, info, q3, lambda ops: _by_length(ops, info, q3, forms),
+                                  forms.GQA_MAX_KEYS)
+            return out, (f"If(right padding, T <= {forms.GQA_MAX_KEYS}): GroupQueryAttention "
+                         f"(bidirectional) | {general}")
+        return _by_length(op, info, q3, forms), general
+    if form == "gqa" and gqa_able:
+        out = key_padding_gqa(op, info, q3, lambda ops: _padding_form(ops, info, q3, "loop"))
+        return out, "If(right padding): GroupQueryAttention (bidirectional) | Loop(Compress keys)"
+    form = "loop" if form == "gqa" else form
+    labels = {"loop": "Loop(Compress keys) + MultiHeadAttention",
+              "mask": "MultiHeadAttention + key_padding_mask",
+              "bias": "MultiHeadAttention + key padding bias"}
+    return _padding_form(op, info, q3, form), labels[form]
 
-        return (key_padding_gqa(op, info, q3, loop),
-                "If(right padding): GroupQueryAttention (bidirectional) | Loop(Compress keys)")
+
+def _by_length(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> ir.Value:
+    """If(T < LOOP_MIN_KEYS): MHA with key_padding_mask, else the Loop form."""
+    from mha_onnx.rewrite.lower_gqa import if_forms
+
+    keys = op.Reshape(seq_dim(op, info.key, 2), scalar_shape(op))
+    cond = op.Less(keys, op.Constant(value=ir.tensor(np.array(forms.LOOP_MIN_KEYS, np.int64))))
+    return if_forms(op, info, cond, lambda ops: _padding_form(ops, info, q3, "mask"),
+                    lambda ops: _padding_form(ops, info, q3, "loop"), "by_length")
+
+
+def _padding_form(op, info: SdpaInfo, q3: ir.Value, form: str) -> ir.Value:
+    """One key padding form: loop | mask (MHA key_padding_mask) | bias (dense)."""
     k, v, k3d = kv_operands(op, info)
-    if forms.key_padding in ("loop", "gqa"):
-        return padding_loop(op, info, q3, k, v, k3d), "Loop(Compress keys) + MultiHeadAttention"
+    if form == "loop":
+        return padding_loop(op, info, q3, k, v, k3d)
     assert info.padded is not None
-    if forms.key_padding == "mask":
+    if form == "mask":
         keep = op.Cast(op.Not(info.padded), to=ir.DataType.INT32)
         out = op.MultiHeadAttention(q3, k, v, None, keep, num_heads=info.heads,
                                     scale=info.scale, _domain=MS_DOMAIN)
-        label = "MultiHeadAttention + key_padding_mask"
     else:
         padded = op.Unsqueeze(info.padded, op.Constant(value_ints=[1, 2]))
         fill = float(np.finfo(info.np_dtype).min) if info.fill == -math.inf else info.fill
@@ -141,8 +181,7 @@ def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Val
         full = op.Concat(op.Constant(value_ints=[1, 1]), seq_dim(op, q3, 1),
                          op.Constant(value_ints=[1]), axis=0)
         out = _mha(op, q3, k, v, info, op.Expand(bias, full))
-        label = "MultiHeadAttention + key padding bias"
-    return _fix_all_padded(op, info, out, v, k3d), label
+    return _fix_all_padded(op, info, out, v, k3d)
 
 
 def _fix_all_padded(op, info: SdpaInfo, out3: ir.Value, v: ir.Value, v_is_3d: bool) -> ir.Value:

@@ -1,0 +1,158 @@
+"""``report``: profiles from several machines and providers side by side, to choose hardware.
+
+Each ``profile --json`` carries its machine (CPU model and cores, GPU name and memory, ORT
+version), provider and threads, and a schema version. The report puts, for every model x
+batch x length, one column per target (machine x provider x threads): p50 latency, tokens/s,
+the fraction of that machine's own matmul roofline and memory; and draws latency and
+throughput against the length, one line per target.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mha_onnx.errors import InputSpecError
+from mha_onnx.graphio import atomic_path, check_readable, prepare_output
+from mha_onnx.table import human_bytes
+
+MIN_SCHEMA = 2
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where points ran: a machine (by its description) and a provider."""
+
+    machine: str
+    provider: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.machine} / {self.provider}"
+
+
+@dataclass(frozen=True)
+class MergedReport:
+    sources: tuple[str, ...]
+    targets: tuple[Target, ...]
+    rows: tuple[dict[str, Any], ...]  # model, batch, seq_len, and per target label a cell
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sources": list(self.sources), "targets": [t.label for t in self.targets],
+                "rows": list(self.rows)}
+
+    def markdown(self) -> str:
+        head = ["model", "batch", "L"] + [t.label for t in self.targets]
+        lines = [f"Profiles merged {datetime.date.today()} by `mha-onnx report` from "
+                 + ", ".join(f"`{Path(s).name}`" for s in self.sources) + ".",
+                 "", "Cells: p50 ms / tokens per s / % of that machine's matmul roofline / "
+                 "memory (threads).", "",
+                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for row in self.rows:
+            cells = [row["model"], str(row["batch"]), str(row["seq_len"])]
+            cells += [_cell(row.get(t.label)) for t in self.targets]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
+
+    def render(self) -> str:
+        return self.markdown()
+
+
+def _cell(point: dict[str, Any] | None) -> str:
+    if not point:
+        return "-"
+    if point.get("error"):
+        return "error"
+    roof = point.get("roofline_fraction")
+    memory = point.get("device_bytes") if point.get("device_bytes") is not None else \
+        point.get("run_rss_bytes")
+    return (f"{point['p50_ms']:.2f} ms / {point['tokens_per_s']:,.0f} / "
+            f"{'-' if roof is None else f'{100 * roof:.0f} %'} / "
+            f"{'-' if memory is None else human_bytes(memory)} ({point.get('threads', '?')})")
+
+
+def _machine(data: dict[str, Any]) -> str:
+    machine = data.get("machine", {})
+    gpu = machine.get("gpu")
+    base = f"{machine.get('processor', '?')} x{machine.get('cpus', '?')}"
+    return f"{base} + {gpu['name']}" if gpu else base
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    check_readable(path, "profile")
+    try:
+        data = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputSpecError(f"{path} is not a profile JSON ({exc})",
+                             hint="write one with mha-onnx profile ... --json > FILE") from exc
+    if not isinstance(data, dict) or int(data.get("schema", 0)) < MIN_SCHEMA:
+        raise InputSpecError(f"{path} is not a profile JSON of schema >= {MIN_SCHEMA}",
+                             hint="profile again with this version: mha-onnx profile ... --json")
+    return data
+
+
+def merge_profiles(paths: list[str | Path]) -> MergedReport:
+    """One row per model x batch x length, one column per machine x provider."""
+    if not paths:
+        raise InputSpecError("no profile given", hint="mha-onnx report A.json B.json -o R.md")
+    targets: dict[Target, None] = {}
+    rows: dict[tuple, dict[str, Any]] = {}
+    for path in paths:
+        data = load_profile(path)
+        machine = _machine(data)
+        for point in data.get("points", []):
+            target = Target(machine, point["provider"])
+            targets.setdefault(target)
+            key = (Path(point["model"]).name, point["batch"], point["seq_len"])
+            row = rows.setdefault(key, {"model": key[0], "batch": key[1], "seq_len": key[2]})
+            old = row.get(target.label)
+            if old is None or (not point.get("error") and point["p50_ms"] < old.get("p50_ms", 1e30)):
+                row[target.label] = point  # best thread count of that target
+    ordered = sorted(rows.values(), key=lambda r: (r["model"], r["batch"], r["seq_len"]))
+    return MergedReport(tuple(str(p) for p in paths), tuple(targets), tuple(ordered))
+
+
+def write_report(report: MergedReport, output: str | Path, plot: str | Path | None = None, *,
+                 force: bool = False) -> None:
+    prepare_output(output, force=force)
+    if plot:
+        prepare_output(plot, force=force)
+    with atomic_path(output, force=force) as tmp:
+        tmp.write_text(report.markdown())
+    if plot:
+        _plot(report, plot, force=force)
+
+
+def _plot(report: MergedReport, path: str | Path, *, force: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for target in report.targets:
+        series: dict[tuple[str, int], list[tuple[int, dict]]] = {}
+        for row in report.rows:
+            point = row.get(target.label)
+            if point and not point.get("error"):
+                series.setdefault((row["model"], row["batch"]), []).append((row["seq_len"], point))
+        for (model, batch), pts in series.items():
+            pts.sort(key=lambda x: x[0])
+            label = f"{target.label}: {model} b{batch}"
+            ax_t.plot([x for x, _ in pts], [p["p50_ms"] for _, p in pts], marker="o", label=label)
+            ax_r.plot([x for x, _ in pts], [p["tokens_per_s"] for _, p in pts], marker="o", label=label)
+    for ax, ylabel in ((ax_t, "p50 latency (ms)"), (ax_r, "tokens / s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=6)
+    fig.suptitle("mha-onnx: targets side by side", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path, force=force) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)

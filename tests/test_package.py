@@ -1,0 +1,125 @@
+"""From a checked model to a served one: the Triton model repository (configs parsed with
+Triton's own schema and checked against the model), and profiles from several targets
+merged into one report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner
+from google.protobuf import text_format
+
+from mha_onnx.cli import main
+from mha_onnx.config import MhaConfig
+
+CFG = MhaConfig(d_model=32, num_heads=4, mask="key-padding", name="p")
+
+
+@pytest.fixture(scope="module")
+def model_config_pb2():
+    """Triton's ModelConfig schema as tritonclient ships it (the module file is loaded alone:
+    importing tritonclient.grpc would need the grpc extra)."""
+    spec = importlib.util.find_spec("tritonclient")
+    if spec is None or spec.origin is None:
+        pytest.skip("tritonclient is not installed")
+    path = Path(spec.origin).parent / "grpc" / "model_config_pb2.py"
+    loader = importlib.util.spec_from_file_location("triton_model_config_pb2", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module
+
+
+def _parse(pb2, path: Path):
+    return text_format.Parse(path.read_text(), pb2.ModelConfig())
+
+
+def _profile(export_cache, tmp_path) -> Path:
+    result = CliRunner().invoke(main, ["profile", str(export_cache(CFG)), "--batch", "1,4",
+                                       "--seq-lens", "8", "--iters", "2", "--threads", "1,2",
+                                       "--no-ops", "--json"])
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "profile.json"
+    path.write_text(result.output[result.output.index("{"):])
+    return path
+
+
+def test_repository_for_three_targets(export_cache, tmp_path, model_config_pb2):
+    src = export_cache(CFG)
+    profile = _profile(export_cache, tmp_path)
+    repo = tmp_path / "repo"
+    args = ["package", str(src), "-o", str(repo), "--name", "mha", "--target", "cpu", "--target",
+            "cuda", "--target", "tensorrt", "--instances", "2", "--from-profile", str(profile),
+            "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    folder = repo / "mha"
+    assert onnx.load(folder / "1" / "model.onnx").graph.node
+    configs = {t: _parse(model_config_pb2, folder / "configs" / f"{t}.pbtxt")
+               for t in ("cpu", "cuda", "tensorrt")}
+    assert _parse(model_config_pb2, folder / "config.pbtxt") == configs["cpu"]
+    for target, config in configs.items():
+        assert config.backend == "onnxruntime" and config.max_batch_size == 8
+        inputs = {i.name: i for i in config.input}
+        assert list(inputs["query"].dims) == [-1, 32]  # batch left out, seq dynamic
+        assert model_config_pb2.DataType.Name(inputs["query"].data_type) == "TYPE_FP32"
+        assert model_config_pb2.DataType.Name(inputs["key_padding_mask"].data_type) == "TYPE_BOOL"
+        assert list(config.output[0].dims) == [-1, 32]
+        group = config.instance_group[0]
+        assert group.count == 2
+        kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind)
+        assert kind == ("KIND_CPU" if target == "cpu" else "KIND_GPU")
+        assert list(config.dynamic_batching.preferred_batch_size) == [4]
+        assert config.dynamic_batching.max_queue_delay_microseconds > 0
+    trt = configs["tensorrt"].optimization.execution_accelerators.gpu_execution_accelerator[0]
+    assert trt.name == "tensorrt" and trt.parameters["precision_mode"] == "FP16"
+    assert trt.parameters["trt_profile_max_shapes"] == "query:8x2048x32,key_padding_mask:8x2048"
+    assert configs["cpu"].parameters["intra_op_thread_count"].string_value in ("1", "2")
+    readme = (folder / "README.md").read_text()
+    assert "tritonserver --model-repository" in readme and "KServe" in readme
+    again = CliRunner().invoke(main, args[:-1])
+    assert again.exit_code == 2 and "not empty" in again.output
+
+
+def test_a_model_that_needs_an_optimisation_level_says_so(export_cache, tmp_path,
+                                                          model_config_pb2):
+    from mha_onnx import metadata
+
+    model = onnx.load(export_cache(CFG))
+    metadata.write(model, {"session": {"optimization": "extended"}})
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    result = CliRunner().invoke(main, ["package", str(path), "-o", str(tmp_path / "r"),
+                                       "--max-batch-size", "0"])
+    assert result.exit_code == 0, result.output
+    config = _parse(model_config_pb2, tmp_path / "r" / "m" / "config.pbtxt")
+    assert config.optimization.graph.level == 1 and config.max_batch_size == 0
+    assert list(config.input[0].dims) == [-1, -1, 32]
+    assert not config.HasField("dynamic_batching")
+
+
+def test_report_merges_two_targets(export_cache, tmp_path):
+    first = _profile(export_cache, tmp_path)
+    data = json.loads(first.read_text())
+    data["machine"] = {**data["machine"], "processor": "Other CPU", "cpus": 64}
+    for point in data["points"]:
+        point["p50_ms"] *= 0.5
+    second = tmp_path / "other.json"
+    second.write_text(json.dumps(data))
+    out, plot = tmp_path / "report.md", tmp_path / "report.png"
+    result = CliRunner().invoke(main, ["report", str(first), str(second), "-o", str(out),
+                                       "--plot", str(plot), "--json"])
+    assert result.exit_code == 0, result.output
+    merged = json.loads(result.output)
+    assert len(merged["targets"]) == 2 and len(merged["rows"]) == 2
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and " ms / " in line]
+    assert "Other CPU x64 / cpu" in text and len(rows) == 2
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({"points": []}))
+    refused = CliRunner().invoke(main, ["report", str(stale), "-o", str(tmp_path / "x.md")])
+    assert refused.exit_code == 2 and "schema" in refused.output

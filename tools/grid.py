@@ -1,0 +1,199 @@
+"""The fused graph against its unfused original over the shapes users run: batch x length for
+key padding, causal and no mask (this project's export, base preset) and a BERT-style Hugging
+Face encoder with padding; interleaved in one process (median of >= --min-time s per model),
+at each thread count. Points whose unfused working set cannot fit, or whose estimated run
+exceeds --max-seconds, are skipped and say so.
+
+    .venv/bin/python -m tools.grid [--batches 1,8,32,64] [--seq-lens 16,...,8192]
+        [--threads 1,2] [--variants kp,causal,none,bert] [--out docs/grid.md]
+        [--heatmap docs/grid.png] [--json FILE]
+
+Used by tools/bench.py --grid; the numbers and the command that made them go to docs/bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from mha_onnx.config import MhaConfig, load_preset
+from mha_onnx.export import export_model
+from mha_onnx.graphio import write_model
+from mha_onnx.inputs import estimate_bytes
+from mha_onnx.profile import ProfileConfig, attention_flops, profile_models
+from mha_onnx.profile.roofline import cpu_name
+from mha_onnx.rewrite import fuse_model
+
+PAD = 0.25
+VARIANTS = {"kp": "key-padding", "causal": "causal", "none": "none"}
+BERT_LAYERS, BERT_HIDDEN, BERT_HEADS = 2, 512, 8
+
+
+def _own(mask: str, folder: Path) -> tuple[str, str, MhaConfig]:
+    cfg = load_preset("base").replace(mask=mask)
+    unfused = folder / f"{mask}.onnx"
+    export_model(cfg, unfused, force=True)
+    fused = folder / f"{mask}.fused.onnx"
+    write_model(fuse_model(onnx.load(unfused))[0], fused, force=True)
+    return str(unfused), str(fused), cfg
+
+
+def _bert(folder: Path) -> tuple[str, str, MhaConfig]:
+    """A BERT-style encoder (2 layers, hidden 512, 8 heads) with an attention mask."""
+    import torch
+    import transformers as tf
+
+    from tools.zoo import _HfWrap, export
+
+    config = tf.BertConfig(vocab_size=1000, hidden_size=BERT_HIDDEN, num_hidden_layers=BERT_LAYERS,
+                           num_attention_heads=BERT_HEADS, intermediate_size=4 * BERT_HIDDEN,
+                           max_position_embeddings=8192, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = _HfWrap(tf.BertModel(config).eval(), ["input_ids", "attention_mask"],
+                    "last_hidden_state")
+    batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1)
+    proto = export(model, (torch.randint(0, 999, (2, 6)), torch.ones(2, 6, dtype=torch.int64)),
+                   {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})},
+                   names=["input_ids", "attention_mask"])
+    unfused, fused = folder / "bert.onnx", folder / "bert.fused.onnx"
+    onnx.save(proto, unfused)
+    write_model(fuse_model(proto)[0], fused, force=True)
+    cfg = MhaConfig(d_model=BERT_HIDDEN, num_heads=BERT_HEADS, mask="key-padding")
+    return str(unfused), str(fused), cfg
+
+
+def _feasible(path: str, cfg: MhaConfig, batch: int, seq: int, layers: int,
+              max_seconds: float, gflops: float) -> str:
+    """'' when the point can run; else why it is skipped."""
+    import psutil
+
+    need = estimate_bytes(onnx.load(path, load_external_data=False), batch, seq) \
+        or 2 * batch * cfg.num_heads * seq * seq * 4 * layers
+    if need > 0.6 * psutil.virtual_memory().available:
+        return "memory"
+    seconds = layers * attention_flops(cfg, batch, seq, seq) / (gflops * 1e9)
+    return "time" if seconds > max_seconds else ""
+
+
+def run(args: argparse.Namespace) -> dict:
+    results: dict = {"rows": [], "threads": args.threads, "machine": cpu_name()}
+    gflops = args.gflops
+    with tempfile.TemporaryDirectory(prefix="mha_grid_") as tmp:
+        folder = Path(tmp)
+        for variant in args.variants:
+            unfused, fused, cfg = _bert(folder) if variant == "bert" else _own(VARIANTS[variant], folder)
+            layers = BERT_LAYERS if variant == "bert" else 1
+            pad = PAD if cfg.mask == "key-padding" else 0.0
+            for threads in args.threads:
+                for batch in args.batches:
+                    for seq in args.seq_lens:
+                        skip = _feasible(unfused, cfg, batch, seq, layers, args.max_seconds, gflops)
+                        row = {"variant": variant, "threads": threads, "batch": batch, "seq": seq}
+                        if skip:
+                            results["rows"].append({**row, "skipped": skip})
+                            continue
+                        config = ProfileConfig(batches=(batch,), seq_lens=(seq,), threads=threads,
+                                               iters=3, min_time=args.min_time, warmup=2,
+                                               op_breakdown=False, memory_check=False,
+                                               interleave=True, pad_fraction=pad)
+                        report = profile_models([unfused, fused], config)
+                        p50 = {p.model: p.p50_ms for p in report.points}
+                        results["rows"].append({**row, "unfused_ms": p50[unfused],
+                                                "fused_ms": p50[fused],
+                                                "ratio": p50[fused] / p50[unfused]})
+                        print(json.dumps(results["rows"][-1]), flush=True)
+    return results
+
+
+def render(results: dict, command: str) -> list[str]:
+    lines = [f"Measured {datetime.date.today()} with `{command}` on {results['machine']}: fused "
+             "p50 / unfused p50, both timed in turn in one process (median of the runs of at "
+             f"least the given time per model); key padding pads the last {int(PAD * 100)} % of "
+             "keys; '-' = skipped (memory: the unfused graph cannot fit; time: too long a run).",
+             ""]
+    for variant in dict.fromkeys(r["variant"] for r in results["rows"]):
+        for threads in results["threads"]:
+            rows = [r for r in results["rows"] if r["variant"] == variant and r["threads"] == threads]
+            seqs = sorted({r["seq"] for r in rows})
+            lines += [f"**{variant}**, {threads} thread(s): fused / unfused", "",
+                      "| batch \\ L | " + " | ".join(str(s) for s in seqs) + " |",
+                      "|---|" + "---|" * len(seqs)]
+            for batch in sorted({r["batch"] for r in rows}):
+                cells = []
+                for seq in seqs:
+                    r = next((x for x in rows if x["batch"] == batch and x["seq"] == seq), {})
+                    cells.append(f"{r['ratio']:.2f}" if "ratio" in r else "-")
+                lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return lines
+
+
+def heatmap(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    panels = [(v, t) for v in dict.fromkeys(r["variant"] for r in results["rows"])
+              for t in results["threads"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
+    for ax, (variant, threads) in zip(axes[0], panels, strict=True):
+        rows = [r for r in results["rows"] if r["variant"] == variant and r["threads"] == threads]
+        seqs, batches = sorted({r["seq"] for r in rows}), sorted({r["batch"] for r in rows})
+        grid = np.full((len(batches), len(seqs)), np.nan)
+        for r in rows:
+            if "ratio" in r:
+                grid[batches.index(r["batch"]), seqs.index(r["seq"])] = r["ratio"]
+        image = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.5, vmax=1.5, aspect="auto")
+        for (i, j), value in np.ndenumerate(grid):
+            if not np.isnan(value):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(seqs)), [str(s) for s in seqs], fontsize=6, rotation=45)
+        ax.set_yticks(range(len(batches)), [str(b) for b in batches], fontsize=6)
+        ax.set_title(f"{variant}, {threads} thr", fontsize=8)
+        ax.set_xlabel("L", fontsize=7)
+    axes[0][0].set_ylabel("batch", fontsize=7)
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="fused / unfused")
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    parser.add_argument("--batches", type=ints, default=[1, 8, 32, 64])
+    parser.add_argument("--seq-lens", type=ints, default=[16, 32, 64, 128, 256, 512, 2048, 8192])
+    parser.add_argument("--threads", type=ints, default=[1, 2])
+    parser.add_argument("--variants", type=lambda t: t.split(","), default=["kp", "causal", "none", "bert"])
+    parser.add_argument("--min-time", type=float, default=1.0)
+    parser.add_argument("--max-seconds", type=float, default=4.0, help="skip longer runs")
+    parser.add_argument("--gflops", type=float, default=60.0, help="for the run-time estimate")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--heatmap", default=None)
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    for noisy in ("onnxscript", "onnx_ir", "torch"):
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    results = run(args)
+    command = ".venv/bin/python -m tools.grid " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = render(results, command)
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    if args.heatmap:
+        heatmap(results, args.heatmap)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
