@@ -56,12 +56,15 @@ class InputSpec:
 class ShapeCase:
     """Values for the symbolic dims and the padding to use in mask inputs: "none", "some"
     (every row keeps >= 1 key; right padding, holes, all but one), "full" (the last batch
-    entry fully padded), "tail" (the last ``pad_fraction`` of keys of every row)."""
+    entry fully padded), "tail" (the last ``pad_fraction`` of keys of every row).
+    ``optional``: sizes the model itself may refuse (past a length threshold, where a position
+    table may end): skipped, and said so, when the original cannot run them."""
 
     label: str
     dims: dict[str, int]
     padding: str = "some"
     pad_fraction: float = 0.0
+    optional: bool = False
 
     def describe(self) -> str:
         inner = ", ".join(f"{k}={v}" for k, v in self.dims.items())

@@ -185,3 +185,19 @@ def test_fuse_verifies_with_given_inputs(export_cache, tmp_path):
     np.savez(wrong, query=np.zeros((3, 11), np.float32))
     refused = cli("fuse", src, "-o", tmp_path / "g.onnx", "--inputs", wrong)
     assert refused.exit_code == 2 and "lacks input(s) key_padding_mask" in refused.output
+
+
+def test_lengths_the_model_refuses_are_left_unchecked_and_said(zoo, tmp_path):
+    """A BERT with 128 positions cannot run the cases past the key-padding forms' thresholds
+    (128 and 1024 keys): fuse still writes (those branches are unreachable for the model)
+    and says which cases went unchecked, instead of refusing the model."""
+    path = tmp_path / "bert.onnx"
+    onnx.save(zoo("hf_bert"), path)
+    result = cli("fuse", path, "-o", tmp_path / "f.onnx", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    skipped = report["verification"]["skipped"]
+    assert [why.split(" (batch")[0] for why in skipped] == [
+        "past a form threshold (128)", "past a form threshold (1025)"]
+    assert all("the original does not run there" in why for why in skipped)
+    assert report["verification"]["passed"]

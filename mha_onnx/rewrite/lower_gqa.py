@@ -40,6 +40,10 @@ def gqa_ok(info: SdpaInfo) -> bool:
     """Can GQA compute this causal block exactly (possibly behind a run-time check)?"""
     if not info.causal or not gqa_shapes_ok(info):
         return False
+    if info.window and info.padded is not None and info.query.dtype == ir.DataType.FLOAT16:
+        # ORT 1.31's float16 CPU kernel departs from its float32 one (and from the original)
+        # on padded query rows of a right-padded batch once S exceeds the window
+        return False
     if info.alignment == "square":
         return True
     # top-left with S != T: only plain causal (the key slice would not fit the other inputs)
