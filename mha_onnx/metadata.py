@@ -12,6 +12,7 @@ from typing import Any
 import onnx
 
 from mha_onnx.config import MhaConfig
+from mha_onnx.errors import MhaOnnxError, ModelFileError
 
 PREFIX = "mha_onnx."
 JSON_KEYS = ("config", "params", "fusion", "session")
@@ -58,14 +59,40 @@ def write(model: onnx.ModelProto, values: dict[str, Any], *, keep_others: bool =
         model.metadata_props.add(key=PREFIX + key, value=text)
 
 
+def damaged(key: str, why: object) -> ModelFileError:
+    return ModelFileError(f"the model's metadata {PREFIX}{key} is damaged ({why})",
+                          hint="re-export the model, or remove mha-onnx's metadata_props")
+
+
+def loaded(model: onnx.ModelProto, key: str, kind: type = dict) -> Any:
+    """The JSON value of ``key`` (None if absent); a value that is not valid JSON of ``kind``
+    is a ModelFileError, not a crash."""
+    text = read(model).get(key)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise damaged(key, exc) from exc
+    if not isinstance(value, kind):
+        raise damaged(key, f"a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
 def config_of(model: onnx.ModelProto) -> MhaConfig | None:
     """The mha-onnx config recorded in a model's metadata, if any."""
-    text = read(model).get("config")
-    return None if text is None else MhaConfig.from_dict(json.loads(text))
+    data = loaded(model, "config")
+    if data is None:
+        return None
+    try:
+        return MhaConfig.from_dict(data)
+    except MhaOnnxError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise damaged("config", exc) from exc
 
 
 def session_options(model: onnx.ModelProto) -> dict[str, Any]:
     """Session settings the model needs (e.g. {"optimization": "extended"}), recorded by
     fuse when the default crashed ONNX Runtime."""
-    text = read(model).get("session")
-    return {} if text is None else dict(json.loads(text))
+    return loaded(model, "session") or {}

@@ -330,3 +330,24 @@ def test_float16_has_no_nan_where_float32_has_none(export_cache, mask, tmp_path)
     for path in (src, tmp_path / "f.onnx"):
         out = OrtRunner(str(path)).infer(feeds)["output"]
         assert np.isfinite(out).all(), path
+
+
+@pytest.mark.parametrize("key, damage", [
+    ("params", lambda text: text[:len(text) // 2]),                      # not JSON
+    ("params", lambda text: text.replace('"transposed"', '"flipped"')),  # an entry's key gone
+    ("params", lambda text: "[1, 2]"),                                   # not an object
+    ("config", lambda text: text.replace("}", ', "heads": 3}')),         # unknown key
+])
+def test_damaged_metadata_is_one_error_not_a_crash(small_bytes, tmp_path, key, damage):
+    """Found by the fuzz test: the PyTorch reference is rebuilt from the metadata, whose
+    damage must read as ModelFileError/ConfigError (exit 2), not a JSONDecodeError."""
+    from mha_onnx import metadata
+    from mha_onnx.parity import ValidateConfig, validate_model
+
+    model = onnx.load_from_string(small_bytes)
+    metadata.write(model, {key: damage(metadata.read(model)[key])})
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    with pytest.raises(MhaOnnxError) as caught:
+        validate_model(path, ValidateConfig(shapes=None))
+    assert caught.value.exit_code == 2 and caught.value.message

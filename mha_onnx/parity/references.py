@@ -3,7 +3,6 @@ export's metadata and weights, and another ONNX model (``--reference``) on ORT C
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +10,6 @@ import numpy as np
 import onnx
 
 from mha_onnx import metadata
-from mha_onnx.config import MhaConfig
 from mha_onnx.errors import InputSpecError, MhaOnnxError, RuntimeCrash
 from mha_onnx.graphio import read_model
 from mha_onnx.inputs import input_specs
@@ -32,18 +30,26 @@ class TorchReference:
         from mha_onnx.weights import checksum
 
         meta = metadata.read(source)
-        self.config = MhaConfig.from_dict(json.loads(meta["config"]))
-        params = json.loads(meta["params"])
+        config = metadata.config_of(source)
+        assert config is not None
+        self.config = config
+        params = metadata.loaded(source, "params") or {}
         arrays = {t.name: t for t in source.graph.initializer}
         state = {}
         for name, where in params.items():
-            tensor = arrays.get(where["initializer"])
+            try:
+                tensor, transposed = arrays.get(where["initializer"]), bool(where["transposed"])
+            except (KeyError, TypeError) as exc:
+                raise metadata.damaged("params", f"entry {name!r}: {exc!r}") from exc
             if tensor is None:
                 raise MhaOnnxError(f"{label}: initializer {where['initializer']!r} of {name} is missing",
                                    hint="the file was rewritten in a way mha-onnx cannot follow")
             array = numpy_helper.to_array(tensor).astype(np.float32)
-            state[name] = torch.from_numpy(np.ascontiguousarray(array.T if where["transposed"] else array))
-        self.module = build_reference(self.config.replace(dtype="float32"), state)
+            state[name] = torch.from_numpy(np.ascontiguousarray(array.T if transposed else array))
+        try:
+            self.module = build_reference(self.config.replace(dtype="float32"), state)
+        except (KeyError, RuntimeError) as exc:  # parameters missing or of the wrong shape
+            raise metadata.damaged("params", exc) from exc
         self.digest_ok = checksum(state) == meta.get("weights_sha256")
         self.label = label
 
