@@ -75,11 +75,16 @@ def main(ctx: click.Context, verbose: int) -> None:
 @click.option("--weights", default=None, help="safetensors or torch state_dict (ours or nn.MultiheadAttention).")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default 20).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=None)
+@click.option("--kv-cache", is_flag=True,
+              help="Causal self-attention with past_key/past_value inputs and present outputs.")
+@click.option("--cache-padding", is_flag=True,
+              help="With --kv-cache: a key_padding_mask over past + new keys (left padding).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of random weights.")
 @click.option("-o", "--output", required=True, help="Where to write the .onnx file.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def export(preset, config_file, attention, mask, weights, opset, dtype, seed, output, force, as_json):
+def export(preset, config_file, attention, mask, weights, opset, dtype, kv_cache, cache_padding,
+           seed, output, force, as_json):
     """Export the PyTorch reference to ONNX with dynamic batch and sequence axes."""
     from mha_onnx.config import load_config_file, load_preset
     from mha_onnx.errors import ConfigError
@@ -88,7 +93,8 @@ def export(preset, config_file, attention, mask, weights, opset, dtype, seed, ou
     if preset and config_file:
         raise ConfigError("--preset and --config exclude each other")
     config = load_config_file(config_file) if config_file else load_preset(preset or "base")
-    changes = {k: v for k, v in (("attention", attention), ("mask", mask), ("dtype", dtype)) if v}
+    changes = {k: v for k, v in (("attention", attention), ("mask", mask), ("dtype", dtype),
+                                 ("kv_cache", kv_cache), ("cache_padding", cache_padding)) if v}
     report = export_model(
         config.replace(**changes), output, weights=weights, opset=opset, force=force, seed=seed
     )
@@ -222,6 +228,8 @@ def _progress():
 @click.option("--pad-fraction", type=float, default=0.0, show_default=True,
               help="Fraction of trailing keys padded in mask inputs.")
 @click.option("--inputs", "inputs_npz", default=None, help="Feed these inputs (.npz) instead.")
+@click.option("--decode", is_flag=True, help="KV-cache models: time one new token per step.")
+@click.option("--context", default=None, help="With --decode: cache lengths, e.g. 128,1024,4096.")
 @click.option("--no-ops", is_flag=True, help="Skip the per-op breakdown.")
 @click.option("--no-memory-check", is_flag=True, help="Run points whose estimated memory exceeds what is free.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -230,8 +238,8 @@ def _progress():
 @click.option("--trace", "trace_dir", default=None, help="Keep ORT's Chrome-trace JSON here.")
 @click.option("--force", is_flag=True, help="Replace existing --csv/--plot files and --trace traces.")
 def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threads, interleave,
-            io_binding, pad_fraction, inputs_npz, no_ops, no_memory_check, as_json, csv_path,
-            plot_path, trace_dir, force):
+            io_binding, pad_fraction, inputs_npz, decode, context, no_ops, no_memory_check,
+            as_json, csv_path, plot_path, trace_dir, force):
     """Latency percentiles, throughput, GFLOP/s vs roofline, memory and per-op time."""
     from mha_onnx.graphio import prepare_folder, prepare_output
     from mha_onnx.profile import (
@@ -253,7 +261,8 @@ def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threa
         iters, min_time = DEFAULT_ITERS, DEFAULT_MIN_TIME
     config = ProfileConfig(
         providers=parse_providers(providers), batches=_int_list(batches, "--batch"),
-        seq_lens=_int_list(seq_lens, "--seq-lens"), warmup=warmup, iters=iters,
+        seq_lens=_int_list(context or seq_lens, "--context" if context else "--seq-lens"),
+        warmup=warmup, iters=iters, decode=decode,
         min_time=min_time, threads=_threads(threads), io_binding=io_binding, trace_dir=trace_dir,
         pad_fraction=pad_fraction, op_breakdown=not no_ops, memory_check=not no_memory_check,
         interleave=interleave, inputs=inputs_npz)

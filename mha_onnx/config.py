@@ -35,6 +35,10 @@ class MhaConfig:
 
     ``d_k``/``d_v`` default to ``d_model // num_heads``. Causal masks are top-left aligned
     (query i sees keys 0..i, PyTorch's ``is_causal``); key-padding masks use True = padded.
+    ``kv_cache`` (causal self-attention): the layer takes the cached keys and values of the
+    ``past_seq`` earlier positions and returns them with the new ones appended; query i sits at
+    position ``past_seq + i`` and sees keys up to it. ``cache_padding`` adds a key padding
+    mask over past + new keys (left-padded batched generation).
     """
 
     d_model: int = 512
@@ -46,6 +50,8 @@ class MhaConfig:
     mask: str = "none"
     dtype: str = "float32"
     name: str = "custom"
+    kv_cache: bool = False
+    cache_padding: bool = False
 
     def __post_init__(self) -> None:
         for field in ("d_model", "num_heads", "d_k", "d_v"):
@@ -72,6 +78,15 @@ class MhaConfig:
         _check_choice("attention", self.attention, ATTENTION_KINDS)
         _check_choice("mask", self.mask, MASK_KINDS)
         _check_choice("dtype", self.dtype, DTYPES)
+        for field in ("kv_cache", "cache_padding"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(f"{field} must be true or false, got {getattr(self, field)!r}")
+        if self.kv_cache and (self.attention != "self" or self.mask != "causal"):
+            raise ConfigError("a KV cache needs causal self-attention",
+                              hint="use --mask causal (self-attention) with --kv-cache")
+        if self.cache_padding and not self.kv_cache:
+            raise ConfigError("cache_padding is the key padding of a KV-cache model",
+                              hint="use it with --kv-cache")
 
     @property
     def qk_dim(self) -> int:
@@ -173,9 +188,19 @@ class TensorSpec:
         return {"name": self.name, "dtype": self.dtype, "dims": list(self.dims)}
 
 
+TOTAL_SEQ = "past_seq + seq_q"  # a KV-cache model's keys: past and new (a dim expression)
+
+
 def graph_inputs(config: MhaConfig) -> tuple[TensorSpec, ...]:
     """The inputs an export of ``config`` has, in order (the graph contract)."""
     specs = [TensorSpec("query", config.dtype, ("batch", "seq_q", config.d_model))]
+    if config.kv_cache:
+        h = config.num_heads
+        specs += [TensorSpec("past_key", config.dtype, ("batch", h, "past_seq", config.d_k)),
+                  TensorSpec("past_value", config.dtype, ("batch", h, "past_seq", config.d_v))]
+        if config.cache_padding:
+            specs.append(TensorSpec("key_padding_mask", "bool", ("batch", TOTAL_SEQ)))
+        return tuple(specs)
     kv_len = "seq_q"
     if config.attention == "cross":
         kv_len = "seq_kv"
@@ -187,4 +212,10 @@ def graph_inputs(config: MhaConfig) -> tuple[TensorSpec, ...]:
 
 
 def graph_outputs(config: MhaConfig) -> tuple[TensorSpec, ...]:
-    return (TensorSpec("output", config.dtype, ("batch", "seq_q", config.d_model)),)
+    output = TensorSpec("output", config.dtype, ("batch", "seq_q", config.d_model))
+    if not config.kv_cache:
+        return (output,)
+    h = config.num_heads
+    return (output,
+            TensorSpec("present_key", config.dtype, ("batch", h, TOTAL_SEQ, config.d_k)),
+            TensorSpec("present_value", config.dtype, ("batch", h, TOTAL_SEQ, config.d_v)))

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from mha_onnx import __version__, metadata
-from mha_onnx.config import MhaConfig, TensorSpec, graph_inputs, graph_outputs
+from mha_onnx.config import TOTAL_SEQ, MhaConfig, TensorSpec, graph_inputs, graph_outputs
 from mha_onnx.errors import ExportError
 from mha_onnx.graphio import MAX_IR_VERSION, MAX_OPSET, prepare_output, write_model
 from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
@@ -37,6 +37,8 @@ MIN_OPSET = 18
 EXAMPLE_BATCH, EXAMPLE_SEQ_Q, EXAMPLE_SEQ_KV = 2, 5, 7
 # (batch, seq_q, seq_kv) checked after export; none equals the example.
 CHECK_SHAPES = ((1, 1, 1), (1, 13, 6), (3, 37, 41), (2, 64, 3))
+# KV-cache models: (batch, seq_q, past_seq): a prompt (no past), single steps, a chunk.
+CACHE_CHECK_SHAPES = ((1, 6, 0), (2, 1, 9), (3, 5, 7), (1, 1, 33))
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,17 @@ def _exportable(config: MhaConfig) -> type:
     cross, padded = config.attention == "cross", config.mask == "key-padding"
 
     class Exportable(MultiHeadAttention):
-        if cross and padded:
+        if config.kv_cache and config.cache_padding:
+
+            def forward(self, query, past_key, past_value, key_padding_mask):  # type: ignore[override]
+                return self.step(query, past_key, past_value, key_padding_mask)
+
+        elif config.kv_cache:
+
+            def forward(self, query, past_key, past_value):  # type: ignore[override]
+                return self.step(query, past_key, past_value)
+
+        elif cross and padded:
 
             def forward(self, query, key, value, key_padding_mask):  # type: ignore[override]
                 return super().forward(query, key, value, key_padding_mask)
@@ -197,8 +209,11 @@ def _torch_export(module: Any, config: MhaConfig, opset: int) -> onnx.ModelProto
     batch = torch.export.Dim("batch", min=1)
     seq_q = torch.export.Dim("seq_q", min=1)
     seq_kv = torch.export.Dim("seq_kv", min=1) if config.attention == "cross" else seq_q
-    dim_of = {"batch": batch, "seq_q": seq_q, "seq_kv": seq_kv}
-    sizes = {"batch": EXAMPLE_BATCH, "seq_q": EXAMPLE_SEQ_Q, "seq_kv": EXAMPLE_SEQ_KV}
+    dim_of = {"batch": batch, "seq_q": seq_q, "seq_kv": seq_kv,
+              "past_seq": torch.export.Dim("past_seq", min=0),
+              TOTAL_SEQ: torch.export.Dim.AUTO}  # torch finds past_seq + seq_q itself
+    sizes = {"batch": EXAMPLE_BATCH, "seq_q": EXAMPLE_SEQ_Q, "seq_kv": EXAMPLE_SEQ_KV,
+             "past_seq": EXAMPLE_SEQ_KV, TOTAL_SEQ: EXAMPLE_SEQ_Q + EXAMPLE_SEQ_KV}
     generator = torch.Generator().manual_seed(1234)
     args, dynamic = [], {}
     for spec in graph_inputs(config):
@@ -222,7 +237,7 @@ def _torch_export(module: Any, config: MhaConfig, opset: int) -> onnx.ModelProto
                 dynamo=True,
                 dynamic_shapes=dynamic,
                 input_names=names,
-                output_names=["output"],
+                output_names=[o.name for o in graph_outputs(config)],
                 opset_version=opset,
                 optimize=True,
                 verbose=False,
@@ -235,9 +250,11 @@ def _torch_export(module: Any, config: MhaConfig, opset: int) -> onnx.ModelProto
 
 
 def _name_dims(model: onnx.ModelProto, config: MhaConfig) -> None:
-    """Give the contract's dim names to the graph's inputs and outputs; a dynamic axis that
-    torch specialised to a number is an error naming the axis."""
+    """Give the contract's dim names to the graph's inputs and outputs, and to the same
+    symbols inside the graph (so shapes stay comparable); a dynamic axis that torch
+    specialised to a number is an error naming the axis."""
     specs = {s.name: s for s in graph_inputs(config) + graph_outputs(config)}
+    renamed: dict[str, str] = {}
     for value in list(model.graph.input) + list(model.graph.output):
         spec = specs.get(value.name)
         if spec is None:
@@ -255,7 +272,13 @@ def _name_dims(model: onnx.ModelProto, config: MhaConfig) -> None:
                     f"axis {want!r} ({value.name} axis {axis}) was specialised to "
                     f"{dim.dim_value} by torch.export; the model would only run at that size"
                 )
+            if dim.dim_param:
+                renamed.setdefault(dim.dim_param, want)
             dim.dim_param = want
+    for value in model.graph.value_info:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in renamed:
+                dim.dim_param = renamed[dim.dim_param]
 
 
 def _locate_params(model: onnx.ModelProto, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -302,6 +325,25 @@ def _post_export_checks(model: onnx.ModelProto, config: MhaConfig, module32: Any
     return checks
 
 
+def _check_cases(config: MhaConfig) -> list[tuple[ShapeCase, str]]:
+    """The shapes checked after export, each with its label."""
+    out = []
+    if config.kv_cache:
+        for batch, seq_q, past in CACHE_CHECK_SHAPES:
+            dims = {"batch": batch, "seq_q": seq_q, "past_seq": past}
+            out.append((ShapeCase("check", dims, "some"),
+                        f"parity (batch={batch}, seq_q={seq_q}, past_seq={past})"))
+        return out
+    for batch, seq_q, seq_kv in CHECK_SHAPES:
+        pads = ("some", "full") if config.mask == "key-padding" and batch > 1 else ("some",)
+        for pad in pads:
+            shape = f"(batch={batch}, seq_q={seq_q}" + (
+                f", seq_kv={seq_kv})" if config.attention == "cross" else ")")
+            out.append((ShapeCase("check", {"batch": batch, "seq_q": seq_q, "seq_kv": seq_kv}, pad),
+                        f"parity {shape}" + (" fully padded row" if pad == "full" else "")))
+    return out
+
+
 def _parity_checks(runner: Any, config: MhaConfig, module32: Any) -> list[CheckResult]:
     """ORT against the reference at shapes other than the tracing example."""
     from mha_onnx.reference import run_reference
@@ -310,23 +352,19 @@ def _parity_checks(runner: Any, config: MhaConfig, module32: Any) -> list[CheckR
     atol, rtol = default_tolerance(config.dtype)
     specs = contract_specs(config)
     checks = []
-    for batch, seq_q, seq_kv in CHECK_SHAPES:
-        pads = ("some", "full") if config.mask == "key-padding" and batch > 1 else ("some",)
-        for pad in pads:
-            case = ShapeCase("check", {"batch": batch, "seq_q": seq_q, "seq_kv": seq_kv}, pad)
-            feeds = make_inputs(specs, case, seed=batch * 1000 + seq_q)
-            shape = f"(batch={batch}, seq_q={seq_q}" + (
-                f", seq_kv={seq_kv})" if config.attention == "cross" else ")")
-            label = f"parity {shape}" + (" fully padded row" if pad == "full" else "")
-            try:
-                got = runner.infer(feeds)["output"]
-            except Exception as exc:  # noqa: BLE001
-                axis = _guess_specialised_axis(str(exc))
-                checks.append(CheckResult(label, False, f"ORT failed{axis}: {exc}"))
-                continue
-            stats = compare(got, run_reference(module32, feeds), atol=atol, rtol=rtol)
-            checks.append(CheckResult(label, stats.passed,
-                                      f"max abs {stats.max_abs:.2e} (atol {atol:g})"))
+    for n, (case, label) in enumerate(_check_cases(config)):
+        feeds = make_inputs(specs, case, seed=1000 + n)
+        try:
+            got = runner.infer(feeds)
+        except Exception as exc:  # noqa: BLE001
+            axis = _guess_specialised_axis(str(exc))
+            checks.append(CheckResult(label, False, f"ORT failed{axis}: {exc}"))
+            continue
+        want = run_reference(module32, feeds)
+        worst = [compare(got[name], want[name], atol=atol, rtol=rtol) for name in want]
+        stats = max(worst, key=lambda st: st.max_abs)
+        checks.append(CheckResult(label, all(st.passed for st in worst),
+                                  f"max abs {stats.max_abs:.2e} (atol {atol:g})"))
     return checks
 
 

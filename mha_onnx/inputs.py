@@ -139,11 +139,39 @@ def contract_specs(config) -> list[InputSpec]:
             for t in graph_inputs(config)]
 
 
+_EXPR = re.compile(r"^[\w.]+(\s*[-+]\s*[\w.]+)*$")
+
+
+def resolve_dim(dim: int | str | None, values: dict[str, int]) -> int | None:
+    """A dim's value: an int, a symbol, or a sum/difference of symbols and ints such as
+    ``past_seq + seq_q`` (how a KV-cache model names its total length)."""
+    if isinstance(dim, int):
+        return dim
+    if not isinstance(dim, str) or not _EXPR.match(dim.strip()):
+        return None
+    total, sign = 0, 1
+    for token in re.findall(r"[-+]|[\w.]+", dim):
+        if token in "+-":
+            sign = 1 if token == "+" else -1
+        elif token.isdigit():
+            total += sign * int(token)
+        elif token in values:
+            total += sign * values[token]
+        else:
+            return None
+    return total
+
+
+def _is_expression(dim: str) -> bool:
+    return bool(re.search(r"[-+*/ ]", dim))
+
+
 def symbolic_dims(specs: Sequence[InputSpec]) -> list[str]:
+    """The free symbolic dims of the inputs (expressions of them, e.g. ``a + b``, left out)."""
     seen: dict[str, None] = {}
     for spec in specs:
         for dim in spec.dims:
-            if isinstance(dim, str):
+            if isinstance(dim, str) and not _is_expression(dim):
                 seen.setdefault(dim)
     return list(seen)
 
@@ -250,7 +278,7 @@ def make_inputs(specs: Sequence[InputSpec], case: ShapeCase, *, seed: int = 0) -
     rng = np.random.default_rng(seed)
     feeds = {}
     for spec in specs:
-        shape = tuple(d if isinstance(d, int) else case.dims.get(d or "", 4) for d in spec.dims)
+        shape = tuple(_size(d, case.dims) for d in spec.dims)
         if spec.role == "mask":
             feeds[spec.name] = _mask_values(spec, shape, case, rng)
         elif spec.dtype.kind in "iu":
@@ -258,6 +286,14 @@ def make_inputs(specs: Sequence[InputSpec], case: ShapeCase, *, seed: int = 0) -
         else:
             feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
     return feeds
+
+
+def _size(dim: int | str | None, values: dict[str, int]) -> int:
+    """A concrete size for ``dim``: given, resolved from an expression, else 4."""
+    if isinstance(dim, str) and dim in values:
+        return values[dim]
+    resolved = resolve_dim(dim, values)
+    return 4 if resolved is None else resolved
 
 
 def iter_feeds(specs: Sequence[InputSpec], cases: Sequence[ShapeCase], *,
@@ -308,6 +344,19 @@ def case_of_feeds(specs: Sequence[InputSpec], feeds: dict[str, np.ndarray], labe
 
 # -- memory -------------------------------------------------------------------------------------
 
+def available_memory() -> int:
+    """Bytes of memory available now (psutil, or /proc/meminfo where psutil is absent)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+        return 1 << 62
+
+
 def estimate_bytes(model: onnx.ModelProto, batch: int, seq_q: int, seq_kv: int | None = None) -> int:
     """Working set of one run of an mha-onnx export: activations, plus the [B, H, S, T]
     scores twice (scores and weights) when its attention is not fused. 0 for other models."""
@@ -334,11 +383,9 @@ def ensure_fits(model: onnx.ModelProto, cases: Sequence[ShapeCase], *, copies: i
                 hint: str = "use smaller shapes or pass --no-memory-check") -> None:
     """Refuse the first case whose estimated working set (times ``copies`` runs held at once)
     exceeds 90 % of the memory available now."""
-    import psutil
-
     specs = input_specs(model)
     batch_names, seq_names = split_dims(specs)
-    available = psutil.virtual_memory().available
+    available = available_memory()
     for case in cases:
         batch = max([case.dims.get(n, 1) for n in batch_names] or [1])
         lengths = [case.dims.get(n, 1) for n in seq_names] or [1]

@@ -50,26 +50,47 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         causal = cfg.mask == "causal" if causal is None else causal
+        q_BHSDk, k_BHTDk, v_BHTDv = self.heads(query, key, value)
+        return self.attend(q_BHSDk, k_BHTDk, v_BHTDv, key_padding_mask, causal)
+
+    def heads(self, query, key, value):
+        """The projections split into heads: (B, H, S, Dk), (B, H, T, Dk), (B, H, T, Dv)."""
+        cfg = self.config
         batch, seq_q, _ = query.shape
         seq_kv = key.shape[1]
-        h, dk, dv = cfg.num_heads, cfg.d_k, cfg.d_v
+        h = cfg.num_heads
+        q_BHSDk = self.w_q(query).view(batch, seq_q, h, cfg.d_k).transpose(1, 2)
+        k_BHTDk = self.w_k(key).view(batch, seq_kv, h, cfg.d_k).transpose(1, 2)
+        v_BHTDv = self.w_v(value).view(batch, seq_kv, h, cfg.d_v).transpose(1, 2)
+        return q_BHSDk, k_BHTDk, v_BHTDv
 
-        q_BHSDk = self.w_q(query).view(batch, seq_q, h, dk).transpose(1, 2)
-        k_BHTDk = self.w_k(key).view(batch, seq_kv, h, dk).transpose(1, 2)
-        v_BHTDv = self.w_v(value).view(batch, seq_kv, h, dv).transpose(1, 2)
-
-        scores_BHST = (q_BHSDk @ k_BHTDk.transpose(-2, -1)) / math.sqrt(dk)
+    def attend(self, q_BHSDk, k_BHTDk, v_BHTDv, key_padding_mask=None, causal=False):
+        """softmax(Q K^T / sqrt(d_k) + masks) V, heads concatenated and projected. Causal is
+        aligned to the end of the keys: query i sits at position T - S + i (= i when S = T)."""
+        cfg = self.config
+        batch, _, seq_q, _ = q_BHSDk.shape
+        seq_kv = k_BHTDk.shape[2]
+        scores_BHST = (q_BHSDk @ k_BHTDk.transpose(-2, -1)) / math.sqrt(cfg.d_k)
         if causal:
-            keep_ST = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=query.device).tril()
+            ones_ST = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=q_BHSDk.device)
+            keep_ST = ones_ST.tril(diagonal=seq_kv - seq_q) if cfg.kv_cache else ones_ST.tril()
             scores_BHST = scores_BHST.masked_fill(~keep_ST, float("-inf"))
         if key_padding_mask is not None:
             padded_B11T = key_padding_mask[:, None, None, :]
             scores_BHST = scores_BHST.masked_fill(padded_B11T, float("-inf"))
         weights_BHST = torch.softmax(scores_BHST, dim=-1)
-
         heads_BHSDv = weights_BHST @ v_BHTDv
-        concat_BSHDv = heads_BHSDv.transpose(1, 2).reshape(batch, seq_q, h * dv)
+        concat_BSHDv = heads_BHSDv.transpose(1, 2).reshape(batch, seq_q, -1)
         return self.w_o(concat_BSHDv)
+
+    def step(self, query, past_key, past_value, key_padding_mask=None):
+        """One step with a KV cache: query (B, S, D); past (B, H, P, D). Returns the output
+        (B, S, D) and the present keys and values (B, H, P + S, D)."""
+        q_BHSDk, k_new, v_new = self.heads(query, query, query)
+        k_BHTDk = torch.cat([past_key, k_new], dim=2)
+        v_BHTDv = torch.cat([past_value, v_new], dim=2)
+        out = self.attend(q_BHSDk, k_BHTDk, v_BHTDv, key_padding_mask, causal=True)
+        return out, k_BHTDk, v_BHTDv
 
 
 def build_reference(
@@ -91,14 +112,19 @@ def build_reference(
     return module.to(TORCH_DTYPES[config.dtype]).eval()
 
 
-def run_reference(module32: MultiHeadAttention, feeds: dict) -> np.ndarray:
-    """The float32 reference module's output for the contract's ``feeds`` (numpy arrays;
-    float inputs upcast)."""
-    args = {k: torch.from_numpy(v) for k, v in feeds.items()}
-    for name in ("query", "key", "value"):
+def run_reference(module32: MultiHeadAttention, feeds: dict) -> dict[str, np.ndarray]:
+    """The float32 reference module's outputs for the contract's ``feeds`` (numpy arrays;
+    float inputs upcast), by output name."""
+    args = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
+    for name in ("query", "key", "value", "past_key", "past_value"):
         if name in args:
             args[name] = args[name].float()
     with torch.no_grad():
+        if module32.config.kv_cache:
+            out, present_key, present_value = module32.step(
+                args["query"], args["past_key"], args["past_value"], args.get("key_padding_mask"))
+            return {"output": out.numpy(), "present_key": present_key.numpy(),
+                    "present_value": present_value.numpy()}
         out = module32(args["query"], args.get("key"), args.get("value"),
                        args.get("key_padding_mask"))
-    return out.numpy()
+    return {"output": out.numpy()}

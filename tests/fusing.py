@@ -9,6 +9,7 @@ import onnx_ir as ir
 from mha_onnx.inspect import summarize
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.blocks import all_graphs
+from mha_onnx.rewrite.fuse import verification_cases
 from mha_onnx.rewrite.verify import verify
 
 
@@ -23,6 +24,6 @@ def fused_and_checked(model: onnx.ModelProto, target: str = "ort"):
     summary = summarize(fused)
     assert summary.unfused_blocks == 0, [b for b in summary.blocks if b.kind == "unfused"]
     assert "Softmax" not in ops(fused)
-    result = verify(model, fused)
+    result = verify(model, fused, cases=verification_cases(model, results))  # every branch
     assert result.passed, result.first_failure()
     return fused, results

@@ -125,3 +125,18 @@ def test_inspect_says_what_each_block_is_understood_as(decoders, tmp_path):
     assert block["kind"] == "unfused"
     assert block["understood"] == ("causal + key padding, window 4, 4 q heads / 2 kv heads, "
                                    "softcap 50")
+
+
+@pytest.mark.parametrize("forms, form", [(None, "GroupQueryAttention (causal, bias)"),
+                                         ("causal=bias", "MultiHeadAttention + attention_bias")])
+def test_causal_with_a_position_bias_in_both_forms(zoo, forms, form):
+    """GQA with attention_bias, or (--form causal=bias) MHA with causal + bias summed: the
+    terms have different ranks ([S, T] mask, [1, H, S, T] bias) and add up to rank 4."""
+    from mha_onnx.rewrite import fuse_model
+    from mha_onnx.rewrite.lower_ort import Forms
+    from mha_onnx.rewrite.verify import verify
+
+    model = zoo("relative_bias_causal")
+    fused, results, _ = fuse_model(model, forms=Forms.parse([forms] if forms else []))
+    assert [r.form for r in results] == [form] and results[0].meaning == "causal + position bias"
+    assert verify(model, fused).passed

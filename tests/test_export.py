@@ -47,7 +47,7 @@ def test_round_trip_every_attention_and_mask(export_cache, attention, mask):
         for batch, seq_q, seq_kv in SHAPES:
             feeds = feeds_for(cfg, batch, seq_q, seq_kv, seed=seq_q)
             got = runner.infer(feeds)["output"]
-            np.testing.assert_allclose(got, run_reference(module, feeds), atol=1e-4, rtol=0)
+            np.testing.assert_allclose(got, run_reference(module, feeds)["output"], atol=1e-4, rtol=0)
 
 
 def test_metadata_lets_later_stages_rebuild_the_reference(export_cache):
@@ -75,7 +75,7 @@ def test_float16_export_runs_in_float16(export_cache):
     with OrtRunner(path) as runner:
         got = runner.infer(feeds)["output"]
     assert got.dtype == np.float16
-    np.testing.assert_allclose(got.astype(np.float32), run_reference(module, feeds), atol=1e-2)
+    np.testing.assert_allclose(got.astype(np.float32), run_reference(module, feeds)["output"], atol=1e-2)
 
 
 def test_opset_choice_and_refusal(tmp_path):

@@ -331,6 +331,82 @@ CAUSAL_SPELLINGS = ("triu1_bool", "tril_keep_min", "triu_float_add", "triu_min_a
 NOT_CAUSAL = ("inverted", "diagonal_plus_one", "window_only", "causal_below_40")
 
 
+class _CachedGpt2Style(nn.Module):
+    """A decoder layer with a KV cache the way GPT-2's legacy code wrote it: past keys and
+    values concatenated with the new ones, the causal mask sliced from a cached
+    lower-triangular buffer at [T - S:T, :T] (aligned to the end of the keys)."""
+
+    MAX = 256
+
+    def __init__(self, kv_heads: int = H) -> None:
+        super().__init__()
+        self.kv_heads = kv_heads
+        self.qkv = nn.Linear(D, D + 2 * kv_heads * (D // H))
+        self.proj = nn.Linear(D, D)
+        self.register_buffer("bias", torch.tril(torch.ones(self.MAX, self.MAX, dtype=torch.bool))
+                             .view(1, 1, self.MAX, self.MAX))
+
+    def forward(self, x, past_key, past_value):
+        b, s, _ = x.shape
+        g = self.kv_heads
+        q, k, v = self.qkv(x).split([D, g * (D // H), g * (D // H)], dim=2)
+        heads = lambda t: t.view(b, s, -1, D // H).transpose(1, 2)  # noqa: E731 - (B, H, S, Dh)
+        q, k, v = heads(q), heads(k), heads(v)
+        k = torch.cat([past_key, k], dim=-2)
+        v = torch.cat([past_value, v], dim=-2)
+        present = (k, v)
+        if g != H:  # Llama's repeat_kv: each K/V head serves H // g query heads
+            wide = lambda t: t[:, :, None].expand(b, g, H // g, *t.shape[2:]).reshape(  # noqa: E731
+                b, H, *t.shape[2:])
+            k, v = wide(k), wide(v)
+        t = k.shape[-2]
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(D // H)
+        keep = self.bias[:, :, t - s:t, :t]
+        scores = torch.where(keep, scores, torch.tensor(torch.finfo(scores.dtype).min))
+        out = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, s, D)
+        return self.proj(out), *present
+
+
+def cached_gpt2_style(kv_heads: int = H) -> onnx.ModelProto:
+    torch.manual_seed(0)
+    batch, seq, _ = _dims()
+    past = torch.export.Dim("past", min=0, max=_CachedGpt2Style.MAX - 64)
+    seq = torch.export.Dim("seq", min=1, max=64)
+    args = (torch.randn(2, 5, D), torch.randn(2, kv_heads, 7, D // H),
+            torch.randn(2, kv_heads, 7, D // H))
+    return export(_CachedGpt2Style(kv_heads), args, {"x": {0: batch, 1: seq},
+                                              "past_key": {0: batch, 2: past},
+                                              "past_value": {0: batch, 2: past}},
+                  names=["x", "past_key", "past_value"])
+
+
+class RelativeBiasCausal(nn.Module):
+    """Causal self-attention plus a learned relative position bias (T5's decoder, with
+    clipped distances instead of buckets): a size-only float bias next to the causal mask."""
+
+    def __init__(self, d_model: int = D, heads: int = H, distances: int = 16) -> None:
+        super().__init__()
+        self.d_model, self.heads, self.distances = d_model, heads, distances
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.rel = nn.Embedding(distances, heads)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        d, h, far = self.d_model, self.heads, self.distances - 1
+        q, k, v = self.qkv(x).view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(s, device=x.device)
+        bias = self.rel((pos[None, :] - pos[:, None]).clamp(-far, 0).neg()).permute(2, 0, 1)[None]
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        scores = ((q @ k.transpose(-2, -1)) / math.sqrt(d // h) + bias).masked_fill(future, NEG_INF)
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
+
+
+def relative_bias_causal() -> onnx.ModelProto:
+    torch.manual_seed(0)
+    batch, seq, _ = _dims()
+    return export(RelativeBiasCausal(), (torch.randn(2, 5, D),), {"x": {0: batch, 1: seq}})
+
+
 # -- Hugging Face transformers, built from configs with random weights ------------------------
 
 class _HfWrap(nn.Module):
@@ -476,4 +552,7 @@ ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
     "hf_mask_builder": lambda: hf_mask_builder(False),
     "hf_mask_builder_vmap": lambda: hf_mask_builder(True),
     "hf_bloom": lambda: hf_decoder("bloom"),
+    "cached_gpt2_style": cached_gpt2_style,
+    "cached_grouped": lambda: cached_gpt2_style(kv_heads=H // 2),
+    "relative_bias_causal": relative_bias_causal,
 }

@@ -35,6 +35,7 @@ class ValidateConfig:
     save_outputs: str | None = None  # write inputs, outputs and provenance here
     load_outputs: str | None = None  # run the inputs stored here, compare with its outputs
     force: bool = False  # replace an existing --save-outputs file
+    decode_steps: int = 16  # KV-cache models: single-token steps after the prompt
 
     def tolerance_for(self, output: str, dtype: np.dtype) -> tuple[float, float]:
         default_atol, default_rtol = default_tolerance(dtype)

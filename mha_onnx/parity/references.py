@@ -56,7 +56,7 @@ class TorchReference:
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         from mha_onnx.reference import run_reference
 
-        return {"output": run_reference(self.module, dict(feeds))}
+        return run_reference(self.module, dict(feeds))
 
 
 def references_for(model: onnx.ModelProto, path: str, config: ValidateConfig, *,

@@ -30,6 +30,7 @@ from mha_onnx.inputs import (
 )
 from mha_onnx.metadata import session_options
 from mha_onnx.parity.config import ValidateConfig
+from mha_onnx.parity.decode import cache_pairs, decode_chains
 from mha_onnx.parity.golden import (
     GoldenReference,
     GoldenRun,
@@ -125,6 +126,9 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     try:
         comparisons, masked, saved = _compare_runs(model, specs, runs, references, ref_specs,
                                                    runners, config)
+        pairs = cache_pairs(model)
+        if pairs and golden is None and not config.inputs and config.decode_steps > 0:
+            comparisons += _decode(model, specs, pairs, references, runners, config)
     finally:
         for runner in runners.values():
             runner.close()
@@ -138,6 +142,21 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
     )
+
+
+def _decode(model, specs, pairs, references, runners, config: ValidateConfig) -> list[Comparison]:
+    """A prompt and ``decode_steps`` single-token steps, every runtime on its own chain."""
+    out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
+                for o in model.graph.output}
+    runtimes = {**{f"reference:{k}": r for k, r in references.items()}, **runners}
+    comparisons: list[Comparison] = []
+    for label, results, _ in decode_chains(runtimes, specs, pairs, config.decode_steps,
+                                           seed=config.seed):
+        wants = {k.split(":", 1)[1]: v for k, v in results.items() if k.startswith("reference:")}
+        gots = {k: v for k, v in results.items() if not k.startswith("reference:")}
+        case = ShapeCase(f"decode {label}", {}, "given")
+        comparisons += _compare_case(case, gots, wants, None, out_dims, config)
+    return comparisons
 
 
 def _compare_runs(model, specs, runs, references, ref_specs, runners, config: ValidateConfig):

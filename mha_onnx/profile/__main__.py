@@ -17,6 +17,10 @@ def main() -> None:
 
             out = {"gflops": matmul_roofline(request["provider"], request["threads"],
                                              request["dtype"])}
+        elif request.get("bandwidth"):
+            from mha_onnx.profile.roofline import memory_bandwidth
+
+            out = {"gbps": memory_bandwidth(request["provider"], request["threads"])}
         else:
             from mha_onnx.profile.worker import PointSpec, measure
 

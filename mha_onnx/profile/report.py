@@ -37,6 +37,7 @@ class ProfileConfig:
     memory_check: bool = True
     interleave: bool = False
     inputs: str | None = None
+    decode: bool = False  # seq_lens are cache lengths: one new token per step
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, int) or self.threads is None:
@@ -83,6 +84,8 @@ class Point:
     peak_rss_bytes: int | None = None
     run_rss_bytes: int | None = None
     device_bytes: int | None = None
+    cache_bytes: int | None = None  # decode: the KV cache one step reads
+    bandwidth_fraction: float | None = None  # decode: cache bytes / time over the bandwidth
     session_s: float = 0.0
     top_ops: tuple[OpTime, ...] = ()
     trace: str | None = None
@@ -106,6 +109,8 @@ class ProfileReport:
     seconds: float
     models: tuple[str, ...] = field(default_factory=tuple)
     interleaved: bool = False
+    bandwidth_gbps: dict[str, float] = field(default_factory=dict)  # decode: read GB/s
+    decode: bool = False
 
     def __bool__(self) -> bool:
         return all(p.error is None for p in self.points)
@@ -113,6 +118,7 @@ class ProfileReport:
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA_VERSION, "machine": self.machine,
                 "roofline_gflops": self.roofline_gflops, "interleaved": self.interleaved,
+                "decode": self.decode, "bandwidth_gbps": self.bandwidth_gbps,
                 "points": [p.to_dict() for p in self.points], "speedups": self.speedups(),
                 "best_threads": self.best_threads(), "seconds": round(self.seconds, 2)}
 
@@ -150,9 +156,18 @@ class ProfileReport:
                  + (", models interleaved in one process" if self.interleaved else "")]
         for key, value in self.roofline_gflops.items():
             lines.append(f"  matmul roofline ({key}): {value:.1f} GFLOP/s")
-        lines.append(table(["model", "ep", "batch", "seq", "threads", "p50 ms", "p90 ms", "p99 ms",
-                            "min ms", "tokens/s", "GFLOP/s", "roofline", "memory", "load s"],
-                           [_row(p) for p in self.points]))
+        for key, value in self.bandwidth_gbps.items():
+            lines.append(f"  memory bandwidth ({key}): {value:.1f} GB/s (reading)")
+        if self.decode:
+            lines.append("  decode: one new token per step after 'seq' cached positions; "
+                         "'roofline' = time to read the cache once at that bandwidth / p50")
+            head = ["model", "ep", "batch", "cache", "threads", "p50 ms", "p90 ms", "p99 ms",
+                    "min ms", "tokens/s", "cache MB", "roofline", "memory", "load s"]
+            lines.append(table(head, [_decode_row(p) for p in self.points]))
+        else:
+            lines.append(table(["model", "ep", "batch", "seq", "threads", "p50 ms", "p90 ms",
+                                "p99 ms", "min ms", "tokens/s", "GFLOP/s", "roofline", "memory",
+                                "load s"], [_row(p) for p in self.points]))
         for s in self.speedups():
             ratio = "" if s["memory_ratio"] is None else f", memory x{s['memory_ratio']:.2f}"
             lines.append(f"  {Path(s['model']).name} vs {Path(self.models[0]).name} ({s['provider']}, "
@@ -170,10 +185,21 @@ class ProfileReport:
 
 
 def _row(p: Point) -> tuple:
+    return _cells(p, "-" if p.gflops is None else f"{p.gflops:.1f}",
+                  "-" if p.roofline_fraction is None else f"{100 * p.roofline_fraction:.0f}%")
+
+
+def _decode_row(p: Point) -> tuple:
+    return _cells(p, "-" if p.cache_bytes is None else f"{p.cache_bytes / 1e6:.1f}",
+                  "-" if p.bandwidth_fraction is None else f"{100 * p.bandwidth_fraction:.0f}%")
+
+
+def _cells(p: Point, work: str, roofline: str) -> tuple:
+    """One table row: the point, its latencies, then ``work`` and ``roofline`` (GFLOP/s and
+    % of the matmul roofline, or cache MB and % of the bandwidth roofline)."""
     head = (Path(p.model).name, p.provider, p.batch, p.seq_len, p.threads)
     if p.error:
         return head + ("ERROR", p.error[:60]) + ("",) * 7
-    return head + (p.p50_ms, p.p90_ms, p.p99_ms, p.min_ms, f"{p.tokens_per_s:,.0f}",
-                   "-" if p.gflops is None else f"{p.gflops:.1f}",
-                   "-" if p.roofline_fraction is None else f"{100 * p.roofline_fraction:.0f}%",
-                   "-" if p.memory is None else human_bytes(p.memory), f"{p.session_s:.2f}")
+    memory = "-" if p.memory is None else human_bytes(p.memory)
+    return head + (p.p50_ms, p.p90_ms, p.p99_ms, p.min_ms, f"{p.tokens_per_s:,.0f}", work,
+                   roofline, memory, f"{p.session_s:.2f}")

@@ -77,3 +77,24 @@ def _timed(runner: Any, feeds: dict[str, np.ndarray]) -> float:
     start = time.perf_counter()
     runner.infer(feeds)
     return time.perf_counter() - start
+
+
+def memory_bandwidth(provider: str, threads: int | None) -> float:
+    """GB/s of reading a large tensor once on ``provider`` (ReduceSum over 256 MB; best of
+    several runs): the ceiling of a decode step, which reads its whole KV cache."""
+    from onnx import TensorProto, helper
+
+    from mha_onnx.runtimes import OrtRunner
+
+    n = 64 * 2**20  # floats
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)], "bandwidth",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    feeds = {"x": np.ones(n, np.float32)}
+    with OrtRunner(model.SerializeToString(), provider, threads=threads,
+                   io_binding=provider != "cpu") as runner:
+        runner.infer(feeds)
+        seconds = min(_timed(runner, feeds) for _ in range(5))
+    return 4 * n / seconds / 1e9

@@ -24,7 +24,7 @@ from mha_onnx.profile.worker import PointSpec, in_child
 
 def check_memory(paths: Sequence[str], config: ProfileConfig) -> None:
     """Refuse points whose estimated working set exceeds the memory available now."""
-    if not config.memory_check or "cpu" not in config.providers:
+    if not config.memory_check or "cpu" not in config.providers or config.decode:
         return
     for path in paths:
         model = read_model(path)
@@ -41,9 +41,12 @@ def resolved_threads(threads: int | None) -> int:
         return threads
     import os
 
-    import psutil
+    try:
+        import psutil
 
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except ImportError:
+        return os.cpu_count() or 1
 
 
 def _check_sessions(paths: Sequence[str], config: ProfileConfig) -> None:
@@ -84,12 +87,19 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
     started = time.perf_counter()
     paths = [str(check_readable(p)) for p in paths]
     for path in paths:
-        read_model(path, load_external_data=False)  # refuse non-models before any timing
+        model = read_model(path, load_external_data=False)  # refuse non-models before timing
+        if config.decode:
+            from mha_onnx.profile.worker import decode_feeds
+
+            decode_feeds(model, input_specs(model), 1, 1)  # refuses a model without a cache
     check_memory(paths, config)
     _check_sessions(paths, config)
     if config.trace_dir:
         Path(config.trace_dir).mkdir(parents=True, exist_ok=True)
     roofline = _rooflines(paths, config)
+    bandwidth = ({f"{p} float32": in_child({"bandwidth": True, "provider": p,
+                                             "threads": config.threads[-1]}).get("gbps", 0.0)
+                  for p in config.providers} if config.decode else {})
     groups = [tuple(paths)] if config.interleave else [(p,) for p in paths]
     jobs = [(group, provider, batch, seq, threads) for group in groups
             for provider in config.providers for batch in config.batches
@@ -104,17 +114,17 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
                          min_time=config.min_time, io_binding=config.io_binding and provider != "cpu",
                          pad_fraction=config.pad_fraction,
                          op_breakdown=config.op_breakdown and len(group) == 1,
-                         trace_dir=config.trace_dir, inputs=config.inputs)
+                         trace_dir=config.trace_dir, inputs=config.inputs, decode=config.decode)
         raw = in_child({"point": asdict(spec)})
-        points += [_point(model, spec, raw, config, roofline) for model in group]
+        points += [_point(model, spec, raw, config, roofline, bandwidth) for model in group]
     if on_point:
         on_point(len(jobs), len(jobs), "done")
     return ProfileReport(tuple(points), roofline, machine_info(), time.perf_counter() - started,
-                         tuple(paths), config.interleave)
+                         tuple(paths), config.interleave, bandwidth, config.decode)
 
 
 def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConfig,
-           roofline: dict[str, float]) -> Point:
+           roofline: dict[str, float], bandwidth: dict[str, float]) -> Point:
     where = dict(model=model, provider=spec.provider, batch=spec.batch, seq_len=spec.seq_len,
                  threads=resolved_threads(spec.threads))
     if "error" in raw:
@@ -124,6 +134,8 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
     p50 = float(np.percentile(ms, 50))
     cfg = config_of(read_model(model, load_external_data=False))
     gflop = gflops = fraction = None
+    if config.decode:
+        return _decode_point(where, ms, raw, mine, spec, bandwidth)
     if cfg is not None:
         kept = spec.seq_len - int(round(spec.seq_len * config.pad_fraction)) \
             if cfg.mask == "key-padding" else spec.seq_len
@@ -140,3 +152,20 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
         session_s=float(mine["session_s"]), top_ops=tuple(OpTime(**o) for o in raw.get("top_ops", [])),
         trace=raw.get("trace"),
     )
+
+
+def _decode_point(where: dict[str, Any], ms: np.ndarray, raw: dict[str, Any],
+                  mine: dict[str, Any], spec: PointSpec, bandwidth: dict[str, float]) -> Point:
+    """A decode step: tokens/s is one token per batch entry per step; the roofline is
+    reading the cache once at the measured bandwidth."""
+    p50 = float(np.percentile(ms, 50))
+    cache = raw.get("cache_bytes")
+    gbps = bandwidth.get(f"{spec.provider} float32")
+    fraction = (cache / 1e9 / gbps) / (p50 / 1e3) if cache and gbps else None
+    return Point(
+        **where, iters=len(ms), p50_ms=p50, p90_ms=float(np.percentile(ms, 90)),
+        p99_ms=float(np.percentile(ms, 99)), mean_ms=float(ms.mean()), min_ms=float(ms.min()),
+        tokens_per_s=spec.batch / (p50 / 1e3), peak_rss_bytes=raw.get("peak_rss"),
+        run_rss_bytes=raw.get("run_rss"), device_bytes=raw.get("device_bytes"),
+        cache_bytes=cache, bandwidth_fraction=fraction, session_s=float(mine["session_s"]),
+        top_ops=tuple(OpTime(**o) for o in raw.get("top_ops", [])), trace=raw.get("trace"))

@@ -45,15 +45,21 @@ class PointSpec:
     op_breakdown: bool = False
     trace_dir: str | None = None
     inputs: str | None = None  # an .npz of feeds instead of generated ones
+    decode: bool = False  # KV-cache model: one new token after ``seq_len`` cached positions
 
 
 
 # -- memory ---------------------------------------------------------------------------------------
 
 def rss() -> int:
-    import psutil
+    """Resident memory of this process now (psutil, or /proc/self/statm without it)."""
+    try:
+        import psutil
 
-    return psutil.Process().memory_info().rss
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def reset_peak_rss() -> bool:
@@ -117,12 +123,37 @@ def _feeds(spec: PointSpec, model: str) -> dict[str, np.ndarray]:
     from mha_onnx.graphio import read_model
     from mha_onnx.inputs import case_for, input_specs, load_inputs, make_inputs
 
-    specs = input_specs(read_model(model, load_external_data=False))
+    proto = read_model(model, load_external_data=False)
+    specs = input_specs(proto)
     if spec.inputs:
         return load_inputs(spec.inputs, specs)
+    if spec.decode:
+        return decode_feeds(proto, specs, spec.batch, spec.seq_len)
     padding = "tail" if spec.pad_fraction else "none"
     case = case_for(specs, "profile", spec.batch, [spec.seq_len], padding, spec.pad_fraction)
     return make_inputs(specs, case)
+
+
+def decode_feeds(proto, specs, batch: int, context: int) -> dict[str, np.ndarray]:
+    """One new token after ``context`` cached positions (every cache input's length dim)."""
+    from mha_onnx.inputs import ShapeCase, case_for, make_inputs
+    from mha_onnx.parity.decode import cache_pairs
+
+    past = {s.dims[2] for s in specs if s.name in cache_pairs(proto) and isinstance(s.dims[2], str)}
+    if not past:
+        from mha_onnx.errors import InputSpecError
+
+        raise InputSpecError("--decode needs a model with a KV cache (past_* inputs whose "
+                             "present_* outputs it returns)")
+    dims = {**case_for(specs, "decode", batch, [1]).dims, **dict.fromkeys(past, context)}
+    return make_inputs(specs, ShapeCase("decode", dims, "none"))
+
+
+def cache_bytes(feeds: dict[str, np.ndarray], proto) -> int:
+    """Bytes of cache one step reads: every past input."""
+    from mha_onnx.parity.decode import cache_pairs
+
+    return sum(feeds[name].nbytes for name in cache_pairs(proto))
 
 
 def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
@@ -175,6 +206,11 @@ def measure(spec: PointSpec) -> dict[str, Any]:
         runner.close()
     out: dict[str, Any] = {"models": {m: {"times": t, "session_s": sessions[m]}
                                       for m, t in zip(spec.models, times, strict=True)}}
+    if spec.decode:
+        from mha_onnx.graphio import read_model
+
+        proto = read_model(spec.models[0], load_external_data=False)
+        out["cache_bytes"] = cache_bytes(_feeds(spec, spec.models[0]), proto)
     if len(spec.models) == 1:
         out.update(peak_rss=peak, run_rss=max(0, peak - rss_before),
                    device_bytes=None if device0 is None or device is None else max(0, device - device0))

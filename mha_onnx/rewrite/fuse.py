@@ -34,6 +34,7 @@ from mha_onnx.rewrite.core import (
     parse_softmax_attention,
 )
 from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.lower_cache import route_presents
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower_ort import Forms, LowerMergedOutput, LowerSdpa
 from mha_onnx.rewrite.oracle import Oracle
@@ -178,6 +179,7 @@ def fuse_model(
     if target == "ort":
         RewriteRuleSet([LowerMergedOutput.rule(chosen, policy)]).apply_to_model(model)
         RewriteRuleSet([LowerSdpa.rule(chosen, policy)]).apply_to_model(model)
+        route_presents(model.graph)
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     else:
         RewriteRuleSet([LowerToOnnxAttention.rule(chosen)]).apply_to_model(model)
@@ -295,6 +297,15 @@ def verification_cases(original: onnx.ModelProto, results: list[BlockResult]) ->
     for n in sorted(thresholds):
         case = case_for(specs, f"past a form threshold ({n})", 2, [n + 1, n], "some")
         cases.append(replace(case, optional=True))
+    odd = cases[1]
+    if any("If(no past)" in r.form for r in results):  # the prompt of a KV-cache model
+        cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}
+        cases.append(ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)},
+                               "some"))
+    if any("If(one new token)" in r.form for r in results):  # its decode steps
+        new = {s.dims[1] for s in specs if len(s.dims) == 3 and isinstance(s.dims[1], str)}
+        cases.append(ShapeCase("one new token (decode)", {**odd.dims, **dict.fromkeys(new, 1)},
+                               "some"))
     return cases
 
 

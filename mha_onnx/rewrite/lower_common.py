@@ -41,12 +41,15 @@ class TapeOps:
         return build
 
 
-def branch(name: str, build: Callable[[TapeOps], ir.Value], dtype: ir.DataType) -> ir.Graph:
-    """A subgraph without inputs whose one output is ``build(ops)`` (typed, as ONNX needs)."""
+def branch(name: str, build: Callable[[TapeOps], Any], dtype: ir.DataType) -> ir.Graph:
+    """A subgraph without inputs whose outputs are ``build(ops)`` (one value or a tuple, all
+    of ``dtype``: typed, as ONNX needs)."""
     ops = TapeOps()
-    out = build(ops)
-    out.dtype = dtype
-    return ir.Graph([], [out], nodes=ops.tape.nodes, name=name)
+    result = build(ops)
+    outs = list(result) if isinstance(result, tuple) else [result]
+    for out in outs:
+        out.dtype = dtype
+    return ir.Graph([], outs, nodes=ops.tape.nodes, name=name)
 
 
 def _cheap(value: ir.Value) -> bool:

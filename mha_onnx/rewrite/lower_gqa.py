@@ -94,15 +94,17 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value) -> tuple[ir.Value, str]:
     return _right_padded(op, info, q3, k3, v3), f"If(right padding): {label} | MHA + attention_bias"
 
 
-def if_forms(op, info: SdpaInfo, cond: ir.Value, then, otherwise, tag: str) -> ir.Value:
-    """If(cond) then ``then(ops)`` else ``otherwise(ops)``, each built in its own branch."""
+def if_forms(op, info: SdpaInfo, cond: ir.Value, then, otherwise, tag: str, outputs: int = 1):
+    """If(cond) then ``then(ops)`` else ``otherwise(ops)``, each built in its own branch
+    (``outputs`` > 1: both return that many values, and so does the If)."""
     dtype = info.query.dtype
     then_graph = branch(f"{tag}_fast", then, dtype)
     else_graph = branch(f"{tag}_general", otherwise, dtype)
     for graph in (then_graph, else_graph):
         name_values(graph, f"{safe_name(info.block)}_{graph.name}")
-    out = op.If(cond, then_branch=then_graph, else_branch=else_graph)
-    out.dtype = dtype
+    out = op.If(cond, then_branch=then_graph, else_branch=else_graph, _outputs=outputs)
+    for value in out if outputs > 1 else [out]:
+        value.dtype = dtype
     return out
 
 

@@ -23,6 +23,7 @@ from onnxscript.rewriter._basics import MatchResult
 
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, same_dim
+from mha_onnx.rewrite.lower_cache import cached_ok, lower_cached
 from mha_onnx.rewrite.lower_common import (
     causal_bias,
     dense_mha,
@@ -106,6 +107,8 @@ def lower_ort(op, node: ir.Node, forms: Forms = Forms()) -> tuple[ir.Value, str]
     q3 = to_bsd(op, info.query, info.heads)
     if info.causal and forms.causal == "gqa" and gqa_ok(info):
         return lower_gqa(op, info, q3)
+    if forms.causal == "gqa" and cached_ok(info):
+        return lower_cached(op, info, q3)
     kind = info.mask_kind
     if kind == "none":
         k, v, _ = kv_operands(op, info)
@@ -181,10 +184,10 @@ def _padding_form(op, info: SdpaInfo, q3: ir.Value, form: str) -> ir.Value:
         full = op.Concat(op.Constant(value_ints=[1, 1]), seq_dim(op, q3, 1),
                          op.Constant(value_ints=[1]), axis=0)
         out = _mha(op, q3, k, v, info, op.Expand(bias, full))
-    return _fix_all_padded(op, info, out, v, k3d)
+    return fix_all_padded(op, info, out, v, k3d)
 
 
-def _fix_all_padded(op, info: SdpaInfo, out3: ir.Value, v: ir.Value, v_is_3d: bool) -> ir.Value:
+def fix_all_padded(op, info: SdpaInfo, out3: ir.Value, v: ir.Value, v_is_3d: bool) -> ir.Value:
     """Rows of batch entries whose keys are all padded, set to what the original computes."""
     special = fully_masked_value(op, info, v, 1 if v_is_3d else 2)
     if special is None:

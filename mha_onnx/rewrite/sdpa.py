@@ -173,10 +173,8 @@ def _sum_terms(op, core, terms: list) -> ir.Value:
                              op.Constant(value=ir.tensor(off)))
         total = piece if total is None else op.Add(total, piece)
     assert total is not None
-    shape = dims(total) or dims(terms[0].value)
-    r = len(shape) if shape is not None else core.rank
-    if any(t.lift for t in terms):
-        r = 4  # lifted pieces are 4-D; the sum broadcasts to that
+    # the sum broadcasts to the largest rank among the terms (lifted pieces are 4-D)
+    r = max(4 if t.lift else len(dims(t.value) or [None] * core.rank) for t in terms)
     if core.rank == 3 and not core.split_heads:
         if r < 3:
             total = op.Unsqueeze(total, op.Constant(value_ints=list(range(3 - r))))

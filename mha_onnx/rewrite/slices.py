@@ -9,11 +9,10 @@ Symbolic dims get one value per symbol per assignment; a dim written as a sum of
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import onnx_ir as ir
 
+from mha_onnx.inputs import resolve_dim
 from mha_onnx.rewrite.irutil import Dim, const_array, dims
 
 ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
@@ -43,27 +42,9 @@ def assignments(symbols: list[str], lengths: list[int]) -> list[dict[str, int]]:
     return out
 
 
-_EXPR = re.compile(r"^[\w.]+(\s*[-+]\s*[\w.]+)*$")
-
-
 def resolve(dim: Dim, assignment: dict[str, int]) -> int | None:
     """A dim's value: an int, a symbol, or a sum/difference of symbols and ints."""
-    if isinstance(dim, int):
-        return dim
-    if not isinstance(dim, str) or not _EXPR.match(dim.strip()):
-        return None
-    total, sign = 0, 1
-    for token in re.findall(r"[-+]|[\w.]+", dim):
-        if token in "+-":
-            sign = 1 if token == "+" else -1
-            continue
-        if token.isdigit():
-            total += sign * int(token)
-        elif token in assignment:
-            total += sign * assignment[token]
-        else:
-            return None
-    return total
+    return resolve_dim(dim, assignment)
 
 
 class SliceRunner:

@@ -1,0 +1,84 @@
+"""Decoding with a KV cache as production runs it: a prompt (no past), then single-token
+steps, each runtime feeding its own ``present`` outputs back as the next ``past`` inputs;
+every step of every runtime compared with every reference's own chain."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from mha_onnx.inputs import InputSpec, ShapeCase, case_for, make_inputs
+
+PROMPT = 7
+
+
+def cache_pairs(model: onnx.ModelProto) -> dict[str, str]:
+    """past input -> present output (our ``past_key``/``present_key`` and Optimum's
+    ``past_key_values.0.key``/``present.0.key``)."""
+    outputs = {o.name for o in model.graph.output}
+    pairs = {}
+    for value in model.graph.input:
+        name = value.name
+        for candidate in (name.replace("past_key_values", "present"), name.replace("past", "present")):
+            if "past" in name and candidate in outputs:
+                pairs[name] = candidate
+                break
+    return pairs
+
+
+def _step_feeds(specs: Sequence[InputSpec], pairs: Mapping[str, str], previous: Mapping | None,
+                batch: int, rng: np.random.Generator, step: int) -> dict[str, np.ndarray]:
+    """Inputs of one step: fresh data inputs of one token (the prompt: PROMPT tokens), the
+    previous presents as pasts, masks extended by a kept key."""
+    past_len = 0 if previous is None else next(iter(previous[o] for o in pairs.values())).shape[2]
+    new = PROMPT if previous is None else 1
+    case = case_for(specs, "step", batch, [new], "none")
+    dims = dict(case.dims)
+    for spec in specs:
+        if spec.name in pairs and isinstance(spec.dims[2], str):
+            dims[spec.dims[2]] = past_len
+    feeds = make_inputs(specs, ShapeCase("step", dims, "none"), seed=int(rng.integers(1 << 30)))
+    for past, present in pairs.items():
+        if previous is not None:
+            feeds[past] = previous[present]
+    return _left_padded(specs, feeds, batch, step)
+
+
+def _left_padded(specs: Sequence[InputSpec], feeds: dict[str, np.ndarray], batch: int,
+                 step: int) -> dict[str, np.ndarray]:
+    """Mask inputs over all keys: row b has its first b keys padded (left padding, as
+    batched generation pads shorter prompts), every later key kept."""
+    for spec in specs:
+        if spec.role == "mask" and feeds[spec.name].ndim == 2:
+            total = feeds[spec.name].shape[1]
+            padded = np.zeros((batch, total), dtype=bool)
+            for b in range(batch):
+                padded[b, :min(b, PROMPT - 1)] = True
+            feeds[spec.name] = padded if spec.dtype == np.bool_ else (~padded).astype(spec.dtype)
+    return feeds
+
+
+def decode_chains(runtimes: Mapping[str, object], specs: Sequence[InputSpec],
+                  pairs: Mapping[str, str], steps: int, batch: int = 2, seed: int = 0
+                  ) -> list[tuple[str, dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]]:
+    """Run every runtime's own chain: [(step label, {runtime: outputs}, feeds of the first
+    runtime)] for the prompt and ``steps`` single-token steps. The new-token inputs are the
+    same for all; the pasts are each runtime's own presents."""
+    rng = np.random.default_rng(seed)
+    previous: dict[str, Mapping | None] = dict.fromkeys(runtimes)
+    out = []
+    for step in range(steps + 1):
+        fresh = _step_feeds(specs, pairs, None if step == 0 else next(iter(previous.values())),
+                            batch, rng, step)
+        results = {}
+        for key, runtime in runtimes.items():
+            feeds = dict(fresh)
+            if previous[key] is not None:
+                feeds.update({past: previous[key][present] for past, present in pairs.items()})
+            results[key] = runtime.infer(feeds)
+            previous[key] = results[key]
+        label = "prompt" if step == 0 else f"step {step}"
+        out.append((label, results, fresh))
+    return out

@@ -1,0 +1,187 @@
+"""Causal attention aligned to the end of the keys: a layer with a KV cache, whose keys are
+the past ones with the new ones appended.
+
+At run time an ``If`` picks the form:
+
+- one new token (a decode step): it sees every key, so the mask is gone. When the keys are
+  ``Concat(past_key, new_key)`` and that Concat is also the model's ``present`` output, the
+  step is ONNX Runtime's attention with past: ``MultiHeadAttention`` (or, for grouped K/V,
+  ``GroupQueryAttention``) takes ``past_key``/``past_value`` and returns the presents itself,
+  so the graph's Concat moves into the other branch and a step no longer copies the cache
+  once for the Concat and reads it again for the attention (``tools/kv_forms.py`` measures
+  the forms). Otherwise one unmasked MultiHeadAttention over the concatenated cache;
+- no past (the prompt, S == T): plain causal self-attention, onto GroupQueryAttention as any
+  other (with key padding behind its right-padding check);
+- new tokens after a past (chunked prefill): MultiHeadAttention with the original mask.
+
+``route_presents`` (run after the rules) points the model's present outputs at the If's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.lower_common import TapeOps, dense_mha, int_const, scalar_shape
+from mha_onnx.rewrite.lower_gqa import gqa_ok, if_forms, lower_gqa
+from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
+
+PRESENTS = "mha_onnx.presents"  # node.meta key: the If's present outputs replace these values
+
+
+def cached_ok(info: SdpaInfo) -> bool:
+    return info.causal and info.alignment == "bottom-right" and not info.window \
+        and info.bias is None and not info.softcap
+
+
+@dataclasses.dataclass(frozen=True)
+class Appended:
+    """x = Concat(past, new) along the sequence axis of [B, G, T, D]."""
+
+    concat: ir.Value
+    past: ir.Value
+    new: ir.Value
+
+
+def appended(x: ir.Value) -> Appended | None:
+    node = x.producer()
+    if node is None or node.op_type != "Concat" or node.domain not in ("", "ai.onnx") \
+            or len(node.inputs) != 2 or any(v is None for v in node.inputs):
+        return None
+    axis = node.attributes["axis"].as_int()
+    if x.shape is None or len(x.shape) != 4 or axis not in (2, -2):
+        return None
+    past, new = node.inputs
+    return Appended(x, past, new)
+
+
+def _cache(info: SdpaInfo) -> tuple[Appended, Appended] | None:
+    """The key and value caches, when both are appended Concats that are model outputs (the
+    presents) and a kernel with past can take them (grouped K/V: no key padding)."""
+    k, v = appended(info.key), appended(info.value)
+    if k is None or v is None or not (k.concat.is_graph_output() and v.concat.is_graph_output()):
+        return None
+    if info.kv_heads != info.heads and info.padded is not None:
+        return None
+    return k, v
+
+
+def _decode(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
+    """One query over the whole (concatenated) cache: nothing of the causal mask applies."""
+    rep = info.heads // info.kv_heads
+    k, v = repeat_heads(ops, info.key, rep), repeat_heads(ops, info.value, rep)
+    return _mha(ops, info, q3, k, v)[0]
+
+
+def _mha(ops: TapeOps, info: SdpaInfo, q3, k, v, past_k=None, past_v=None) -> list[ir.Value]:
+    """MultiHeadAttention without a mask but key padding; with past: (out, presents)."""
+    from mha_onnx.rewrite.lower_ort import fix_all_padded
+
+    keep = None if info.padded is None else ops.Cast(ops.Not(info.padded), to=ir.DataType.INT32)
+    inputs = [q3, k, v, None, keep, None, past_k, past_v]
+    while inputs[-1] is None:
+        inputs.pop()
+    outs = ops.MultiHeadAttention(*inputs, num_heads=info.heads, scale=info.scale,
+                                  _domain=MS_DOMAIN, _outputs=3 if past_k is not None else 1)
+    outs = list(outs) if past_k is not None else [outs]
+    if info.padded is not None:
+        outs[0] = fix_all_padded(ops, info, outs[0], outs[2] if past_v is not None else v, False)
+    return outs
+
+
+def _decode_with_past(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Appended):
+    """The step on the kernel's own past/present: (out, present_key, present_value)."""
+    k3, v3 = to_bsd(ops, key.new, info.kv_heads), to_bsd(ops, value.new, info.kv_heads)
+    if info.kv_heads == info.heads:
+        return tuple(_mha(ops, info, q3, k3, v3, key.past, value.past))
+    past = ops.Cast(ops.Reshape(seq_dim(ops, key.past, 2), scalar_shape(ops)),
+                    to=ir.DataType.INT32)
+    total = ops.Add(past, ops.Cast(ops.Reshape(seq_dim(ops, k3, 1), scalar_shape(ops)),
+                                   to=ir.DataType.INT32))
+    seqlens = ops.Expand(ops.Sub(total, int_const(ops, 1, np.int32)), seq_dim(ops, q3, 0))
+    outs = ops.GroupQueryAttention(q3, k3, v3, key.past, value.past, seqlens, total,
+                                   num_heads=info.heads, kv_num_heads=info.kv_heads,
+                                   scale=info.scale, _domain=MS_DOMAIN, _outputs=3)
+    return tuple(outs)
+
+
+def _prefill(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
+    """S > 1: without past the causal mask is square (GQA); with past, the original mask."""
+    square = dataclasses.replace(info, alignment="square")
+    if not gqa_ok(square):
+        return dense_mha(ops, info, q3, lazy=True)
+    seq_q, seq_kv = seq_dim(ops, q3, 1), seq_dim(ops, info.key, 2)
+    no_past = ops.Reshape(ops.Equal(seq_q, seq_kv), scalar_shape(ops))
+    return if_forms(ops, info, no_past, lambda o: lower_gqa(o, square, q3)[0],
+                    lambda o: dense_mha(o, info, q3, lazy=True), "prompt")
+
+
+def _prefill_appending(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Appended):
+    """The other branch when the presents come out of the If: the Concats are made here."""
+    k = ops.Concat(key.past, key.new, axis=2)
+    v = ops.Concat(value.past, value.new, axis=2)
+    for made, old in ((k, key.concat), (v, value.concat)):
+        made.shape, made.dtype = old.shape, old.dtype
+    return _prefill(ops, dataclasses.replace(info, key=k, value=v), q3), k, v
+
+
+def lower_cached(op, info: SdpaInfo, q3: ir.Value) -> tuple[ir.Value, str]:
+    one = op.Constant(value=ir.tensor(np.array([1], np.int64)))
+    decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), one), scalar_shape(op))
+    rest = "If(no past): GroupQueryAttention (causal) | MHA + attention_bias"
+    cache = _cache(info)
+    if cache is not None:
+        outs = if_forms(op, info, decoding, lambda o: _decode_with_past(o, info, q3, *cache),
+                        lambda o: _prefill_appending(o, info, q3, *cache), "decode", outputs=3)
+        outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
+        kernel = "MultiHeadAttention" if info.kv_heads == info.heads else "GroupQueryAttention"
+        return outs[0], f"If(one new token): {kernel} with past (presents from it) | {rest}"
+    out = if_forms(op, info, decoding, lambda o: _decode(o, info, q3),
+                   lambda o: _prefill(o, info, q3), "decode")
+    head = "MHA key_padding_mask" if info.padded is not None else "MultiHeadAttention"
+    return out, f"If(one new token): {head} over the cache | {rest}"
+
+
+def route_presents(graph: ir.Graph) -> int:
+    """The model's present outputs taken from the Ifs that compute them (the old Concats are
+    then unused, but for their shapes, which are rebuilt from the Concat's inputs); returns
+    how many Ifs were routed."""
+    routed = 0
+    for node in list(graph):
+        olds = node.meta.pop(PRESENTS, None)
+        if olds is None:
+            continue
+        for old, new in zip(olds, node.outputs[1:3], strict=True):
+            _shapes_from_parts(graph, old)
+            new.shape, new.dtype = old.shape, old.dtype
+            for index, output in enumerate(graph.outputs):
+                if output is old:
+                    name, old.name = old.name, f"{old.name}_appended"
+                    new.name = name
+                    graph.outputs[index] = new
+        routed += 1
+    return routed
+
+
+def _shapes_from_parts(graph: ir.Graph, concat: ir.Value) -> None:
+    """Shape(Concat(past, new)) -> Shape(past) + Shape(new) on the sequence axis, so that a
+    mask built from the keys' shape does not keep the Concat alive."""
+    producer = concat.producer()
+    assert producer is not None
+    past, new = producer.inputs
+    for user, _ in list(concat.uses()):
+        if user.op_type != "Shape" or user.graph is not graph:
+            continue
+        tape = ir.tape.Tape()
+        onehot = tape.op("Constant", [], {"value": ir.tensor(np.array([0, 0, 1, 0], np.int64))})
+        whole = tape.op("Add", [tape.op("Shape", [past]),
+                                tape.op("Mul", [tape.op("Shape", [new]), onehot])])
+        start, end = user.attributes.get("start"), user.attributes.get("end")
+        starts = tape.op("Constant", [], {"value_ints": [start.as_int() if start else 0]})
+        ends = tape.op("Constant", [], {"value_ints": [end.as_int() if end else 4]})
+        sliced = tape.op("Slice", [whole, starts, ends])
+        graph.insert_before(user, tape.nodes)
+        ir.convenience.replace_all_uses_with(user.outputs[0], sliced)
