@@ -1,11 +1,15 @@
-"""Measure every fused form ORT offers for each attention variant, to choose the default.
+"""Measure every fused form ORT offers for each attention variant, to choose the defaults
+(and the lengths at which an automatic form switches).
 
-    .venv/bin/python -m tools.fusion_forms [--seq-lens 512,2048,8192] [--out docs/fusion-forms.md]
+    .venv/bin/python -m tools.fusion_forms [--batches 1] [--seq-lens 512,2048,8192]
+        [--variants self-none,cross-none,self-key-padding,cross-key-padding,self-causal]
+        [--interleave] [--threads 2] [--provider cpu] [--out FILE.md]
 
-For self/cross attention with no mask, key padding (25 % of keys padded) and causal masks it
-exports the base preset, fuses it with each form (plus the unfused export and the ONNX
-Attention op), and profiles all of them side by side: median latency and peak working
-memory (RSS growth of a child process while running) per sequence length, batch 1.
+For each variant it exports the base preset, fuses it with each form (plus the unfused export
+and the ONNX Attention op), and profiles them side by side per batch x length: p50 latency
+and, without --interleave, peak working memory (RSS growth of a child process while running;
+device memory on CUDA). --interleave times all forms of a point in turn in one process (fair
+ratios on a shared machine; no memory). Key padding pads the last 25 % of keys.
 """
 
 from __future__ import annotations
@@ -27,67 +31,88 @@ from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.lower_ort import Forms
 from mha_onnx.table import human_bytes
 
-VARIANTS = [
-    ("self", "none", [("MultiHeadAttention", Forms())]),
-    ("cross", "none", [("MultiHeadAttention", Forms())]),
-    ("self", "key-padding", [("Loop(Compress) + MHA", Forms(key_padding="loop")),
-                             ("MHA key_padding_mask", Forms(key_padding="mask")),
-                             ("MHA dense bias", Forms(key_padding="bias"))]),
-    ("cross", "key-padding", [("Loop(Compress) + MHA", Forms(key_padding="loop")),
-                              ("MHA key_padding_mask", Forms(key_padding="mask"))]),
-    ("self", "causal", [("GroupQueryAttention", Forms(causal="gqa")),
-                        ("MHA unidirectional", Forms(causal="unidirectional")),
-                        ("MHA causal bias", Forms(causal="bias"))]),
-]
+VARIANTS = {
+    "self-none": [("MultiHeadAttention", Forms())],
+    "cross-none": [("MultiHeadAttention", Forms())],
+    "self-key-padding": [("auto (default)", Forms()),
+                         ("GQA bidirectional (right padding) | Loop", Forms(key_padding="gqa")),
+                         ("Loop(Compress) + MHA", Forms(key_padding="loop")),
+                         ("MHA key_padding_mask", Forms(key_padding="mask")),
+                         ("MHA dense bias", Forms(key_padding="bias"))],
+    "cross-key-padding": [("auto (default)", Forms()),
+                          ("Loop(Compress) + MHA", Forms(key_padding="loop")),
+                          ("MHA key_padding_mask", Forms(key_padding="mask")),
+                          ("MHA dense bias", Forms(key_padding="bias"))],
+    "self-causal": [("GroupQueryAttention", Forms(causal="gqa")),
+                    ("MHA unidirectional", Forms(causal="unidirectional")),
+                    ("MHA causal bias", Forms(causal="bias"))],
+}
+
+
+def _models(variant: str, folder: Path) -> dict[str, str]:
+    attention, mask = variant.split("-", 1)
+    cfg = load_preset("base").replace(attention=attention, mask=mask)
+    base = folder / f"{variant}.onnx"
+    export_model(cfg, base, force=True)
+    original = onnx.load(base)
+    models = {"unfused export": str(base)}
+    for n, (label, policy) in enumerate(VARIANTS[variant]):
+        path = folder / f"{variant}-{n}.onnx"
+        write_model(fuse_model(original, forms=policy)[0], path, force=True)
+        models[label] = str(path)
+    path = folder / f"{variant}-onnx.onnx"
+    write_model(fuse_model(original, target="onnx")[0], path, force=True)
+    models["ONNX Attention (opset 23)"] = str(path)
+    return models
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", default="512,2048,8192")
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    parser.add_argument("--batches", type=ints, default=(1,))
+    parser.add_argument("--seq-lens", type=ints, default=(512, 2048, 8192))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--min-time", type=float, default=None)
+    parser.add_argument("--interleave", action="store_true")
     parser.add_argument("--provider", default="cpu")
     parser.add_argument("--out", default=None, help="write a markdown table here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    seq_lens = tuple(int(x) for x in args.seq_lens.split(","))
     lines = []
     with tempfile.TemporaryDirectory(prefix="mha_forms_") as folder:
-        for attention, mask, forms in VARIANTS:
-            cfg = load_preset("base").replace(attention=attention, mask=mask)
-            base = Path(folder) / f"{attention}-{mask}.onnx"
-            export_model(cfg, base)
-            models = {"unfused export": str(base)}
-            original = onnx.load(base)
-            for label, policy in forms:
-                fused, _, _ = fuse_model(original, forms=policy)
-                path = Path(folder) / f"{attention}-{mask}-{policy.key_padding}-{policy.causal}.onnx"
-                write_model(fused, path, force=True)
-                models[label] = str(path)
-            fused, _, _ = fuse_model(original, target="onnx")
-            path = Path(folder) / f"{attention}-{mask}-onnx.onnx"
-            write_model(fused, path, force=True)
-            models["ONNX Attention (opset 23)"] = str(path)
-            config = ProfileConfig(providers=(args.provider,), seq_lens=seq_lens, iters=args.iters,
-                                   warmup=1, threads=args.threads, op_breakdown=False,
-                                   pad_fraction=0.25 if mask == "key-padding" else 0.0,
-                                   memory_check=False)
+        for variant in args.variants.split(","):
+            models = _models(variant, Path(folder))
+            config = ProfileConfig(providers=(args.provider,), batches=args.batches,
+                                   seq_lens=args.seq_lens, iters=args.iters,
+                                   min_time=args.min_time, warmup=1, threads=args.threads,
+                                   op_breakdown=False, memory_check=False,
+                                   interleave=args.interleave,
+                                   pad_fraction=0.25 if "key-padding" in variant else 0.0)
             report = profile_models(list(models.values()), config)
             by_path = {v: k for k, v in models.items()}
+            base = {(p.batch, p.seq_len): p.p50_ms for p in report.points
+                    if by_path[p.model] == "unfused export" and not p.error}
             for p in report.points:
-                memory = p.device_bytes if p.device_bytes is not None else p.run_rss_bytes
-                cells = ("error: " + p.error) if p.error else f"{p.p50_ms:.1f} | {human_bytes(memory)}"
-                lines.append(f"| {attention} | {mask} | {by_path[p.model]} | {p.seq_len} | {cells} |")
+                ratio = p.p50_ms / base[(p.batch, p.seq_len)] if (p.batch, p.seq_len) in base \
+                    and not p.error else None
+                memory = "-" if p.memory is None else human_bytes(p.memory)
+                cells = (f"error: {p.error}" if p.error else
+                         f"{p.p50_ms:.2f} | {'-' if ratio is None else f'{ratio:.2f}'} | {memory}")
+                lines.append(f"| {variant} | {by_path[p.model]} | {p.batch} | {p.seq_len} | {cells} |")
                 print(lines[-1], flush=True)
+    timing = ("all forms of a point timed in turn in one process" if args.interleave
+              else "each point in a child process of its own")
     header = [
         f"Measured {datetime.date.today()} on {args.provider} with "
         f"`.venv/bin/python -m tools.fusion_forms {' '.join(argv or sys.argv[1:])}` "
-        f"(base preset, batch 1, fp32, {args.threads} threads, median of {args.iters} runs; memory: "
-        "peak RSS growth of the child process while running, device memory on CUDA; key padding "
-        "pads the last 25 % of keys).",
+        f"(base preset, fp32, {args.threads} threads, median of >= {args.iters} runs, {timing}; "
+        "memory: peak RSS growth of the child process while running, device memory on CUDA; "
+        "key padding pads the last 25 % of keys; ratio: p50 over the unfused export's).",
         "",
-        "| attention | mask | form | L | p50 ms | memory |",
-        "|---|---|---|---|---|---|",
+        "| variant | form | batch | L | p50 ms | / unfused | memory |",
+        "|---|---|---|---|---|---|---|",
     ]
     if args.out:
         Path(args.out).write_text("\n".join(header + lines) + "\n")
