@@ -21,7 +21,11 @@ run: $(VENV)/.installed
 	$(CLI) fuse $(OUT)/$(PRESET).onnx -o $(OUT)/$(PRESET).fused.onnx --force
 	$(CLI) validate $(OUT)/$(PRESET).fused.onnx --reference $(OUT)/$(PRESET).onnx
 	$(CLI) profile $(OUT)/$(PRESET).onnx $(OUT)/$(PRESET).fused.onnx --seq-lens 128,512,2048 \
-		--pad-fraction 0.25 --csv $(OUT)/profile.csv --plot $(OUT)/profile.png
+		--pad-fraction 0.25 --csv $(OUT)/profile.csv --plot $(OUT)/profile.png --force \
+		--json > $(OUT)/profile.json
+	$(CLI) report $(OUT)/profile.json -o $(OUT)/report.md --force
+	$(CLI) package $(OUT)/$(PRESET).fused.onnx -o $(OUT)/repo --name $(PRESET) \
+		--from-profile $(OUT)/profile.json --force
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools

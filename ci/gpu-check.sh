@@ -60,19 +60,32 @@ step() {  # step NAME CMD...: run, log, remember failures
 
 CLI="$PY -m mha_onnx.cli"
 M="$RESULTS/models"
-step gpu-tests $PY -m pytest -q -m gpu tests -p no:cacheprovider
+step gpu-tests $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider
 step matrix $PY -m tools.gpu_matrix "$RESULTS" --providers cpu,cuda
 step profile-base $CLI profile "$M/base-float32-none.onnx" "$M/base-float32-none.fused.onnx" \
   "$M/base-float32-causal.fused.onnx" "$M/base-float32-key-padding.fused.onnx" \
-  --providers cuda --seq-lens 512,2048,8192 --io-binding --iters 20 --pad-fraction 0.25 \
-  --json --plot "$RESULTS/profile-cuda.png"
+  --providers cuda --seq-lens 512,2048,8192,32768 --io-binding --iters 20 --pad-fraction 0.25 \
+  --no-memory-check --json
+# which attention kernel ORT's CUDA EP runs for each fused form (printed by ORT to stderr)
+step kernels env ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 $PY - "$M" <<'PY'
+import sys, glob
+import numpy as np
+from mha_onnx.graphio import read_model
+from mha_onnx.inputs import case_for, input_specs, make_inputs
+from mha_onnx.runtimes import OrtRunner
+for path in sorted(glob.glob(sys.argv[1] + "/base-float16-*.fused.onnx")):
+    specs = input_specs(read_model(path))
+    feeds = make_inputs(specs, case_for(specs, "k", 2, [512]))
+    print("== kernels of", path, flush=True)
+    OrtRunner(path, "cuda", io_binding=True, strict=False).infer(feeds)
+PY
 step forms-cuda $PY -m tools.fusion_forms --provider cuda --seq-lens 1024,8192 --iters 10 \
   --out "$RESULTS/fusion-forms-cuda.md"
 
 echo "== summary"
 cat "$RESULTS/matrix.md" 2>/dev/null || echo "no matrix (see matrix.log)"
 if [ -n "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ]; then  # at most a few small files travel back
-  for f in matrix.md matrix.json fusion-forms-cuda.md profile-cuda.png profile-base.log gpu-tests.log; do
+  for f in matrix.md matrix.json fusion-forms-cuda.md profile-base.log gpu-tests.log kernels.log; do
     [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"
   done
 fi
