@@ -48,8 +48,9 @@ class MergedReport:
         head = ["model", "batch", "L"] + [t.label for t in self.targets]
         lines = [f"Profiles merged {datetime.date.today()} by `mha-onnx report` from "
                  + ", ".join(f"`{Path(s).name}`" for s in self.sources) + ".",
-                 "", "Cells: p50 ms / tokens per s / % of that machine's matmul roofline / "
-                 "memory (threads).", "",
+                 "", "Cells: p50 ms / tokens per s / % of that machine's matmul roofline "
+                 "(decode points, whose L is the cached context: % of its memory bandwidth, "
+                 "`bw`) / memory (threads).", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in self.rows:
             cells = [row["model"], str(row["batch"]), str(row["seq_len"])]
@@ -66,11 +67,14 @@ def _cell(point: dict[str, Any] | None) -> str:
         return "-"
     if point.get("error"):
         return "error"
-    roof = point.get("roofline_fraction")
+    roof, bandwidth = point.get("roofline_fraction"), point.get("bandwidth_fraction")
+    fraction = "-" if roof is None else f"{100 * roof:.0f} %"
+    if roof is None and bandwidth is not None:  # a decode step: the cache read is the ceiling
+        fraction = f"{100 * bandwidth:.0f} % bw"
     memory = point.get("device_bytes") if point.get("device_bytes") is not None else \
         point.get("run_rss_bytes")
     return (f"{point['p50_ms']:.2f} ms / {point['tokens_per_s']:,.0f} / "
-            f"{'-' if roof is None else f'{100 * roof:.0f} %'} / "
+            f"{fraction} / "
             f"{'-' if memory is None else human_bytes(memory)} ({point.get('threads', '?')})")
 
 

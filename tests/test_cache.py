@@ -5,6 +5,7 @@ profiling against the memory bandwidth."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -92,6 +93,19 @@ def test_decode_profile_reports_the_bandwidth_roofline(export_cache):
     assert second["cache_bytes"] == 4 * second["cache_bytes"] // 4 == 2 * 1 * 4 * 64 * 8 * 4
     assert all(0 < p["bandwidth_fraction"] for p in data["points"])
     assert first["tokens_per_s"] > 0
+
+
+def test_report_shows_a_decode_step_against_the_bandwidth(export_cache, tmp_path):
+    profile = tmp_path / "decode.json"
+    result = cli("profile", export_cache(CFG), "--decode", "--context", "16", "--iters", "2",
+                 "--no-ops", "--json")
+    assert result.exit_code == 0, result.output
+    profile.write_text(result.output[result.output.index("{"):])
+    result = cli("report", str(profile), "-o", str(tmp_path / "r.md"))
+    assert result.exit_code == 0, result.output
+    row = next(line for line in (tmp_path / "r.md").read_text().splitlines()
+               if line.startswith("| ") and " ms / " in line)
+    assert re.search(r" ms / [\d,]+ / \d+ % bw / ", row), row
 
 
 def test_decode_profile_needs_a_cache(export_cache):

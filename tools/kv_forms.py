@@ -10,10 +10,15 @@ its presents returned as the model's outputs (the KV-cache interface), three way
 - MHA with past: MultiHeadAttention takes past_key/past_value and returns the presents
   (needs as many K/V heads as query heads);
 - GQA with past: GroupQueryAttention likewise (seqlens_k, total_sequence_length computed in
-  the graph), with ``kv_num_heads``.
+  the graph), with ``kv_num_heads``;
+- GQA shared buffer: GroupQueryAttention on a max-length cache buffer (``--max-length``)
+  bound with IO binding as both past and present, so a step writes one position in place
+  (ORT's past/present buffer sharing; seqlens_k and total_sequence_length are inputs). This
+  changes the model's interface: the caller owns the buffer and the lengths.
 
-All outputs are checked against the first form's. Sessions timed in turn (2 threads, idle
-pools sleeping), medians of ``--repeats`` rounds.
+All outputs (and the presents: the shared buffer's first context + 1 positions) are checked
+against the first form's. Sessions timed in turn (2 threads, idle pools sleeping), medians
+of ``--repeats`` rounds.
 """
 from __future__ import annotations
 
@@ -51,6 +56,12 @@ def _graph(form: str, batch: int, kv_heads: int):
     elif form == "MHA with past":
         nodes = [make("MultiHeadAttention", ["q", "k", "v", "", "", "", "past_key", "past_value"],
                       ["out", "present_key", "present_value"], domain=MS, num_heads=HEADS)]
+    elif form == "GQA shared buffer":
+        inputs += [helper.make_tensor_value_info("seqlens", TP.INT32, [batch]),
+                   helper.make_tensor_value_info("total", TP.INT32, [])]
+        nodes = [make("GroupQueryAttention", ["q", "k", "v", "past_key", "past_value", "seqlens",
+                                              "total"], ["out", "present_key", "present_value"],
+                      domain=MS, num_heads=HEADS, kv_num_heads=kv_heads)]
     else:
         one = helper.make_tensor("one", TP.INT32, [1], [1])
         nodes = [make("Shape", ["past_key"], ["p64"], start=2, end=3),
@@ -78,25 +89,68 @@ def _session(form: str, batch: int, kv_heads: int, threads: int) -> ort.Inferenc
                                 providers=["CPUExecutionProvider"])
 
 
-def measure(context: int, batch: int, kv_heads: int, threads: int, repeats: int) -> dict:
+class _Shared:
+    """One step on a max-length cache buffer that is both past and present (IO binding)."""
+
+    def __init__(self, session, feeds: dict, context: int, max_length: int):
+        self.session, self.binding = session, session.io_binding()
+        batch, kv_heads = feeds["past_key"].shape[:2]
+        self.buffers = {}
+        self.binding.bind_output("out")  # first: copy_outputs_to_cpu()[0]
+        for name in ("key", "value"):
+            array = np.zeros((batch, kv_heads, max_length, DK), np.float32)
+            array[:, :, :context] = feeds[f"past_{name}"]
+            self.buffers[name] = ort.OrtValue.ortvalue_from_numpy(array)
+            self.binding.bind_ortvalue_input(f"past_{name}", self.buffers[name])
+            self.binding.bind_ortvalue_output(f"present_{name}", self.buffers[name])
+        for name in ("q", "k", "v"):
+            self.binding.bind_cpu_input(name, feeds[name])
+        self.binding.bind_cpu_input("seqlens", np.full(batch, context, np.int32))
+        self.binding.bind_cpu_input("total", np.array(context + 1, np.int32))
+        self.context = context
+
+    def run(self) -> list[np.ndarray]:
+        """A timed step: the output comes back; the cache stays where it is."""
+        self.session.run_with_iobinding(self.binding)
+        return [self.binding.get_outputs()[0].numpy()]
+
+    def checked(self) -> list[np.ndarray]:
+        """A step's output and the buffers' first context + 1 positions (the presents)."""
+        end = self.context + 1
+        return self.run() + [self.buffers[n].numpy()[:, :, :end] for n in ("key", "value")]
+
+
+def measure(context: int, batch: int, kv_heads: int, threads: int, repeats: int,
+            max_length: int = 0) -> dict:
     forms = ["GQA with past"] + (["concat + MHA", "MHA with past"] if kv_heads == HEADS else [])
     forms.sort(key=lambda f: f != "concat + MHA")
+    if max_length > context:
+        forms.append("GQA shared buffer")
     rng = np.random.default_rng(0)
     feeds = {"q": rng.standard_normal((batch, 1, HEADS * DK), np.float32)}
     for name in ("k", "v"):
         feeds[name] = rng.standard_normal((batch, 1, kv_heads * DK), np.float32)
     for name in ("past_key", "past_value"):
         feeds[name] = rng.standard_normal((batch, kv_heads, context, DK), np.float32)
-    sessions = {f: _session(f, batch, kv_heads, threads) for f in forms}
-    want = sessions[forms[0]].run(None, feeds)
-    for form, session in sessions.items():
-        worst = max(float(np.abs(a - b).max()) for a, b in zip(session.run(None, feeds), want, strict=True))
+    steps, checks = {}, {}
+    for form in forms:
+        session = _session(form, batch, kv_heads, threads)
+        if form == "GQA shared buffer":
+            shared = _Shared(session, feeds, context, max_length)
+            steps[form], checks[form] = shared.run, shared.checked
+        else:
+            steps[form] = checks[form] = lambda s=session: s.run(None, feeds)
+    want = checks[forms[0]]()
+    for form, check in checks.items():
+        got = check()
+        assert len(got) == len(want) == 3, form
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(got, want, strict=True))
         assert worst < 1e-4, (form, worst)
     times: dict[str, list[float]] = {f: [] for f in forms}
     for _ in range(repeats):
-        for form, session in sessions.items():
+        for form, step in steps.items():
             start = time.perf_counter()
-            session.run(None, feeds)
+            step()
             times[form].append(time.perf_counter() - start)
     return {f: float(np.median(t)) * 1e3 for f, t in times.items()}
 
@@ -108,12 +162,15 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=HEADS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--max-length", type=int, default=0,
+                        help="also time a shared buffer of this many positions (> context)")
     args = parser.parse_args()
     print("| batch | context | kv heads | form | step ms (median) | vs first |")
     print("|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batch.split(",")):
         for context in (int(c) for c in args.context.split(",")):
-            ms = measure(context, batch, args.kv_heads, args.threads, args.repeats)
+            ms = measure(context, batch, args.kv_heads, args.threads, args.repeats,
+                         args.max_length)
             first = next(iter(ms.values()))
             for form, value in ms.items():
                 print(f"| {batch} | {context} | {args.kv_heads} | {form} | {value:.3f} | "
