@@ -136,6 +136,8 @@ def _plot(report: MergedReport, path: str | Path, *, force: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from mha_onnx.profile.output import log_axes
+
     fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 4.5))
     for target in report.targets:
         series: dict[tuple[str, int], list[tuple[int, dict]]] = {}
@@ -148,12 +150,7 @@ def _plot(report: MergedReport, path: str | Path, *, force: bool) -> None:
             label = f"{target.label}: {model} b{batch}"
             ax_t.plot([x for x, _ in pts], [p["p50_ms"] for _, p in pts], marker="o", label=label)
             ax_r.plot([x for x, _ in pts], [p["tokens_per_s"] for _, p in pts], marker="o", label=label)
-    for ax, ylabel in ((ax_t, "p50 latency (ms)"), (ax_r, "tokens / s")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+    log_axes((ax_t, "p50 latency (ms)"), (ax_r, "tokens / s"))
     ax_t.legend(fontsize=6)
     fig.suptitle("mha-onnx: targets side by side", fontsize=9)
     fig.tight_layout()

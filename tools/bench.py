@@ -46,11 +46,11 @@ TORCH_PEERS = ["torch nn.MultiheadAttention", "torch F.sdpa"]
 # -- PyTorch eager peers (run in a child process: python -m tools.bench --torch-worker) -----
 
 def torch_worker(spec: dict) -> dict:
-    import psutil
     import torch
     import torch.nn.functional as F
 
     from mha_onnx.profile.worker import peak_rss, reset_peak_rss, timed_loop
+    from mha_onnx.profile.worker import rss as worker_rss  # psutil or /proc
 
     torch.set_num_threads(spec["threads"])
     cfg = MhaConfig.from_dict(spec["config"])
@@ -85,7 +85,7 @@ def torch_worker(spec: dict) -> dict:
             return proj[3](out.transpose(1, 2).reshape(1, seq, cfg.d_model))
     with torch.inference_mode():
         run()
-        rss = psutil.Process().memory_info().rss
+        rss = worker_rss()
         reset_peak_rss()
         (times,) = timed_loop([run], warmup=1, iters=spec["iters"], min_time=spec["min_time"])
     return {"times": times, "run_rss": max(0, peak_rss() - rss)}

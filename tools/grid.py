@@ -26,7 +26,7 @@ import onnx
 from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.export import export_model
 from mha_onnx.graphio import write_model
-from mha_onnx.inputs import estimate_bytes
+from mha_onnx.inputs import available_memory, estimate_bytes
 from mha_onnx.profile import ProfileConfig, attention_flops, profile_models
 from mha_onnx.profile.roofline import cpu_name
 from mha_onnx.rewrite import fuse_model
@@ -72,11 +72,9 @@ def _bert(folder: Path) -> tuple[str, str, MhaConfig]:
 def _feasible(path: str, cfg: MhaConfig, batch: int, seq: int, layers: int,
               max_seconds: float, gflops: float) -> str:
     """'' when the point can run; else why it is skipped."""
-    import psutil
-
     need = estimate_bytes(onnx.load(path, load_external_data=False), batch, seq) \
         or 2 * batch * cfg.num_heads * seq * seq * 4 * layers
-    if need > 0.6 * psutil.virtual_memory().available:
+    if need > 0.6 * available_memory():
         return "memory"
     seconds = layers * attention_flops(cfg, batch, seq, seq) / (gflops * 1e9)
     return "time" if seconds > max_seconds else ""

@@ -21,6 +21,16 @@ def write_csv(report: ProfileReport, path: str | Path, *, force: bool = False) -
             writer.writerow(row)
 
 
+def log_axes(*axes_and_labels) -> None:
+    """Log-log axes over the sequence length, one (axes, y label) pair each."""
+    for ax, ylabel in axes_and_labels:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+
+
 def plot(report: ProfileReport, path: str | Path, *, force: bool = False) -> None:
     """Latency and memory vs sequence length (log-log), one line per model x provider x
     batch x threads."""
@@ -43,12 +53,7 @@ def plot(report: ProfileReport, path: str | Path, *, force: bool = False) -> Non
         if memory:
             ax_m.plot(*zip(*[(s, max(m, 1e-3)) for s, m in memory], strict=True), marker="o",
                       label=label)
-    for ax, ylabel in ((ax_t, "p50 latency (ms)"), (ax_m, "peak working memory (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+    log_axes((ax_t, "p50 latency (ms)"), (ax_m, "peak working memory (MiB)"))
     ax_t.legend(fontsize=7)
     fig.suptitle(f"mha-onnx profile ({report.machine.get('processor')})", fontsize=9)
     fig.tight_layout()

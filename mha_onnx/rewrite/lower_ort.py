@@ -4,8 +4,11 @@ it fastest, in a form that keeps ORT's fast path (measured, see docs/fusion-form
 - no mask: MultiHeadAttention on [B, S, H*D] inputs (ORT's CPU flash path);
 - causal (with grouped K/V, a window, soft-capping, key padding or a position bias):
   GroupQueryAttention, see :mod:`mha_onnx.rewrite.lower_gqa`;
-- key padding: a Loop over the batch that drops the padded keys, see
-  :mod:`mha_onnx.rewrite.lower_loop`;
+- key padding: chosen by shape at run time (``_key_padding``): bidirectional
+  GroupQueryAttention for right-padded self-attention up to GQA_MAX_KEYS keys, else MHA's
+  key_padding_mask below LOOP_MIN_KEYS keys, else a Loop over the batch that drops the
+  padded keys (:mod:`mha_onnx.rewrite.lower_loop`);
+- a KV cache (causal aligned to the end of the keys): :mod:`mha_onnx.rewrite.lower_cache`;
 - any other mask: MultiHeadAttention with the original mask as an additive attention_bias.
 """
 
