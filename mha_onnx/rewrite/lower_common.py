@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import MS_DOMAIN
-from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim
+from mha_onnx.rewrite.sdpa import SdpaInfo, bsd_source, repeat_heads, seq_dim
 
 # A branch copies at most this many producer nodes of an outer value; beyond, it uses the
 # outer value itself (computed whichever branch runs).
@@ -161,14 +161,25 @@ def causal_bias(op, info: SdpaInfo, seq_q: ir.Value, seq_kv: ir.Value) -> ir.Val
     return op.Unsqueeze(bias, op.Constant(value_ints=[0, 1]))
 
 
+def kv_operands(op, info: SdpaInfo) -> tuple[ir.Value, ir.Value, bool]:
+    """K and V with every query head's copy, for MultiHeadAttention: their [B, T, H*D]
+    sources if both have one, else [B, H, T, D] tensors (MHA takes that layout too).
+    Third item: is 3-D."""
+    rep = info.heads // info.kv_heads
+    if rep == 1:
+        k3, v3 = bsd_source(info.key, info.heads), bsd_source(info.value, info.heads)
+        if k3 is not None and v3 is not None:
+            return k3, v3, True
+    return repeat_heads(op, info.key, rep), repeat_heads(op, info.value, rep), False
+
+
 def dense_mha(op, info: SdpaInfo, q3: ir.Value, *, lazy: bool) -> ir.Value:
     """The general form: MultiHeadAttention with every mask term added as the original adds
     it (so fully masked rows come out as there; a NaN guard is kept), K/V heads repeated
     (``lazy``: the bias's producers are copied into the branch being built)."""
-    rep = info.heads // info.kv_heads
-    k, v = repeat_heads(op, info.key, rep), repeat_heads(op, info.value, rep)
+    k, v, k3d = kv_operands(op, info)
     if info.dense is None:  # the ONNX Attention op's is_causal: no mask tensor to copy
-        dense = causal_bias(op, info, seq_dim(op, q3, 1), seq_dim(op, k, 2))
+        dense = causal_bias(op, info, seq_dim(op, q3, 1), seq_dim(op, k, 1 if k3d else 2))
     else:
         dense = clone_into(op, info.dense) if lazy else info.dense
     full = op.Concat(op.Constant(value_ints=[1, 1]), seq_dim(op, q3, 1),

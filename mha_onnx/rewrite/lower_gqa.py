@@ -110,23 +110,26 @@ def if_forms(op, info: SdpaInfo, cond: ir.Value, then, otherwise, tag: str, outp
 
 def right_padding(op, info: SdpaInfo, q3, k3) -> tuple[ir.Value, ir.Value, ir.Value]:
     """(cond, seqlens_k, total): cond is True when every row's padded keys are a suffix and
-    every query keeps a key (within the window, if any); seqlens_k = kept keys - 1."""
+    every query keeps a key (within the window, if any); seqlens_k = kept keys - 1.
+
+    Few ops, as this runs on every call, also at shapes where the whole layer takes tens of
+    microseconds: with ``m`` the padded mask as 0/1, a row is right-padded iff no padded key
+    is followed by a kept one (``max(m[:, :-1] - m[:, 1:]) <= 0``); its first key is then kept
+    iff ``m[:, 0] == 0``; both are one ReduceMax over their concatenation."""
     assert info.padded is not None
-    keep = op.Not(info.padded)  # [B, T]
-    lens = op.ReduceSum(op.Cast(keep, to=ir.DataType.INT32), op.Constant(value_ints=[1]),
-                        keepdims=0)  # [B]
+    m = op.Cast(info.padded, to=ir.DataType.INT32)  # [B, T], 1 = padded
+    axis = op.Constant(value_ints=[1])
+    zero, one, end = (op.Constant(value_ints=[v]) for v in (0, 1, -1))
+    steps = op.Sub(op.Slice(m, zero, end, axis), op.Slice(m, one, op.Constant(
+        value_ints=[np.iinfo(np.int64).max]), axis))  # 1 where a padded key precedes a kept one
+    worst = op.ReduceMax(op.Concat(steps, op.Slice(m, zero, one, axis), axis=1), keepdims=0)
     total = _total_length(op, k3)
-    positions = op.Range(int_const(op, 0, np.int32), total, int_const(op, 1, np.int32))
-    prefix = op.Less(op.Unsqueeze(positions, op.Constant(value_ints=[0])),
-                     op.Unsqueeze(lens, op.Constant(value_ints=[1])))
-    suffix_padded = op.ReduceMin(op.Cast(op.Equal(prefix, keep), to=ir.DataType.INT32),
-                                 keepdims=0)
-    enough = int_const(op, 1, np.int32)
+    lens = op.Sub(total, op.ReduceSum(m, axis, keepdims=0))  # kept keys per row, [B]
+    cond = op.Less(worst, int_const(op, 1, np.int32))
     if info.causal and info.window:  # a padded query further than the window from every key
         seq_q = op.Cast(op.Reshape(seq_dim(op, q3, 1), scalar_shape(op)), to=ir.DataType.INT32)
-        enough = op.Max(enough, op.Sub(seq_q, int_const(op, info.window - 1, np.int32)))
-    cond = op.And(op.Equal(suffix_padded, int_const(op, 1, np.int32)),
-                  op.GreaterOrEqual(op.ReduceMin(lens, keepdims=0), enough))
+        enough = op.Sub(seq_q, int_const(op, info.window - 1, np.int32))
+        cond = op.And(cond, op.GreaterOrEqual(op.ReduceMin(lens, keepdims=0), enough))
     return cond, op.Sub(lens, int_const(op, 1, np.int32)), total
 
 

@@ -31,6 +31,7 @@ from mha_onnx.rewrite.lower_common import (
     causal_bias,
     dense_mha,
     fully_masked_value,
+    kv_operands,
     scalar_shape,
 )
 from mha_onnx.rewrite.lower_gqa import gqa_ok, gqa_shapes_ok, key_padding_gqa, lower_gqa
@@ -38,9 +39,7 @@ from mha_onnx.rewrite.lower_loop import padding_loop
 from mha_onnx.rewrite.sdpa import (
     FUSION_DOMAIN,
     SdpaInfo,
-    bsd_source,
     from_bsd,
-    repeat_heads,
     seq_dim,
     to_bsd,
 )
@@ -84,18 +83,6 @@ class Forms:
                                        "key_padding=auto|loop|mask|bias|gqa")
             values[kind] = form.strip()
         return cls(**values)
-
-
-def kv_operands(op, info: SdpaInfo) -> tuple[ir.Value, ir.Value, bool]:
-    """K and V with every query head's copy, for MultiHeadAttention: their [B, T, H*D]
-    sources if both have one, else [B, H, T, D] tensors (MHA takes that layout too).
-    Third item: is 3-D."""
-    rep = info.heads // info.kv_heads
-    if rep == 1:
-        k3, v3 = bsd_source(info.key, info.heads), bsd_source(info.value, info.heads)
-        if k3 is not None and v3 is not None:
-            return k3, v3, True
-    return repeat_heads(op, info.key, rep), repeat_heads(op, info.value, rep), False
 
 
 def _mha(op, q3, k, v, info: SdpaInfo, bias: ir.Value | None = None) -> ir.Value:

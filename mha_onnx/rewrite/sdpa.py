@@ -231,5 +231,31 @@ def repeat_heads(op, x4: ir.Value, rep: int) -> ir.Value:
 
 
 def seq_dim(op, x: ir.Value, axis: int) -> ir.Value:
-    """Shape(x)[axis] as a 1-element int64 tensor."""
+    """Shape(x)[axis] as a 1-element int64 tensor, read from the tensor that ``x`` was laid
+    out from where that dim is the same (through Transpose, and Reshape of leading dims), so
+    that a form taking a length does not keep a layout copy (K's [B, H, T, D] transpose) alive
+    on a path that does not use it."""
+    x, axis = _dim_origin(x, axis)
     return op.Shape(x, start=axis, end=axis + 1)
+
+
+def _dim_origin(x: ir.Value, axis: int) -> tuple[ir.Value, int]:
+    for _ in range(4):
+        node = x.producer()
+        if node is None or node.domain not in ("", "ai.onnx") or not node.inputs:
+            break
+        source = node.inputs[0]
+        if node.op_type == "Transpose":
+            perm = ints_attr(node, "perm")
+            if perm is None or axis >= len(perm) or source is None:
+                break
+            x, axis = source, perm[axis]
+        elif node.op_type == "Reshape" and source is not None:
+            before, after = dims(source), dims(x)
+            if before is None or after is None or axis >= len(before) - 1 \
+                    or any(not same_dim(before[a], after[a]) for a in range(axis + 1)):
+                break
+            x = source
+        else:
+            break
+    return x, axis
