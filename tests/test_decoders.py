@@ -140,3 +140,14 @@ def test_causal_with_a_position_bias_in_both_forms(zoo, forms, form):
     fused, results, _ = fuse_model(model, forms=Forms.parse([forms] if forms else []))
     assert [r.form for r in results] == [form] and results[0].meaning == "causal + position bias"
     assert verify(model, fused).passed
+
+
+def test_mixed_precision_attention_is_left_with_its_reason(decoders):
+    """GPT-J in float16 computes Q.K^T in float32 and applies the probabilities to float16
+    values: no ORT kernel takes both dtypes, so the block is left, saying so."""
+    from mha_onnx.rewrite import fuse_model
+
+    _, results, _ = fuse_model(decoders("gptj", "eager", 18, "float16"))
+    assert [r.status for r in results] == ["left"]
+    assert results[0].reason == ("mixed precision: scores in FLOAT, values in FLOAT16; "
+                                 "no fused kernel takes both")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -35,7 +36,9 @@ def row(family: str, attn: str, opset: int, dtype: str) -> list[str]:
     try:
         model = hf_decoder(family, attn, opset, dtype)
     except Exception as exc:  # noqa: BLE001 - a table row, not a crash
-        return head + ["-", "-", "-", f"export failed: {type(exc).__name__}"]
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # no terminal colours
+        why = text.splitlines()[0] if text else ""
+        return head + ["-", "-", "-", f"export failed: {type(exc).__name__}: {why}"[:160]]
     try:
         fused, results, _ = fuse_model(model)
         check = verify(model, fused, cases=verification_cases(model, results))

@@ -172,8 +172,11 @@ def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core
         rank = 3
     else:
         ops = _operands(chain.matmul, matmul.inputs[1], rank, block)
-    if ops.query.dtype not in SUPPORTED_DTYPES or ops.value.dtype != ops.query.dtype:
+    if ops.query.dtype not in SUPPORTED_DTYPES:
         raise Reject(block, f"dtype {ops.query.dtype} has no fused attention kernel here")
+    if ops.value.dtype != ops.query.dtype:  # e.g. GPT-J: Q.K^T in float32, V in float16
+        raise Reject(block, f"mixed precision: scores in {ops.query.dtype}, values in "
+                            f"{ops.value.dtype}; no fused kernel takes both")
     try:
         mask = plan(list(chain.terms), ops.dims, oracle)
     except Unsupported as exc:
