@@ -31,8 +31,7 @@ EXPECTED_ORT = {
     # top-left causal with S != T: GQA on the first S keys when S <= T, else the general form
     ("cross", "causal"): "If(S <= T): GroupQueryAttention (causal)",
     # right-padded self-attention: bidirectional GQA; otherwise by length (see Forms)
-    ("self", "key-padding"): "If(T < 32): MHA key_padding_mask | If(right padding, T <= 1024): "
-                             "GroupQueryAttention",
+    ("self", "key-padding"): "If(right padding, T <= 1024): GroupQueryAttention",
     ("cross", "key-padding"): "If(T < 128): MHA key_padding_mask | Loop(Compress keys)",
 }
 
@@ -117,7 +116,7 @@ def test_float16_exports(export_cache, mask):
 def test_presets(export_cache, preset):
     model = onnx.load(export_cache(load_preset(preset).replace(mask="key-padding")))
     _, results = fused_and_checked(model)
-    assert results[0].form.startswith("If(T < 32): MHA key_padding_mask | If(right padding, T <= 1024)")
+    assert results[0].form.startswith("If(right padding, T <= 1024)")
 
 
 # -- fully masked rows: each form reproduces the original exactly -------------------------
@@ -147,8 +146,7 @@ def test_fully_padded_rows_stay_nan(export_cache, target):
 
 # -- graphs exported elsewhere --------------------------------------------------------------
 
-SELF_PADDED = ("If(T < 32): MHA key_padding_mask | If(right padding, T <= 1024): "
-               "GroupQueryAttention (bidirectional)")
+SELF_PADDED = "If(right padding, T <= 1024): GroupQueryAttention (bidirectional)"
 CROSS_PADDED = "If(T < 128): MHA key_padding_mask | Loop(Compress keys)"
 ZOO_FORMS = {
     "torch_mha_self_bf": "MultiHeadAttention",

@@ -49,7 +49,7 @@ from mha_onnx.rewrite.sdpa import (
 class Forms:
     """Which kernel form each mask kind is lowered to (defaults: fastest measured on CPU,
     docs/fusion-forms.md). causal: gqa | unidirectional | bias; key_padding: auto | loop |
-    mask | bias | gqa (auto: by shape, see _key_padding)."""
+    mask | bias | gqa (auto: gqa up to GQA_MAX_KEYS keys when right-padded, else loop)."""
 
     causal: str = "gqa"
     key_padding: str = "auto"
@@ -60,9 +60,6 @@ class Forms:
     # Bidirectional GQA holds the [B, H, S, T] probabilities: fastest up to ~1k keys, then
     # slower than the Loop form and O(L^2) in memory (docs/fusion-forms.md, key padding).
     GQA_MAX_KEYS: ClassVar[int] = 1024
-    # Below this many keys MHA's key_padding_mask is taken without the right-padding check:
-    # at batch 1, L = 16 the check + GQA took 1.05-1.11x the unfused layer, the mask 1.00x.
-    SHORT_KEYS: ClassVar[int] = 32
     # Below this many keys the Loop's per-row cost shows; MHA's key_padding_mask is as fast
     # as the original there (docs/fusion-forms.md, key padding by shape).
     LOOP_MIN_KEYS: ClassVar[int] = 128
@@ -127,20 +124,18 @@ def _causal_mha(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Valu
 
 def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, str]:
     """The key padding form: fixed by ``forms``, or (auto) chosen at run time by shape and
-    padding, from measurements (docs/fusion-forms.md): self-attention takes MHA's
-    key_padding_mask below SHORT_KEYS keys, else bidirectional GQA when right-padded up to
-    GQA_MAX_KEYS keys; otherwise MHA's key_padding_mask below LOOP_MIN_KEYS keys and the
-    Loop form from there."""
+    padding, from measurements (docs/fusion-forms.md): bidirectional GQA for right-padded
+    self-attention up to GQA_MAX_KEYS keys; otherwise MHA's key_padding_mask below
+    LOOP_MIN_KEYS keys and the Loop form from there."""
     form = forms.key_padding
     gqa_able = info.self_attention and gqa_shapes_ok(info)
     if form == "auto":
         general = f"If(T < {forms.LOOP_MIN_KEYS}): MHA key_padding_mask | Loop(Compress keys)"
         if gqa_able:
-            out = _shortest_first(op, info, q3, forms, lambda ops: key_padding_gqa(
-                ops, info, q3, lambda o: _by_length(o, info, q3, forms), forms.GQA_MAX_KEYS))
-            return out, (f"If(T < {forms.SHORT_KEYS}): MHA key_padding_mask | If(right padding, "
-                         f"T <= {forms.GQA_MAX_KEYS}): GroupQueryAttention (bidirectional) | "
-                         f"{general}")
+            out = key_padding_gqa(op, info, q3, lambda ops: _by_length(ops, info, q3, forms),
+                                  forms.GQA_MAX_KEYS)
+            return out, (f"If(right padding, T <= {forms.GQA_MAX_KEYS}): GroupQueryAttention "
+                         f"(bidirectional) | {general}")
         return _by_length(op, info, q3, forms), general
     if form == "gqa" and gqa_able:
         out = key_padding_gqa(op, info, q3, lambda ops: _padding_form(ops, info, q3, "loop"))
@@ -150,18 +145,6 @@ def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Val
               "mask": "MultiHeadAttention + key_padding_mask",
               "bias": "MultiHeadAttention + key padding bias"}
     return _padding_form(op, info, q3, form), labels[form]
-
-
-def _shortest_first(op, info: SdpaInfo, q3: ir.Value, forms: Forms, otherwise) -> ir.Value:
-    """If(T < SHORT_KEYS): MHA with key_padding_mask, without the right-padding check; else
-    ``otherwise(ops)``. At a few dozen keys the layer takes tenths of a millisecond, and the
-    check, GQA's thread-pool wake-up and a second If cost more than the attention saves."""
-    from mha_onnx.rewrite.lower_gqa import if_forms
-
-    keys = op.Reshape(seq_dim(op, info.key, 2), scalar_shape(op))
-    cond = op.Less(keys, op.Constant(value=ir.tensor(np.array(forms.SHORT_KEYS, np.int64))))
-    return if_forms(op, info, cond, lambda ops: _padding_form(ops, info, q3, "mask"), otherwise,
-                    "short")
 
 
 def _by_length(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> ir.Value:
