@@ -66,7 +66,8 @@ class MultiHeadAttention(nn.Module):
 
     def attend(self, q_BHSDk, k_BHTDk, v_BHTDv, key_padding_mask=None, causal=False):
         """softmax(Q K^T / sqrt(d_k) + masks) V, heads concatenated and projected. Causal is
-        aligned to the end of the keys: query i sits at position T - S + i (= i when S = T)."""
+        top-left (query i sees keys 0..i, PyTorch's is_causal) or, with a KV cache, aligned to
+        the end of the keys (query i sits at position T - S + i)."""
         cfg = self.config
         batch, _, seq_q, _ = q_BHSDk.shape
         seq_kv = k_BHTDk.shape[2]

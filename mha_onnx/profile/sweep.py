@@ -132,10 +132,23 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
     mine = raw["models"][model]
     ms = np.array(mine["times"]) * 1e3
     p50 = float(np.percentile(ms, 50))
+    measured = dict(
+        iters=len(ms), p50_ms=p50, p90_ms=float(np.percentile(ms, 90)),
+        p99_ms=float(np.percentile(ms, 99)), mean_ms=float(ms.mean()), min_ms=float(ms.min()),
+        peak_rss_bytes=raw.get("peak_rss"), run_rss_bytes=raw.get("run_rss"),
+        device_bytes=raw.get("device_bytes"), session_s=float(mine["session_s"]),
+        top_ops=tuple(OpTime(**o) for o in raw.get("top_ops", [])), trace=raw.get("trace"))
+    rates = (_decode_rates(spec, raw, p50, bandwidth) if config.decode
+             else _flop_rates(model, spec, config, roofline, p50))
+    return Point(**where, **measured, **rates)
+
+
+def _flop_rates(model: str, spec: PointSpec, config: ProfileConfig, roofline: dict[str, float],
+                p50: float) -> dict[str, Any]:
+    """Tokens/s over the whole sequence; GFLOP/s of the layer's exact FLOPs (an mha-onnx
+    export only) and its fraction of the matmul roofline."""
     cfg = config_of(read_model(model, load_external_data=False))
     gflop = gflops = fraction = None
-    if config.decode:
-        return _decode_point(where, ms, raw, mine, spec, bandwidth)
     if cfg is not None:
         kept = spec.seq_len - int(round(spec.seq_len * config.pad_fraction)) \
             if cfg.mask == "key-padding" else spec.seq_len
@@ -143,29 +156,16 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
         gflops = gflop / (p50 / 1e3)
         ceiling = roofline.get(f"{spec.provider} {cfg.dtype}")
         fraction = gflops / ceiling if ceiling else None
-    return Point(
-        **where, iters=len(ms), p50_ms=p50, p90_ms=float(np.percentile(ms, 90)),
-        p99_ms=float(np.percentile(ms, 99)), mean_ms=float(ms.mean()), min_ms=float(ms.min()),
-        tokens_per_s=spec.batch * spec.seq_len / (p50 / 1e3), gflop=gflop, gflops=gflops,
-        roofline_fraction=fraction, peak_rss_bytes=raw.get("peak_rss"),
-        run_rss_bytes=raw.get("run_rss"), device_bytes=raw.get("device_bytes"),
-        session_s=float(mine["session_s"]), top_ops=tuple(OpTime(**o) for o in raw.get("top_ops", [])),
-        trace=raw.get("trace"),
-    )
+    return dict(tokens_per_s=spec.batch * spec.seq_len / (p50 / 1e3), gflop=gflop,
+                gflops=gflops, roofline_fraction=fraction)
 
 
-def _decode_point(where: dict[str, Any], ms: np.ndarray, raw: dict[str, Any],
-                  mine: dict[str, Any], spec: PointSpec, bandwidth: dict[str, float]) -> Point:
+def _decode_rates(spec: PointSpec, raw: dict[str, Any], p50: float,
+                  bandwidth: dict[str, float]) -> dict[str, Any]:
     """A decode step: tokens/s is one token per batch entry per step; the roofline is
     reading the cache once at the measured bandwidth."""
-    p50 = float(np.percentile(ms, 50))
     cache = raw.get("cache_bytes")
     gbps = bandwidth.get(f"{spec.provider} float32")
     fraction = (cache / 1e9 / gbps) / (p50 / 1e3) if cache and gbps else None
-    return Point(
-        **where, iters=len(ms), p50_ms=p50, p90_ms=float(np.percentile(ms, 90)),
-        p99_ms=float(np.percentile(ms, 99)), mean_ms=float(ms.mean()), min_ms=float(ms.min()),
-        tokens_per_s=spec.batch / (p50 / 1e3), peak_rss_bytes=raw.get("peak_rss"),
-        run_rss_bytes=raw.get("run_rss"), device_bytes=raw.get("device_bytes"),
-        cache_bytes=cache, bandwidth_fraction=fraction, session_s=float(mine["session_s"]),
-        top_ops=tuple(OpTime(**o) for o in raw.get("top_ops", [])), trace=raw.get("trace"))
+    return dict(tokens_per_s=spec.batch / (p50 / 1e3), cache_bytes=cache,
+                bandwidth_fraction=fraction)
