@@ -119,6 +119,11 @@ def inspect(model, as_json):
 @click.option("--form", "forms", multiple=True,
               help="Override a kernel form (target ort): causal=gqa|unidirectional|bias, "
                    "key_padding=loop|mask|bias. Defaults: the fastest measured on CPU.")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["appended", "shared"]),
+              default="appended", show_default=True,
+              help="KV-cache models: appended keeps the interface (presents = pasts + new); "
+                   "shared makes each past a max-length buffer updated in place (a new "
+                   "past_sequence_length input; bind past and present to one buffer).")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check against the original.")
 @click.option("--atol", type=float, default=None, help="Verification tolerance (default by dtype).")
 @click.option("--rtol", type=float, default=None)
@@ -126,14 +131,16 @@ def inspect(model, as_json):
               help="Verify with these inputs (.npz, one array per input) instead of generated ones.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def fuse(model, output, target, forms, no_verify, atol, rtol, inputs_npz, force, as_json):
+def fuse(model, output, target, forms, kv_cache, no_verify, atol, rtol, inputs_npz, force,
+         as_json):
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
     from mha_onnx.rewrite import fuse_file
     from mha_onnx.rewrite.lower_ort import Forms
 
     report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
-                       atol=atol, rtol=rtol, forms=Forms.parse(forms), inputs=inputs_npz)
+                       atol=atol, rtol=rtol, forms=Forms.parse(forms), inputs=inputs_npz,
+                       kv_cache=kv_cache)
     _emit(report, as_json)
 
 

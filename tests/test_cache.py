@@ -133,3 +133,120 @@ def test_a_cache_written_elsewhere_is_recognised(zoo, name, kernel):
     assert all(o.producer().op_type == "If" for o in graph.outputs[1:])
     assert "Concat" not in {n.op_type for n in graph if n.outputs[0].shape and
                             len(n.outputs[0].shape) == 4}
+
+
+# -- the shared cache buffer (fuse --kv-cache shared) ------------------------------------------
+
+def _shared(tmp_path, src, *extra):
+    out = tmp_path / "shared.onnx"
+    result = cli("fuse", src, "-o", out, "--kv-cache", "shared", "--json", *extra)
+    assert result.exit_code == 0, result.output
+    return out, json.loads(result.output)
+
+
+def _dims(model):
+    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["plain", "left-padded"])
+def test_shared_cache_is_a_max_length_buffer_with_a_length_input(export_cache, tmp_path,
+                                                                  padding):
+    """The pasts become buffers of max_sequence_length positions, the cached length a new
+    input; verified against the appended original at every case (a prompt, one new token,
+    new tokens after a past with a batch, padded keys: the general branch)."""
+    src = export_cache(CFG.replace(cache_padding=padding))
+    out, report = _shared(tmp_path, src)
+    (block,) = report["blocks"]
+    assert "GroupQueryAttention on a shared cache buffer" in block["form"]
+    assert ("no key padded" in block["form"]) == padding
+    assert report["verification"]["passed"]
+    cases = {r["case"] for r in report["verification"]["results"]}
+    for label in ("no past (prompt)", "one new token (decode)", "odd"):  # odd: S > 1 after a past
+        assert any(c.startswith(label) for c in cases), (label, cases)
+    model = onnx.load(out)
+    dims = _dims(model)
+    assert dims["past_key"] == dims["present_key"] == ["batch", 4, "max_sequence_length", 8]
+    assert dims["past_sequence_length"] == []
+    assert "Concat" not in {n.op_type for n in model.graph.node
+                            if any(o in ("present_key", "present_value") for o in n.output)}
+    recorded = json.loads(next(p.value for p in model.metadata_props
+                               if p.key == "mha_onnx.kv_cache"))
+    assert recorded == {"form": "shared", "past_dim": "past_seq",
+                        "pairs": {"past_key": "present_key", "past_value": "present_value"}}
+
+
+def test_shared_cache_decodes_in_place_against_pytorch_and_the_export(export_cache, tmp_path):
+    src = export_cache(CFG)
+    out, _ = _shared(tmp_path, src)
+    for extra in ((), ("--reference", src)):
+        result = cli("validate", out, "--json", *extra)
+        assert result.exit_code == 0, result.output
+        steps = {c["case"] for c in json.loads(result.output)["comparisons"]}
+        assert {"decode prompt", "decode step 16"} <= steps
+
+
+def test_the_shared_adapter_keeps_one_buffer_over_a_decode(export_cache, tmp_path):
+    """A chain feeding back the presents it got runs on the same buffers, written in place
+    (the prompt allocates them, no step does); positions past the cache are NaN and never
+    reach an output."""
+    from mha_onnx import cache as kv
+    from mha_onnx.parity.decode import decode_chains
+    from mha_onnx.runtimes import OrtRunner
+
+    out, _ = _shared(tmp_path, export_cache(CFG))
+    model = onnx.load(out)
+    specs, pairs = kv.shared_view(model)
+    allocated = []
+    real = kv.shared_buffers
+
+    def counting(*args, **kwargs):
+        allocated.append(args[1])
+        return real(*args, **kwargs)
+
+    with OrtRunner(str(out)) as runner:
+        adapter = kv.SharedCache(runner, specs, pairs, max_length=30)
+        original = OrtRunner(str(export_cache(CFG)))
+        kv.shared_buffers = counting
+        try:
+            chains = decode_chains({"shared": adapter, "appended": original}, specs, pairs, 8)
+        finally:
+            kv.shared_buffers = real
+        buffer = adapter._buffers["past_key"].numpy()
+    assert allocated == [30]
+    assert np.isnan(buffer[:, :, 7 + 8:]).all() and not np.isnan(buffer[:, :, :7 + 8]).any()
+    for _, results, _ in chains:
+        for name, want in results["appended"].items():
+            np.testing.assert_allclose(results["shared"][name], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["cached_gpt2_style", "cached_grouped", "hf_cached_llama"])
+def test_shared_cache_on_caches_written_elsewhere(zoo, tmp_path, name):
+    """Caches named by nobody's convention (found by structure), grouped K/V, and a Hugging
+    Face Llama decoder with DynamicCache, its positions and mask computed from the cache's
+    length (which must then read past_sequence_length, not the buffer's size)."""
+    src = tmp_path / "src.onnx"
+    onnx.save(zoo(name), src)
+    out, report = _shared(tmp_path, src)
+    assert report["verification"]["passed"] and report["fused"] == 1
+    assert "GroupQueryAttention" in ops(onnx.load(out))
+    result = cli("validate", out, "--reference", src)
+    assert result.exit_code == 0 and "decode step 16" in result.output, result.output
+
+
+def test_shared_cache_needs_a_cache(export_cache, tmp_path):
+    result = cli("fuse", export_cache(CFG.replace(kv_cache=False)), "-o", tmp_path / "x.onnx",
+                 "--kv-cache", "shared")
+    assert result.exit_code == 2 and "no KV-cache attention" in result.output
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_shared_cache_decode_profile_reads_the_cached_positions(export_cache, tmp_path):
+    out, _ = _shared(tmp_path, export_cache(CFG))
+    result = cli("profile", export_cache(CFG), out, "--decode", "--context", "64", "--iters",
+                 "2", "--no-ops", "--interleave", "--json")
+    assert result.exit_code == 0, result.output
+    points = json.loads(result.output[result.output.index("{"):])["points"]
+    assert [p["cache_bytes"] for p in points] == [2 * 1 * 4 * 64 * 8 * 4] * 2
+    result = cli("profile", out, "--seq-lens", "16", "--iters", "1", "--no-ops")
+    assert result.exit_code == 2 and "--decode" in result.output

@@ -70,3 +70,19 @@ def test_profile_reports_device_memory(fused):
     assert any(o.provider == "cuda" for o in point.top_ops)
     pytest.importorskip("pynvml", reason="device memory is read through NVML (pynvml)")
     assert point.device_bytes is not None and point.device_bytes > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_shared_kv_cache_decodes_in_place_on_cuda(export_cache, tmp_path, dtype):
+    """GQA on a CUDA buffer bound as past and present: a prompt and 16 steps against the
+    appended export, on CPU and CUDA."""
+    from mha_onnx.parity import ValidateConfig, validate_model
+    from mha_onnx.rewrite import fuse_file
+
+    src = export_cache(CFG.replace(mask="causal", kv_cache=True, dtype=dtype))
+    dst = tmp_path / "shared.onnx"
+    fuse_file(src, dst, kv_cache="shared")
+    report = validate_model(dst, ValidateConfig(providers=("cpu", "cuda"), reference=str(src)))
+    assert report, report.render()
+    assert any(c.provider == "cuda" and c.case.startswith("decode step 16")
+               for c in report.comparisons)

@@ -512,6 +512,55 @@ def hf_decoder(family: str, attn: str = "eager", opset: int = 18,
                   opset=opset, names=["input_ids", "attention_mask"])
 
 
+class _CachedWrap(nn.Module):
+    """A Hugging Face decoder fed one layer's legacy cache tensors, returning its presents."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, past_key, past_value):
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        cache.update(past_key, past_value, 0)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         past_key_values=cache, use_cache=True)
+        layer = out.past_key_values.layers[0]
+        return out.last_hidden_state, layer.keys, layer.values
+
+
+def hf_cached_decoder(family: str, attn: str = "eager", opset: int = 18) -> onnx.ModelProto:
+    """A one-layer Hugging Face decoder with a KV cache, as Optimum-style exports have it:
+    ``input_ids`` [batch, seq], ``attention_mask`` [batch, past + seq], ``past_key`` and
+    ``past_value`` [batch, kv_heads, past, head_dim]; outputs the hidden state and the
+    presents (DynamicCache's concatenation). Positions and the causal mask come from the
+    cache's length inside the graph."""
+    import transformers as tf
+
+    config_name, model_name, extra = DECODERS[family]
+    common = {"vocab_size": 99, "hidden_size": D, "num_hidden_layers": 1,
+              "num_attention_heads": H, "intermediate_size": 2 * D,
+              "max_position_embeddings": 128, "attn_implementation": attn}
+    config = getattr(tf, config_name)(**{**common, **extra})
+    torch.manual_seed(0)
+    model = getattr(tf, model_name)(config).eval()
+    kv, head = extra.get("num_key_value_heads", H), extra.get("head_dim", D // H)
+    ids, mask = torch.randint(0, 99, (2, 3)), torch.ones(2, 8, dtype=torch.int64)
+    past_key, past_value = torch.randn(2, kv, 5, head), torch.randn(2, kv, 5, head)
+    batch, seq, _ = _dims()
+    past, total = torch.export.Dim("past", min=1), torch.export.Dim("total", min=2)
+    model_proto = export(_CachedWrap(model), (ids, mask, past_key, past_value),
+                         ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 2: past},
+                          {0: batch, 2: past}), opset=opset,
+                         names=["input_ids", "attention_mask", "past_key", "past_value"])
+    for value in list(model_proto.graph.input) + list(model_proto.graph.output):
+        for dim in value.type.tensor_type.shape.dim:  # torch.export cannot say total = past + seq
+            if dim.dim_param == "total":
+                dim.dim_param = "past + seq"
+    return model_proto
+
+
 ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
     "torch_mha_self_bf": lambda: torch_mha(True, "self"),
     "torch_mha_self_sf": lambda: torch_mha(False, "self"),
@@ -554,5 +603,6 @@ ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
     "hf_bloom": lambda: hf_decoder("bloom"),
     "cached_gpt2_style": cached_gpt2_style,
     "cached_grouped": lambda: cached_gpt2_style(kv_heads=H // 2),
+    "hf_cached_llama": lambda: hf_cached_decoder("llama"),
     "relative_bias_causal": relative_bias_causal,
 }

@@ -7,25 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-import onnx
 
 from mha_onnx.inputs import InputSpec, ShapeCase, case_for, make_inputs
 
 PROMPT = 7
-
-
-def cache_pairs(model: onnx.ModelProto) -> dict[str, str]:
-    """past input -> present output (our ``past_key``/``present_key`` and Optimum's
-    ``past_key_values.0.key``/``present.0.key``)."""
-    outputs = {o.name for o in model.graph.output}
-    pairs = {}
-    for value in model.graph.input:
-        name = value.name
-        for candidate in (name.replace("past_key_values", "present"), name.replace("past", "present")):
-            if "past" in name and candidate in outputs:
-                pairs[name] = candidate
-                break
-    return pairs
 
 
 def _step_feeds(specs: Sequence[InputSpec], pairs: Mapping[str, str], previous: Mapping | None,

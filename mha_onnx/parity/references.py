@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 
 from mha_onnx import metadata
+from mha_onnx.cache import shared_view
 from mha_onnx.errors import InputSpecError, MhaOnnxError, RuntimeCrash
 from mha_onnx.graphio import read_model
 from mha_onnx.inputs import input_specs
@@ -69,7 +70,7 @@ def references_for(model: onnx.ModelProto, path: str, config: ValidateConfig, *,
     checks: list[CheckResult] = []
     ref_model = read_model(config.reference) if config.reference else None
     ref_specs = input_specs(ref_model) if ref_model is not None else None
-    specs = input_specs(model)
+    specs = shared_view(model)[0]  # a shared cache: compared through the appended interface
     if ref_specs is not None and [s.name for s in ref_specs] != [s.name for s in specs]:
         raise InputSpecError(
             f"--reference {config.reference} has inputs {[s.name for s in ref_specs]}, the model "

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mha_onnx.cache import SharedCache, is_shared, shared_view, to_shared
 from mha_onnx.graphio import prepare_output, read_model
 from mha_onnx.inputs import (
     InputSpec,
@@ -23,14 +24,13 @@ from mha_onnx.inputs import (
     case_for,
     case_of_feeds,
     ensure_fits,
-    input_specs,
     load_feeds,
     load_inputs,
     make_inputs,
 )
 from mha_onnx.metadata import session_options
 from mha_onnx.parity.config import ValidateConfig
-from mha_onnx.parity.decode import cache_pairs, decode_chains
+from mha_onnx.parity.decode import PROMPT, decode_chains
 from mha_onnx.parity.golden import (
     GoldenReference,
     GoldenRun,
@@ -111,7 +111,8 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     if config.save_outputs:
         prepare_output(config.save_outputs, force=config.force)
     model = read_model(path)
-    specs = input_specs(model)
+    shared = is_shared(model)  # then fed and compared through the appended interface
+    specs, pairs = shared_view(model)
     runs, golden = _runs(specs, config)
     if config.memory_check:  # the model, PyTorch and the reference run at once
         ensure_fits(model, [c for c, _ in runs], copies=3,
@@ -122,11 +123,14 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         references["golden"] = golden
         labels.append(golden.label)
     level = session_options(model).get("optimization", "all")
-    runners, statuses = _start_providers(str(path), config, runs[0][1], level)
+    probe = to_shared(runs[0][1], specs, pairs) if shared else runs[0][1]
+    runners, statuses = _start_providers(str(path), config, probe, level)
+    if shared:
+        steps = PROMPT + config.decode_steps + 1
+        runners = {p: SharedCache(r, specs, pairs, steps) for p, r in runners.items()}
     try:
         comparisons, masked, saved = _compare_runs(model, specs, runs, references, ref_specs,
                                                    runners, config)
-        pairs = cache_pairs(model)
         if pairs and golden is None and not config.inputs and config.decode_steps > 0:
             comparisons += _decode(model, specs, pairs, references, runners, config)
     finally:

@@ -135,25 +135,33 @@ def _feeds(spec: PointSpec, model: str) -> dict[str, np.ndarray]:
 
 
 def decode_feeds(proto, specs, batch: int, context: int) -> dict[str, np.ndarray]:
-    """One new token after ``context`` cached positions (every cache input's length dim)."""
+    """One new token after ``context`` cached positions (every cache input's length dim; a
+    shared buffer: one position longer, ``context`` of them cached)."""
+    from mha_onnx.cache import is_shared, shared_view, to_shared
     from mha_onnx.inputs import ShapeCase, case_for, make_inputs
-    from mha_onnx.parity.decode import cache_pairs
 
-    past = {s.dims[2] for s in specs if s.name in cache_pairs(proto) and isinstance(s.dims[2], str)}
+    shared = is_shared(proto)
+    specs, pairs = shared_view(proto) if shared else (specs, shared_view(proto)[1])
+    past = {s.dims[2] for s in specs if s.name in pairs and isinstance(s.dims[2], str)}
     if not past:
         from mha_onnx.errors import InputSpecError
 
         raise InputSpecError("--decode needs a model with a KV cache (past_* inputs whose "
                              "present_* outputs it returns)")
     dims = {**case_for(specs, "decode", batch, [1]).dims, **dict.fromkeys(past, context)}
-    return make_inputs(specs, ShapeCase("decode", dims, "none"))
+    feeds = make_inputs(specs, ShapeCase("decode", dims, "none"))
+    return to_shared(feeds, specs, pairs, headroom=0) if shared else feeds
 
 
 def cache_bytes(feeds: dict[str, np.ndarray], proto) -> int:
-    """Bytes of cache one step reads: every past input."""
-    from mha_onnx.parity.decode import cache_pairs
+    """Bytes of cache one step reads: every past input (of a shared buffer, the cached
+    positions)."""
+    from mha_onnx.cache import LENGTH_INPUT, cache_pairs
 
-    return sum(feeds[name].nbytes for name in cache_pairs(proto))
+    pasts = [feeds[name] for name in cache_pairs(proto)]
+    if LENGTH_INPUT in feeds:
+        return sum(p.nbytes // p.shape[2] * int(feeds[LENGTH_INPUT]) for p in pasts)
+    return sum(p.nbytes for p in pasts)
 
 
 def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
@@ -171,8 +179,17 @@ def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
                      spinning=len(spec.models) == 1)
 
 
-def _bound_run(runner, feeds: dict[str, np.ndarray]) -> Callable[[], Any]:
-    """One run: inputs on the device once (IO binding) or plain host feeds."""
+def _bound_run(runner, feeds: dict[str, np.ndarray], proto=None) -> Callable[[], Any]:
+    """One run: inputs on the device once (IO binding) or plain host feeds; a shared KV
+    cache bound as past and present (every run writes the same next position in place)."""
+    from mha_onnx.cache import LENGTH_INPUT, bound_step, cache_pairs, shared_buffers
+
+    if LENGTH_INPUT in feeds and proto is not None:
+        pairs = cache_pairs(proto)
+        device = "cpu" if runner.provider == "cpu" else "cuda"
+        pasts = {name: feeds[name] for name in pairs}
+        buffers = shared_buffers(pasts, next(iter(pasts.values())).shape[2], device)
+        return bound_step(runner.session, feeds, buffers, pairs, device)[1]
     if not runner.io_binding:
         return lambda: runner.infer(feeds)
     from mha_onnx.runtimes import import_ort
@@ -197,7 +214,10 @@ def measure(spec: PointSpec) -> dict[str, Any]:
         runner.session  # noqa: B018
         sessions[model] = time.perf_counter() - start
         runners.append(runner)
-        runs.append(_bound_run(runner, _feeds(spec, model)))
+        from mha_onnx.graphio import read_model
+
+        runs.append(_bound_run(runner, _feeds(spec, model),
+                               read_model(model, load_external_data=False)))
     rss_before = rss()
     reset_peak_rss()
     times = timed_loop(runs, warmup=spec.warmup, iters=spec.iters, min_time=spec.min_time)

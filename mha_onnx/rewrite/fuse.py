@@ -21,6 +21,7 @@ from onnxscript.optimizer import optimize, remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx import __version__, metadata
+from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH, SharedCache, cache_pairs, is_shared
 from mha_onnx.errors import ConfigError, FusionError, RuntimeCrash
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.inputs import ShapeCase, case_for, default_cases, input_specs, load_inputs
@@ -37,6 +38,7 @@ from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower_cache import route_presents
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower_ort import Forms, LowerMergedOutput, LowerSdpa
+from mha_onnx.rewrite.lower_shared import share_interface
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
@@ -154,12 +156,19 @@ def _prepare(model: ir.Model, target: str) -> list[str]:
 
 
 def fuse_model(
-    model_proto: onnx.ModelProto, *, target: str = "ort", forms: Forms | None = None
+    model_proto: onnx.ModelProto, *, target: str = "ort", forms: Forms | None = None,
+    kv_cache: str | None = None,
 ) -> tuple[onnx.ModelProto, list[BlockResult], list[str]]:
     """Rewrite a model in memory; returns (fused model, per-block results, notes).
-    ``forms`` overrides the kernel form per mask kind (ORT target; for measurements)."""
+    ``forms`` overrides the kernel form per mask kind (ORT target; for measurements);
+    ``kv_cache="shared"`` turns the KV cache into max-length buffers (lower_shared)."""
     if target not in TARGETS:
         raise ConfigError(f"unknown target {target!r}", hint="use ort or onnx")
+    policy = forms or Forms()
+    if kv_cache is not None:
+        policy = replace(policy, kv_cache=kv_cache)
+    if policy.kv_cache == "shared" and target != "ort":
+        raise ConfigError("--kv-cache shared is an ONNX Runtime form", hint="use --target ort")
     model = to_ir(model_proto)
     notes = _prepare(model, target)
     repaired: list[str] = []
@@ -171,7 +180,6 @@ def fuse_model(
     blog = BlockLog()
     chosen: dict[str, str] = {}
     oracle = Oracle(model)
-    policy = forms or Forms()
     RewriteRuleSet([SoftmaxAttention.rule(blog, _opset(model), oracle, target, policy)]
                    ).apply_to_model(model)
     RewriteRuleSet([OnnxAttention.rule(blog, oracle, target, policy)]).apply_to_model(model)
@@ -179,7 +187,10 @@ def fuse_model(
     if target == "ort":
         RewriteRuleSet([LowerMergedOutput.rule(chosen, policy)]).apply_to_model(model)
         RewriteRuleSet([LowerSdpa.rule(chosen, policy)]).apply_to_model(model)
-        route_presents(model.graph)
+        pairs = route_presents(model.graph)
+        shared = share_interface(model.graph)
+        if policy.kv_cache == "shared":
+            notes.append(_shared_note(shared, chosen))
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     else:
         RewriteRuleSet([LowerToOnnxAttention.rule(chosen)]).apply_to_model(model)
@@ -188,9 +199,38 @@ def fuse_model(
     common_passes.NameFixPass()(model)
     results = _results(before, blog, chosen)
     fused = ir.to_proto(model)
+    if target == "ort" and pairs:  # which outputs are which past's present, by any names
+        metadata.write(fused, {"kv_cache": {"form": "shared" if shared else "appended",
+                                            "pairs": pairs,
+                                            "past_dim": _past_dim(model_proto, pairs)}})
     if fused.ir_version > 10 and model_proto.ir_version <= 10:
         fused.ir_version = model_proto.ir_version
     return fused, results, notes
+
+
+def _past_dim(model: onnx.ModelProto, pairs: dict[str, str]) -> str:
+    """The name of the pasts' length dim in the original (``past_seq``, ``past``, ...)."""
+    for value in model.graph.input:
+        if value.name in pairs and len(value.type.tensor_type.shape.dim) == 4:
+            return value.type.tensor_type.shape.dim[2].dim_param or LENGTH_INPUT
+    return LENGTH_INPUT
+
+
+def _shared_note(shared: int, chosen: dict[str, str]) -> str:
+    """Refuses a shared cache that is not every cached layer's; the note on the interface."""
+    appended = [block for block, form in chosen.items() if form.startswith("If(one new token)")]
+    if appended or not shared:
+        raise ConfigError(
+            "--kv-cache shared: " + (f"{len(appended)} cached layer(s) cannot take a shared "
+                                     f"buffer (their caches are not plain model inputs and "
+                                     f"outputs): {', '.join(appended)}" if appended else
+                                     "the model has no KV-cache attention (a past input "
+                                     "appended to and returned as a present)"),
+            hint="fuse without --kv-cache shared keeps the appended cache")
+    return (f"KV cache shared by {shared} layer(s): every past_* input is now a buffer of "
+            f"{MAX_LENGTH} positions whose first {LENGTH_INPUT} (new int64 input) are cached; "
+            "bind each past and its present to the same buffer (IO binding) to update it in "
+            "place")
 
 
 def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
@@ -252,6 +292,7 @@ def fuse_file(
     rtol: float | None = None,
     forms: Forms | None = None,
     inputs: str | Path | None = None,
+    kv_cache: str | None = None,
 ) -> FuseReport:
     """Fuse ``source`` into ``output``; refuses to write when the fused graph's outputs differ
     from the original's beyond tolerance (unless ``verify_result`` is False). ``inputs``: an
@@ -262,7 +303,7 @@ def fuse_file(
     original = read_model(source)
     given = load_inputs(inputs, input_specs(original)) if inputs is not None else None
     level = _safe_level(preflight(source), "the original model") if verify_result else "all"
-    fused, results, notes = fuse_model(original, target=target, forms=forms)
+    fused, results, notes = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
     _carry_metadata(original, fused, results, target)
     if not results:
         notes.append("the model has no attention block; the output is an unchanged copy")
@@ -274,8 +315,12 @@ def fuse_file(
     verification = None
     if verify_result:
         cases = None if given is not None else verification_cases(original, results)
+        wrap = None
+        if is_shared(fused):  # run on its buffers, compared through the appended interface
+            specs, pairs = input_specs(original), cache_pairs(fused)
+            wrap = lambda runner: SharedCache(runner, specs, pairs)  # noqa: E731
         verification = verify(original, fused, cases=cases, given=given, atol=atol, rtol=rtol,
-                              levels=(level, fused_level))
+                              levels=(level, fused_level), wrap=wrap)
         _refuse_mismatch(verification)
     write_model(fused, output, force=force)
     return FuseReport(
@@ -298,11 +343,12 @@ def verification_cases(original: onnx.ModelProto, results: list[BlockResult]) ->
         case = case_for(specs, f"past a form threshold ({n})", 2, [n + 1, n], "some")
         cases.append(replace(case, optional=True))
     odd = cases[1]
-    if any("If(no past)" in r.form for r in results):  # the prompt of a KV-cache model
+    shared = any("shared cache buffer" in r.form for r in results)
+    if shared or any("If(no past)" in r.form for r in results):  # a KV-cache model's prompt
         cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}
         cases.append(ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)},
                                "some"))
-    if any("If(one new token)" in r.form for r in results):  # its decode steps
+    if shared or any("If(one new token)" in r.form for r in results):  # its decode steps
         new = {s.dims[1] for s in specs if len(s.dims) == 3 and isinstance(s.dims[1], str)}
         cases.append(ShapeCase("one new token (decode)", {**odd.dims, **dict.fromkeys(new, 1)},
                                "some"))
@@ -331,8 +377,12 @@ def _refuse_mismatch(verification: Verification) -> None:
 
 def _carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,
                     results: list[BlockResult], target: str) -> None:
-    """Keep the original's metadata (mha-onnx's config among it) and record the fusion."""
+    """Keep the original's metadata (mha-onnx's config among it) and record the fusion (and
+    the KV-cache interface fuse_model recorded)."""
+    cache = metadata.loaded(fused, "kv_cache")
     del fused.metadata_props[:]
     fused.metadata_props.extend(original.metadata_props)
+    if cache is not None:
+        metadata.write(fused, {"kv_cache": cache})
     summary = {"version": __version__, "target": target, "blocks": [r.to_dict() for r in results]}
     metadata.write(fused, {"fusion": summary})

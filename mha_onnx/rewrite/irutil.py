@@ -135,3 +135,23 @@ def ints_attr(node: ir.Node, name: str) -> list[int] | None:
 def float_attr(node: ir.Node, name: str, default: float) -> float:
     attr = node.attributes.get(name)
     return default if attr is None else float(attr.value)
+
+
+def replace_shape(graph: ir.Graph, shape_node: ir.Node, whole) -> None:
+    """A rank-4 tensor's ``Shape`` node (any start/end) replaced by ``whole(tape)``, the
+    full [4] shape built on a tape, sliced the same way."""
+    tape = ir.tape.Tape()
+    full = whole(tape)
+    start, end = shape_node.attributes.get("start"), shape_node.attributes.get("end")
+    starts = tape.op("Constant", [], {"value_ints": [start.as_int() if start else 0]})
+    ends = tape.op("Constant", [], {"value_ints": [end.as_int() if end else 4]})
+    sliced = tape.op("Slice", [full, starts, ends])
+    graph.insert_before(shape_node, tape.nodes)
+    ir.convenience.replace_all_uses_with(shape_node.outputs[0], sliced)
+
+
+def onehot_dim(tape, axis: int, value: int = 1, rank: int = 4) -> ir.Value:
+    """A [rank] int64 constant: ``value`` at ``axis``, the other entries 1 - value."""
+    array = np.full(rank, 1 - value, np.int64)
+    array[axis] = value
+    return tape.op("Constant", [], {"value": ir.tensor(array)})

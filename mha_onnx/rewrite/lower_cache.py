@@ -24,9 +24,10 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.irutil import MS_DOMAIN, onehot_dim, replace_shape
 from mha_onnx.rewrite.lower_common import TapeOps, dense_mha, int_const, scalar_shape
 from mha_onnx.rewrite.lower_gqa import gqa_ok, if_forms, lower_gqa
+from mha_onnx.rewrite.lower_shared import lower_shared, shareable
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
 PRESENTS = "mha_onnx.presents"  # node.meta key: the If's present outputs replace these values
@@ -60,11 +61,9 @@ def appended(x: ir.Value) -> Appended | None:
 
 def _cache(info: SdpaInfo) -> tuple[Appended, Appended] | None:
     """The key and value caches, when both are appended Concats that are model outputs (the
-    presents) and a kernel with past can take them (grouped K/V: no key padding)."""
+    presents)."""
     k, v = appended(info.key), appended(info.value)
     if k is None or v is None or not (k.concat.is_graph_output() and v.concat.is_graph_output()):
-        return None
-    if info.kv_heads != info.heads and info.padded is not None:
         return None
     return k, v
 
@@ -128,11 +127,20 @@ def _prefill_appending(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: A
     return _prefill(ops, dataclasses.replace(info, key=k, value=v), q3), k, v
 
 
-def lower_cached(op, info: SdpaInfo, q3: ir.Value) -> tuple[ir.Value, str]:
-    one = op.Constant(value=ir.tensor(np.array([1], np.int64)))
-    decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), one), scalar_shape(op))
-    rest = "If(no past): GroupQueryAttention (causal) | MHA + attention_bias"
+def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
+                 ) -> tuple[ir.Value, str]:
+    """``kv_cache``: appended (the presents are the pasts with the new keys appended) or
+    shared (max-length buffers, see lower_shared; where a layer's caches are not plain model
+    inputs and outputs it stays appended, which fuse then refuses)."""
     cache = _cache(info)
+    if kv_cache == "shared" and cache is not None and shareable(*cache):
+        outs, label = lower_shared(op, info, q3, *cache)
+        outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
+        return outs[0], label
+    decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
+    rest = "If(no past): GroupQueryAttention (causal) | MHA + attention_bias"
+    if info.kv_heads != info.heads and info.padded is not None:
+        cache = None  # GQA with past takes no key padding, MHA with past no grouped K/V
     if cache is not None:
         outs = if_forms(op, info, decoding, lambda o: _decode_with_past(o, info, q3, *cache),
                         lambda o: _prefill_appending(o, info, q3, *cache), "decode", outputs=3)
@@ -145,11 +153,11 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value) -> tuple[ir.Value, str]:
     return out, f"If(one new token): {head} over the cache | {rest}"
 
 
-def route_presents(graph: ir.Graph) -> int:
+def route_presents(graph: ir.Graph) -> dict[str, str]:
     """The model's present outputs taken from the Ifs that compute them (the old Concats are
     then unused, but for their shapes, which are rebuilt from the Concat's inputs); returns
-    how many Ifs were routed."""
-    routed = 0
+    {past input: present output} of the routed layers whose pasts are model inputs."""
+    pairs = {}
     for node in list(graph):
         olds = node.meta.pop(PRESENTS, None)
         if olds is None:
@@ -162,8 +170,10 @@ def route_presents(graph: ir.Graph) -> int:
                     name, old.name = old.name, f"{old.name}_appended"
                     new.name = name
                     graph.outputs[index] = new
-        routed += 1
-    return routed
+            past = old.producer().inputs[0]
+            if past is not None and past.is_graph_input() and new.is_graph_output():
+                pairs[past.name] = new.name
+    return pairs
 
 
 def _shapes_from_parts(graph: ir.Graph, concat: ir.Value) -> None:
@@ -173,15 +183,7 @@ def _shapes_from_parts(graph: ir.Graph, concat: ir.Value) -> None:
     assert producer is not None
     past, new = producer.inputs
     for user, _ in list(concat.uses()):
-        if user.op_type != "Shape" or user.graph is not graph:
-            continue
-        tape = ir.tape.Tape()
-        onehot = tape.op("Constant", [], {"value": ir.tensor(np.array([0, 0, 1, 0], np.int64))})
-        whole = tape.op("Add", [tape.op("Shape", [past]),
-                                tape.op("Mul", [tape.op("Shape", [new]), onehot])])
-        start, end = user.attributes.get("start"), user.attributes.get("end")
-        starts = tape.op("Constant", [], {"value_ints": [start.as_int() if start else 0]})
-        ends = tape.op("Constant", [], {"value_ints": [end.as_int() if end else 4]})
-        sliced = tape.op("Slice", [whole, starts, ends])
-        graph.insert_before(user, tape.nodes)
-        ir.convenience.replace_all_uses_with(user.outputs[0], sliced)
+        if user.op_type == "Shape" and user.graph is graph:
+            replace_shape(graph, user, lambda tape: tape.op("Add", [
+                tape.op("Shape", [past]),
+                tape.op("Mul", [tape.op("Shape", [new]), onehot_dim(tape, 2)])]))

@@ -53,10 +53,12 @@ class Forms:
 
     causal: str = "gqa"
     key_padding: str = "auto"
+    kv_cache: str = "appended"  # or shared: max-length cache buffers (lower_shared)
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "causal": ("gqa", "unidirectional", "bias"),
-        "key_padding": ("auto", "loop", "mask", "bias", "gqa")}
+        "key_padding": ("auto", "loop", "mask", "bias", "gqa"),
+        "kv_cache": ("appended", "shared")}
     # Bidirectional GQA holds the [B, H, S, T] probabilities: fastest up to ~1k keys, then
     # slower than the Loop form and O(L^2) in memory (docs/fusion-forms.md, key padding).
     GQA_MAX_KEYS: ClassVar[int] = 1024
@@ -98,7 +100,7 @@ def lower_ort(op, node: ir.Node, forms: Forms = Forms()) -> tuple[ir.Value, str]
     if info.causal and forms.causal == "gqa" and gqa_ok(info):
         return lower_gqa(op, info, q3)
     if forms.causal == "gqa" and cached_ok(info):
-        return lower_cached(op, info, q3)
+        return lower_cached(op, info, q3, forms.kv_cache)
     kind = info.mask_kind
     if kind == "none":
         k, v, _ = kv_operands(op, info)

@@ -5,7 +5,7 @@ padded batch entry), compared with a dtype-aware tolerance."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,9 +65,11 @@ def verify(
     rtol: float | None = None,
     threads: int | None = None,
     levels: tuple[str, str] = ("all", "all"),
+    wrap: Callable[[OrtRunner], Any] | None = None,
 ) -> Verification:
     """Run both models on the same inputs (``given`` ones, else generated ``cases``) and
-    compare every output; ``levels``: the ORT optimisation level of each model."""
+    compare every output; ``levels``: the ORT optimisation level of each model; ``wrap``:
+    what runs the fused model given its runner (an interface adapter)."""
     specs = input_specs(original)
     if given is not None:
         runs = [(case_of_feeds(specs, dict(given), "given inputs"), dict(given))]
@@ -76,7 +78,8 @@ def verify(
     results, skipped = [], []
     before = _Original(original, threads, levels[0])
     with OrtRunner(fused.SerializeToString(), "cpu", threads=threads,
-                   optimization=levels[1]) as after:
+                   optimization=levels[1]) as runner:
+        after = wrap(runner) if wrap is not None else runner
         for case, feeds in runs:
             try:
                 want = before.infer(feeds, fall_back=not case.optional)
