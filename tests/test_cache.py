@@ -250,3 +250,32 @@ def test_shared_cache_decode_profile_reads_the_cached_positions(export_cache, tm
     assert [p["cache_bytes"] for p in points] == [2 * 1 * 4 * 64 * 8 * 4] * 2
     result = cli("profile", out, "--seq-lens", "16", "--iters", "1", "--no-ops")
     assert result.exit_code == 2 and "--decode" in result.output
+
+
+def test_the_readme_shared_cache_example_runs_and_matches_the_export(export_cache, tmp_path):
+    """The README's IO-binding loop, run as written on a base-preset export: its outputs equal
+    the appended export's over the same prompt and 16 steps, and its buffer holds the cache."""
+    from pathlib import Path
+
+    import onnxruntime as ort
+
+    from mha_onnx.config import load_preset
+
+    src = export_cache(load_preset("base").replace(mask="causal", kv_cache=True))
+    out, _ = _shared(tmp_path, src)
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start = readme.index('```python\nimport numpy as np, onnxruntime as ort\n')
+    code = readme[start + 10:readme.index("```", start + 10)]
+    code = code.replace('"out/kv.shared.onnx"', repr(str(out)))
+    code = code.replace("    cached += tokens.shape[1]",
+                        "    seen.append((tokens, out))\n    cached += tokens.shape[1]")
+    scope = {"seen": []}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documented example
+    session = ort.InferenceSession(str(src))
+    past_key = past_value = np.zeros((1, 8, 0, 64), np.float32)
+    for tokens, got in scope["seen"]:
+        want, past_key, past_value = session.run(None, {"query": tokens, "past_key": past_key,
+                                                         "past_value": past_value})
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert len(scope["seen"]) == 17 and scope["cached"] == 23
+    np.testing.assert_array_equal(scope["buffers"]["past_key"].numpy()[:, :, :23], past_key)
