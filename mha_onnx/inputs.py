@@ -8,6 +8,8 @@ No torch here.
 
 from __future__ import annotations
 
+import ast
+import operator
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -139,27 +141,40 @@ def contract_specs(config) -> list[InputSpec]:
             for t in graph_inputs(config)]
 
 
-_EXPR = re.compile(r"^[\w.]+(\s*[-+]\s*[\w.]+)*$")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow, ast.Mod: operator.mod}
 
 
 def resolve_dim(dim: int | str | None, values: dict[str, int]) -> int | None:
-    """A dim's value: an int, a symbol, or a sum/difference of symbols and ints such as
-    ``past_seq + seq_q`` (how a KV-cache model names its total length)."""
+    """A dim's value: an int, a symbol, or integer arithmetic on symbols and ints such as
+    ``past_seq + seq_q`` (how a KV-cache model names its total length) or torch's
+    ``((seq**2)//seq)``; None when a symbol has no value or the text is anything else."""
     if isinstance(dim, int):
         return dim
-    if not isinstance(dim, str) or not _EXPR.match(dim.strip()):
+    if not isinstance(dim, str) or len(dim) > 200:
         return None
-    total, sign = 0, 1
-    for token in re.findall(r"[-+]|[\w.]+", dim):
-        if token in "+-":
-            sign = 1 if token == "+" else -1
-        elif token.isdigit():
-            total += sign * int(token)
-        elif token in values:
-            total += sign * values[token]
-        else:
+    try:
+        tree = ast.parse(dim.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    return _evaluate(tree.body, values)
+
+
+def _evaluate(node: ast.AST, values: dict[str, int]) -> int | None:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.Name):
+        return values.get(node.id)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _evaluate(node.operand, values)
+        return None if inner is None else -inner
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _evaluate(node.left, values), _evaluate(node.right, values)
+        if left is None or right is None or (isinstance(node.op, ast.Pow) and not 0 <= right <= 8) \
+                or (isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0):
             return None
-    return total
+        return _OPS[type(node.op)](left, right)
+    return None
 
 
 def _is_expression(dim: str) -> bool:

@@ -88,6 +88,21 @@ def test_hugging_face_decoders_fuse_onto_gqa(decoders, family, attn, opset, dtyp
     assert all("causal + key padding" in r.meaning and shows in r.meaning for r in results)
 
 
+def test_float16_windows_take_gqa_when_no_key_is_padded(decoders):
+    """ORT 1.31's float16 GQA with a window is wrong on the padded query rows of a
+    right-padded batch: such blocks take GQA when no key is padded (the common batch of one,
+    or of equal lengths) and the general form otherwise. Verified with and without padding,
+    S beyond the window."""
+    from mha_onnx.rewrite.fuse import verification_cases
+
+    model = decoders("mistral", "eager", 18, "float16")
+    fused, results = fused_and_checked(model)
+    (block,) = results
+    assert block.form.startswith("If(no key padded): GroupQueryAttention (causal, 2 kv heads, "
+                                 "window 4)")
+    assert "no key padded" in [c.label for c in verification_cases(model, results)]
+
+
 def test_right_and_left_padding_both_match_the_original(decoders):
     """The If takes GQA for right padding and the general form otherwise; both are exact."""
     model = decoders("llama", "sdpa", 18, "float32")
@@ -142,12 +157,29 @@ def test_causal_with_a_position_bias_in_both_forms(zoo, forms, form):
     assert verify(model, fused).passed
 
 
-def test_mixed_precision_attention_is_left_with_its_reason(decoders):
-    """GPT-J in float16 computes Q.K^T in float32 and applies the probabilities to float16
-    values: no ORT kernel takes both dtypes, so the block is left, saying so."""
-    from mha_onnx.rewrite import fuse_model
+def test_mixed_precision_attention_runs_in_the_scores_dtype(decoders):
+    """GPT-J in float16 computes Q.K^T and softmax in float32 (its float16 causal mask cast
+    up) and applies the probabilities to float16 values: the kernel runs in float32 on V
+    cast up, its output cast back to float16; verified over every branch."""
+    fused, results = fused_and_checked(decoders("gptj", "eager", 18, "float16"))
+    (block,) = results
+    assert block.form.startswith(RIGHT_PADDED_GQA)
+    assert block.meaning == "causal + key padding, scores in FLOAT, values in FLOAT16"
+    assert GQA in ops(fused)
+    assert fused.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
 
-    _, results, _ = fuse_model(decoders("gptj", "eager", 18, "float16"))
+
+def test_other_mixed_precision_is_left_with_its_reason():
+    """float16 scores over float32 values: no kernel, so left, saying so."""
+    from mha_onnx.rewrite import fuse_model
+    from tests.irgraphs import model, node, tensor
+
+    proto = model([node("Transpose", ["k"], "kt", perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], "s"),
+                   node("Softmax", ["s"], "p", axis=-1), node("Cast", ["p"], "p32", to=1),
+                   node("MatMul", ["p32", "v"], "o")],
+                  [tensor("q", 10, ["B", 2, "S", 8]), tensor("k", 10, ["B", 2, "S", 8]),
+                   tensor("v", 1, ["B", 2, "S", 8])], ["o"], out_types={"o": (1, ["B", 2, "S", 8])})
+    _, results, _ = fuse_model(proto)
     assert [r.status for r in results] == ["left"]
-    assert results[0].reason == ("mixed precision: scores in FLOAT, values in FLOAT16; "
+    assert results[0].reason == ("mixed precision: scores in FLOAT16, values in FLOAT; "
                                  "no fused kernel takes both")

@@ -351,3 +351,17 @@ def test_damaged_metadata_is_one_error_not_a_crash(small_bytes, tmp_path, key, d
     with pytest.raises(MhaOnnxError) as caught:
         validate_model(path, ValidateConfig(shapes=None))
     assert caught.value.exit_code == 2 and caught.value.message
+
+
+def test_dim_expressions_are_integer_arithmetic_and_nothing_else():
+    """A KV-cache total (past_seq + seq_q), torch's symbolic leftovers ((seq**2)//seq); any
+    other text (calls, attributes, huge powers, division by zero) has no value."""
+    from mha_onnx.inputs import resolve_dim
+
+    values = {"seq": 7, "past_seq": 3, "seq_q": 2}
+    assert resolve_dim("past_seq + seq_q", values) == 5
+    assert resolve_dim("((seq**2)//seq)", values) == 7
+    assert resolve_dim("2*seq - 1", values) == 13 and resolve_dim(4, values) == 4
+    for text in ("__import__('os')", "seq.real", "2**4096", "seq // (seq - 7)", "unknown + 1",
+                 "seq +", "1.5"):
+        assert resolve_dim(text, values) is None, text

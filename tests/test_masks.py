@@ -76,6 +76,29 @@ def test_a_data_mask_over_queries_is_not_key_padding():
     assert "not a [B, T] key padding" in pieces.reason
 
 
+def test_a_float_bias_on_merged_heads_is_kept_as_a_bias():
+    """BLOOM's ALiBi: slopes x positions computed from the padding mask, added to [B*H, 1, T]
+    scores; a bias added as it is, whatever its values."""
+    g = _graph([node("Cast", ["am"], "amf", to=F), const("cs_axis", 1),
+                node("CumSum", ["amf", "cs_axis"], "pos"), const("slopes", [[0.5], [0.25]]),
+                node("Mul", ["slopes", "pos"], "alibi")], ["alibi"])
+    term = Term("add", g["alibi"], 1.0, lift=2)
+    pieces = take_apart([term], SD, _size_only(g))
+    assert not pieces.reason and pieces.merged[0].value is g["alibi"]
+    assert pieces.merged[0].lift == 2 and not pieces.size and not pieces.padding
+
+
+def test_a_masked_fill_on_merged_heads_stays_dense():
+    """A boolean mask spelled on [B*H, S, T] (Where(pad, -inf, 0), masked_fill): a mask, not
+    a bias; kept in the dense form, never passed as a bias."""
+    g = _graph([*_padding_b11t("pad", "p4"), const("z", 0.0), const("ninf", -math.inf),
+                node("Where", ["p4", "ninf", "z"], "where_bias")], ["where_bias", "p4"])
+    for term in (Term("add", g["where_bias"], 1.0, lift=2),
+                 Term("replace", g["p4"], 1.0, -math.inf, True, lift=2)):
+        pieces = take_apart([term], SD, _size_only(g))
+        assert not pieces.merged and "batch and heads merged" in pieces.reason
+
+
 # -- meaning ---------------------------------------------------------------------------------
 
 def _meaning(nodes: list, out: str, term_of):
@@ -90,6 +113,17 @@ def test_causal_plus_padding():
         lambda v: Term("replace", v, 1.0, -math.inf, False))
     assert meaning.causal is not None and meaning.padding is not None
     assert meaning.describe() == "causal + key padding" and meaning.kind == "causal"
+
+
+def test_causal_plus_a_merged_bias_is_causal_with_the_bias_added():
+    g = _graph([node("LessOrEqual", ["j", "i"], "keep"), node("Cast", ["am"], "amf", to=F),
+                const("slopes", [[0.5], [0.25]]), node("Mul", ["slopes", "amf"], "alibi")],
+               ["keep", "alibi"])
+    meaning = plan([Term("add", g["alibi"], 1.0, lift=2),
+                    Term("replace", g["keep"], 1.0, -math.inf, False)], SD, Oracle(g.model))
+    assert meaning.kind == "causal" and meaning.causal is not None and not meaning.reason
+    assert meaning.added == meaning.merged and meaning.merged[0].value is g["alibi"]
+    assert meaning.describe() == "causal + bias on merged heads (ALiBi-style)"
 
 
 def test_a_size_only_bias_that_masks_nothing_is_a_position_bias():

@@ -92,11 +92,16 @@ def test_torch_nn_in_half_precisions(tmp_path, dtype):
 
 def test_float16_window_with_padding_stays_exact():
     """Found by the property test: ORT's float16 GQA with a window disagrees on the padded
-    query rows of right-padded batches longer than the window, so that case keeps the dense
-    form, and verification (which pads rows and exceeds the window) passes."""
+    query rows of right-padded batches longer than the window, so that case takes GQA only
+    when no key is padded and the dense form otherwise; verification over both branches
+    (padded rows, no padding, S beyond the window) passes."""
+    from mha_onnx.rewrite.fuse import verification_cases
+
     model = _decoder("mistral", 4, 64, 1, "eager", "float16")
     fused, results, _ = fuse_model(model)
     (block,) = results
-    assert block.form == "MultiHeadAttention + attention_bias"
-    assert "window 8" in block.meaning
-    assert verify(model, fused).passed
+    assert block.form.startswith("If(no key padded): GroupQueryAttention")
+    assert block.form.endswith("| MHA + attention_bias") and "window 8" in block.meaning
+    cases = verification_cases(model, results)
+    assert "no key padded" in [c.label for c in cases]
+    assert verify(model, fused, cases=cases).passed

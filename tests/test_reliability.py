@@ -72,11 +72,19 @@ def test_fuse_records_the_session_options_and_validate_uses_them(crashing, tmp_p
 
 # -- no attention missed ------------------------------------------------------------------------
 
-def test_bloom_alibi_scores_fuse_with_an_attention_bias(zoo):
-    from tests.fusing import fused_and_checked
+def test_bloom_alibi_scores_fuse_onto_gqa_with_an_attention_bias(zoo):
+    """BLOOM adds ALiBi on [B*H, S, T] (baddbmm) and its causal + padding mask on
+    [B, H, S, T]: the causal part is proven, ALiBi (computed from attention_mask) is added
+    as GQA's attention_bias; verified over every branch (left padding takes the general one)."""
+    from tests.fusing import fused_and_checked, ops
 
-    _, results = fused_and_checked(zoo("hf_bloom"))
-    assert [r.form for r in results] == ["MultiHeadAttention + attention_bias"]
+    fused, results = fused_and_checked(zoo("hf_bloom"))
+    (block,) = results
+    assert block.form == ("If(right padding): GroupQueryAttention (causal, bias) | "
+                          "MHA + attention_bias")
+    assert block.meaning == "causal + key padding + bias on merged heads (ALiBi-style)"
+    assert block.details["mask_meaning"]["merged_bias"]
+    assert "GroupQueryAttention" in ops(fused)
 
 
 def test_every_softmax_over_two_activations_is_a_candidate(tmp_path):

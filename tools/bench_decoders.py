@@ -9,7 +9,9 @@ Graphs (one layer each, d_model 512, 8 heads, batch 1, fp32, random weights):
 - a GPT-2-like and a Llama-like (8 query / 2 K/V heads) Hugging Face decoder layer built
   from configs (embeddings, norms and MLP included), fed an all-ones attention mask;
 - a T5-like decoder self-attention (causal + relative position bias) on GroupQueryAttention
-  with attention_bias vs MultiHeadAttention with the dense bias (--form causal=bias).
+  with attention_bias vs MultiHeadAttention with the dense bias (--form causal=bias);
+- a BLOOM layer (ALiBi added on merged heads, causal + padding mask) likewise.
+``--only`` keeps the row groups whose labels start with its prefixes (e.g. ``HF bloom``).
 Time: p50, all graphs of a length timed in turn in one process (>= --min-time s each).
 Memory: peak RSS growth of a child process per graph while running.
 """
@@ -72,6 +74,10 @@ def _hf(family: str) -> onnx.ModelProto:
         cfg = tf.GPT2Config(vocab_size=1000, n_embd=D, n_layer=1, n_head=H, n_positions=8192,
                             attn_implementation="eager")
         model = tf.GPT2Model(cfg)
+    elif family == "bloom":
+        cfg = tf.BloomConfig(vocab_size=1000, hidden_size=D, n_layer=1, n_head=H,
+                             attn_implementation="eager")
+        model = tf.BloomModel(cfg)
     else:
         cfg = tf.LlamaConfig(vocab_size=1000, hidden_size=D, num_hidden_layers=1,
                              num_attention_heads=H, num_key_value_heads=2,
@@ -91,11 +97,14 @@ def _t5() -> onnx.ModelProto:
     return _export(RelativeBiasCausal(D, H, 64), (torch.randn(1, 5, D),), {"x": {1: seq}}, ["x"])
 
 
-def build(folder: Path) -> dict[str, str]:
-    """Label -> path of every graph measured."""
+def build(folder: Path, only: tuple[str, ...] = ()) -> dict[str, str]:
+    """Label -> path of every graph measured (``only``: the groups starting with these)."""
     paths: dict[str, str] = {}
+    groups = [g for g in GROUPS if not only or any(p.startswith(only) for p in g)]
 
     def save(label: str, model: onnx.ModelProto, forms: Forms | None = None, fuse: bool = True):
+        if not any(label.startswith(prefixes) for prefixes in groups):
+            return
         path = folder / f"{len(paths)}.onnx"
         write_model(fuse_model(model, forms=forms)[0] if fuse else model, path, force=True)
         paths[label] = str(path)
@@ -114,11 +123,16 @@ def build(folder: Path) -> dict[str, str]:
     save("T5-like causal + position bias, unfused", t5, fuse=False)
     save("T5-like, fused: GQA + attention_bias", t5)
     save("T5-like, fused: MHA + dense bias", t5, Forms(causal="bias"))
+    bloom = _hf("bloom")
+    save("HF bloom layer, unfused", bloom, fuse=False)
+    save("HF bloom layer, fused: GQA + attention_bias", bloom)
+    save("HF bloom layer, fused: MHA + dense bias", bloom, Forms(causal="bias"))
     return paths
 
 
 INTERLEAVE_MAX = 4096  # beyond, each graph is timed in a child process of its own
-GROUPS = (("own causal export", "nn.MultiheadAttention"), ("HF gpt2",), ("HF llama",), ("T5-like",))
+GROUPS = (("own causal export", "nn.MultiheadAttention"), ("HF gpt2",), ("HF llama",), ("T5-like",),
+          ("HF bloom",))
 
 
 def _dense(label: str) -> bool:
@@ -149,6 +163,8 @@ def measure(paths: dict[str, str], seq_lens: list[int], threads: int, min_time: 
             continue
         for prefixes in GROUPS:
             group = [v for k, v in chosen.items() if k.startswith(prefixes)]
+            if not group:  # a row group left out by --only
+                continue
             timing = ProfileConfig(seq_lens=(n,), threads=threads, iters=3, min_time=min_time,
                                    warmup=1, op_breakdown=False, memory_check=False,
                                    interleave=True)
@@ -178,8 +194,9 @@ def render(paths: dict[str, str], results: dict, seq_lens: list[int], command: s
     ratios = [f"L={n}: {results[(torch_fused, n)][0] / results[(own, n)][0]:.2f}x"
               for n in seq_lens if results.get((torch_fused, n), [None])[0]
               and results.get((own, n), [None])[0]]
-    lines += ["", "nn.MultiheadAttention (float mask) fused / own causal export fused: "
-              + ", ".join(ratios)]
+    if ratios:
+        lines += ["", "nn.MultiheadAttention (float mask) fused / own causal export fused: "
+                  + ", ".join(ratios)]
     return lines
 
 
@@ -189,13 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-time", type=float, default=1.0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", default="", help="comma list of row-group prefixes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     for noisy in ("onnxscript", "onnx_ir", "torch"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
     with tempfile.TemporaryDirectory(prefix="mha_dec_") as folder:
-        paths = build(Path(folder))
+        paths = build(Path(folder), tuple(p for p in args.only.split(",") if p))
         results = measure(paths, seq_lens, args.threads, args.min_time)
     command = ".venv/bin/python -m tools.bench_decoders " + " ".join(
         argv if argv is not None else sys.argv[1:])

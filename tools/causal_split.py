@@ -13,9 +13,10 @@ import sys
 import time
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
+
+from mha_onnx.runtimes import OrtRunner
 
 H, D = 8, 64
 HD = H * D
@@ -92,15 +93,11 @@ def two_chunks(n: int):
 
 def main(argv: list[str]) -> int:
     n = int(argv[0]) if argv else 4096
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     graphs = {"plain MHA (no mask)": plain(n), "GQA causal": gqa(n)}
     graphs.update({f"query blocks K={k} (MHA + diagonal bias)": blocks(n, k) for k in (2, 4, 8, 16)})
     graphs["2 chunks, GQA with past"] = two_chunks(n)
-    sessions = {k: ort.InferenceSession(m.SerializeToString(), options,
-                                        providers=["CPUExecutionProvider"])
-                for k, m in graphs.items()}
+    sessions = {k: OrtRunner(m.SerializeToString(), threads=2, spinning=False).session
+                for k, m in graphs.items()}  # timed in turn: idle pools sleep
     rng = np.random.default_rng(0)
     feeds = {x: rng.standard_normal((1, n, HD)).astype(np.float32) for x in "qkv"}
     want = sessions["GQA causal"].run(["o"], feeds)[0]

@@ -26,9 +26,11 @@ import argparse
 import time
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto as TP
 from onnx import helper
+
+from mha_onnx.cache import bound_step, shared_buffers
+from mha_onnx.runtimes import OrtRunner
 
 HEADS, DK = 8, 64
 MS = "com.microsoft"
@@ -81,43 +83,35 @@ def _graph(form: str, batch: int, kv_heads: int):
                                                    helper.make_opsetid(MS, 1)], ir_version=10)
 
 
-def _session(form: str, batch: int, kv_heads: int, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(_graph(form, batch, kv_heads).SerializeToString(), options,
-                                providers=["CPUExecutionProvider"])
+def _session(form: str, batch: int, kv_heads: int, threads: int):
+    """Idle pool threads sleep: the forms are timed in turn in one process."""
+    model = _graph(form, batch, kv_heads).SerializeToString()
+    return OrtRunner(model, threads=threads, spinning=False).session
 
 
 class _Shared:
-    """One step on a max-length cache buffer that is both past and present (IO binding)."""
+    """One step on a max-length cache buffer that is both past and present (IO binding,
+    as ``mha_onnx.cache`` binds a ``--kv-cache shared`` model)."""
 
     def __init__(self, session, feeds: dict, context: int, max_length: int):
-        self.session, self.binding = session, session.io_binding()
-        batch, kv_heads = feeds["past_key"].shape[:2]
-        self.buffers = {}
-        self.binding.bind_output("out")  # first: copy_outputs_to_cpu()[0]
-        for name in ("key", "value"):
-            array = np.zeros((batch, kv_heads, max_length, DK), np.float32)
-            array[:, :, :context] = feeds[f"past_{name}"]
-            self.buffers[name] = ort.OrtValue.ortvalue_from_numpy(array)
-            self.binding.bind_ortvalue_input(f"past_{name}", self.buffers[name])
-            self.binding.bind_ortvalue_output(f"present_{name}", self.buffers[name])
-        for name in ("q", "k", "v"):
-            self.binding.bind_cpu_input(name, feeds[name])
-        self.binding.bind_cpu_input("seqlens", np.full(batch, context, np.int32))
-        self.binding.bind_cpu_input("total", np.array(context + 1, np.int32))
+        batch = feeds["past_key"].shape[0]
+        pairs = {"past_key": "present_key", "past_value": "present_value"}
+        self.buffers = shared_buffers({n: feeds[n] for n in pairs}, max_length)
+        step = {**feeds, "seqlens": np.full(batch, context, np.int32),
+                "total": np.array(context + 1, np.int32)}
+        self.binding, self.run_step = bound_step(session, step, self.buffers, pairs)
         self.context = context
 
     def run(self) -> list[np.ndarray]:
         """A timed step: the output comes back; the cache stays where it is."""
-        self.session.run_with_iobinding(self.binding)
+        self.run_step()
         return [self.binding.get_outputs()[0].numpy()]
 
     def checked(self) -> list[np.ndarray]:
         """A step's output and the buffers' first context + 1 positions (the presents)."""
         end = self.context + 1
-        return self.run() + [self.buffers[n].numpy()[:, :, :end] for n in ("key", "value")]
+        return self.run() + [self.buffers[n].numpy()[:, :, :end]
+                             for n in ("past_key", "past_value")]
 
 
 def measure(context: int, batch: int, kv_heads: int, threads: int, repeats: int,

@@ -69,6 +69,10 @@ class Core:
     self_attention: bool
     softcap: float = 0.0
     split_heads: bool = False  # rank-3 [B*H, S, D] operands around a [B, H, S, T] softmax
+    # GPT-J in float16: Q.K^T and softmax in float32, V (and A.V) in float16. The kernel runs
+    # in float32 on V cast up, its output cast back: the original's float16 probabilities are
+    # only rounded less.
+    out_dtype: ir.DataType | None = None
 
     def describe(self) -> str:
         """e.g. ``causal + key padding, window 4096, 8 q heads / 2 kv heads, softcap 50``."""
@@ -77,6 +81,8 @@ class Core:
             text += f", {self.heads} q heads / {self.kv_heads} kv heads"
         if self.softcap:
             text += f", softcap {self.softcap:g}"
+        if self.out_dtype is not None:
+            text += f", scores in {self.query.dtype}, values in {self.out_dtype}"
         return text
 
 
@@ -174,9 +180,12 @@ def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core
         ops = _operands(chain.matmul, matmul.inputs[1], rank, block)
     if ops.query.dtype not in SUPPORTED_DTYPES:
         raise Reject(block, f"dtype {ops.query.dtype} has no fused attention kernel here")
+    out_dtype = None
     if ops.value.dtype != ops.query.dtype:  # e.g. GPT-J: Q.K^T in float32, V in float16
-        raise Reject(block, f"mixed precision: scores in {ops.query.dtype}, values in "
-                            f"{ops.value.dtype}; no fused kernel takes both")
+        if (ops.query.dtype, ops.value.dtype) != (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            raise Reject(block, f"mixed precision: scores in {ops.query.dtype}, values in "
+                                f"{ops.value.dtype}; no fused kernel takes both")
+        out_dtype = ops.value.dtype
     try:
         mask = plan(list(chain.terms), ops.dims, oracle)
     except Unsupported as exc:
@@ -186,7 +195,7 @@ def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core
         rank=rank, heads=ops.heads, kv_heads=ops.kv_heads, scale=chain.scale * ops.scale,
         mask=mask, nan_to_zero=tail.nan_to_zero,
         self_attention=same_dim(ops.dims.seq_q, ops.dims.seq_kv),
-        softcap=chain.softcap, split_heads=split,
+        softcap=chain.softcap, split_heads=split, out_dtype=out_dtype,
     )
 
 
@@ -244,7 +253,7 @@ def check_softcap(core: Core, target: str, causal_form: str) -> None:
         return
     causal = core.mask.causal
     fits = (target == "ort" and causal_form == "gqa" and causal is not None
-            and causal.alignment == "square" and not core.mask.biases and not core.mask.reason
+            and causal.alignment == "square" and not core.mask.added and not core.mask.reason
             and core.query is not None and _head_sizes_fit(core))
     if not fits:
         raise Reject(core.block, "soft-capped scores are fused only onto GroupQueryAttention "

@@ -343,6 +343,8 @@ def verification_cases(original: onnx.ModelProto, results: list[BlockResult]) ->
         case = case_for(specs, f"past a form threshold ({n})", 2, [n + 1, n], "some")
         cases.append(replace(case, optional=True))
     odd = cases[1]
+    if any("no key padded" in r.form for r in results):  # the branch only unpadded runs take
+        cases.append(replace(odd, label="no key padded", padding="none"))
     shared = any("shared cache buffer" in r.form for r in results)
     if shared or any("If(no past)" in r.form for r in results):  # a KV-cache model's prompt
         cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}

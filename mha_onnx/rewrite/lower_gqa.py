@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.irutil import MS_DOMAIN, dims
 from mha_onnx.rewrite.lower_common import (
     TapeOps,
     branch,
@@ -39,10 +39,6 @@ def gqa_shapes_ok(info: SdpaInfo) -> bool:
 def gqa_ok(info: SdpaInfo) -> bool:
     """Can GQA compute this causal block exactly (possibly behind a run-time check)?"""
     if not info.causal or not gqa_shapes_ok(info):
-        return False
-    if info.window and info.padded is not None and info.query.dtype == ir.DataType.FLOAT16:
-        # ORT 1.31's float16 CPU kernel departs from its float32 one (and from the original)
-        # on padded query rows of a right-padded batch once S exceeds the window
         return False
     if info.alignment == "square":
         return True
@@ -72,7 +68,12 @@ def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None, *,
         attrs["local_window_size"] = info.window
     if info.softcap:
         attrs["softcap"] = info.softcap
-    inputs = [q3, k3, v3, None, None, seqlens, total, None, None, None, info.bias]
+    bias = info.bias
+    if bias is not None and (dims(bias) is None or dims(bias)[2] in (1, None)):
+        # GQA takes [B|1, H|1, S, T]: a bias the same for every query (ALiBi) is spread
+        rows = op.Concat(int_const(op, [1, 1]), seq_dim(op, q3, 1), int_const(op, [1]), axis=0)
+        bias = op.Expand(bias, rows)
+    inputs = [q3, k3, v3, None, None, seqlens, total, None, None, None, bias]
     while inputs[-1] is None:
         inputs.pop()
     return op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _outputs=3, **attrs)[0]
@@ -91,7 +92,16 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value) -> tuple[ir.Value, str]:
         return _top_left(op, info, q3, k3, v3), f"If(S <= T): {label} | MHA + causal bias"
     if info.padded is None:
         return gqa_call(op, info, q3, k3, v3), label
+    if _window_fp16(info):
+        return _unpadded(op, info, q3, k3, v3), f"If(no key padded): {label} | MHA + attention_bias"
     return _right_padded(op, info, q3, k3, v3), f"If(right padding): {label} | MHA + attention_bias"
+
+
+def _window_fp16(info: SdpaInfo) -> bool:
+    """ORT 1.31's float16 CPU GQA with a window departs from its float32 one (and from the
+    original) on the padded query rows of a right-padded batch once S exceeds the window:
+    such blocks take GQA only when no key is padded."""
+    return bool(info.window) and info.query.dtype == ir.DataType.FLOAT16
 
 
 def if_forms(op, info: SdpaInfo, cond: ir.Value, then, otherwise, tag: str, outputs: int = 1):
@@ -144,6 +154,15 @@ def _right_padded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
         return dense_mha(ops, info, q3, lazy=True)
 
     return if_forms(op, info, cond, fast, general, "right_padded")
+
+
+def _unpadded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
+    """If no key of any row is padded: GQA on every key; else the general form."""
+    assert info.padded is not None
+    most = op.ReduceMax(op.Cast(info.padded, to=ir.DataType.INT32), keepdims=0)
+    cond = op.Equal(most, int_const(op, 0, np.int32))
+    return if_forms(op, info, cond, lambda ops: gqa_call(ops, info, q3, k3, v3),
+                    lambda ops: dense_mha(ops, info, q3, lazy=True), "unpadded")
 
 
 def key_padding_gqa(op, info: SdpaInfo, q3, otherwise, max_keys: int | None = None) -> ir.Value:

@@ -96,6 +96,7 @@ class Pieces:
     size: tuple[SizeLeaf, ...] = ()
     padding: tuple[tuple[Padding, float], ...] = ()  # (padding, fill)
     reason: str = ""  # non-empty: a piece was not understood
+    merged: tuple[SizeLeaf, ...] = ()  # float biases added with batch and heads merged
 
 
 def _rank(value: ir.Value | None) -> int | None:
@@ -218,12 +219,16 @@ class _Collector:
         self.size: list[SizeLeaf] = []
         self.padding: list[tuple[Padding, float]] = []
         self.reasons: list[str] = []
+        self.merged: list[SizeLeaf] = []
 
     def result(self) -> Pieces:
-        return Pieces(tuple(self.size), tuple(self.padding), "; ".join(dict.fromkeys(self.reasons)))
+        return Pieces(tuple(self.size), tuple(self.padding), "; ".join(dict.fromkeys(self.reasons)),
+                      tuple(self.merged))
 
     def term(self, term: Term) -> None:
-        if term.lift:  # [B*H, S, T] pieces: kept as they are (a dense bias)
+        if term.lift and merged_bias(term):  # BLOOM's ALiBi on [B*H, 1, T]: added as it is
+            self.merged.append(SizeLeaf(term.value, None, term.post, lift=term.lift))
+        elif term.lift:  # a masked fill on [B*H, S, T]: kept with the rest (a dense bias)
             self.reasons.append("a mask applied with batch and heads merged")
         elif term.mode == "replace":
             self.boolean(term.value, term.masked_when, term.fill * term.post, 0)
@@ -276,12 +281,19 @@ class _Collector:
             for part in node.inputs:  # type: ignore[union-attr]
                 self.additive(part, post, depth + 1)
             return
+        if op == "Cast" and _is_float(node.inputs[0]) and depth < WALK_LIMIT:
+            self.additive(node.inputs[0], post, depth + 1)  # a float16 mask added in float32
+            return
         found = _boolean_spelling(node) if node is not None else None
         if found is None:
             self.reasons.append("an additive bias that depends on input values")
             return
         cond, masked_when, fill = found
         self.boolean(cond, masked_when, fill * post, depth + 1, outer=value)
+
+
+def _is_float(value: ir.Value | None) -> bool:
+    return value is not None and value.dtype is not None and value.dtype.is_floating_point()
 
 
 def _zero_operand(node: ir.Node | None) -> ir.Value | None:
@@ -319,6 +331,17 @@ def _boolean_spelling(node: ir.Node) -> tuple[ir.Value, bool, float] | None:
         if cast is not None and cast.inputs[0] is not None and cast.inputs[0].dtype == ir.DataType.BOOL:
             return cast.inputs[0], True, fill  # Cast(masked) * fill
     return None
+
+
+def merged_bias(term: Term) -> bool:
+    """A float tensor added to [B*H, S, T] scores that is not a mask spelled from a boolean:
+    a bias (ALiBi as BLOOM adds it with baddbmm), exact wherever it is added as it is."""
+    value = term.value
+    if term.mode != "add" or value.dtype is None or not value.dtype.is_floating_point():
+        return False
+    inner, layout_ok = strip_layout(value)
+    node = producer(inner) if layout_ok else None
+    return node is None or _boolean_spelling(node) is None
 
 
 def take_apart(terms: list[Term], sd: ScoreDims, size_only: Callable[[ir.Value], bool]) -> Pieces:

@@ -41,6 +41,12 @@ class MaskMeaning:
     fill: float = -math.inf  # the weakest score a masked key gets
     mode: str = "add"  # "replace": masked scores are overwritten (fully masked rows: mean of V)
     reason: str = ""  # non-empty: only the dense form is exact (why)
+    merged: tuple[SizeLeaf, ...] = ()  # biases added with batch and heads merged (ALiBi)
+
+    @property
+    def added(self) -> tuple[SizeLeaf, ...]:
+        """Every bias added to the scores as it is: position biases and merged ones."""
+        return self.biases + self.merged
 
     @property
     def kind(self) -> str:
@@ -49,7 +55,7 @@ class MaskMeaning:
             return "bias"
         if self.causal is not None:
             return "causal"
-        if self.biases:
+        if self.added:
             return "bias"
         return "key_padding" if self.padding is not None else "none"
 
@@ -65,6 +71,8 @@ class MaskMeaning:
             parts.append("key padding")
         if self.biases:
             parts.append("position bias")
+        if self.merged:
+            parts.append("bias on merged heads (ALiBi-style)")
         text = " + ".join(parts) or "none"
         if self.causal is not None and self.causal.window:
             text += f", window {self.causal.window}"
@@ -78,6 +86,7 @@ class MaskMeaning:
             "window": self.causal.window if self.causal else 0,
             "key_padding": self.padding is not None,
             "position_bias": bool(self.biases),
+            "merged_bias": bool(self.merged),
             "dense_reason": self.reason or None,
         }
 
@@ -109,14 +118,15 @@ def plan(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> MaskMeaning:
     weakest = max(fills, default=-math.inf)
     if fills and not (weakest <= REMOVES_KEY):
         return _dense(terms, f"masked keys get the score {weakest:g}, which does not remove them")
+    masking = [t for t in terms if not any(t.value is m.value for m in pieces.merged)]
     if padding:
-        disagreement = oracle.padding_agrees(terms, pieces.size, padding[0], sd)
+        disagreement = oracle.padding_agrees(masking, pieces.size, padding[0], sd)
         if disagreement:
             return _dense(terms, disagreement)
     causal = Causal(size.window, size.alignment) if size.kind == "causal" else None
     mode = "replace" if all(t.mode == "replace" for t in terms) else "add"
     meaning = MaskMeaning(causal, padding[0] if padding else None, size.biases, tuple(terms),
-                          weakest, mode)
+                          weakest, mode, merged=pieces.merged)
     if meaning.kind == "key_padding" and len(terms) > 1 and mode == "replace":
         return _dense(terms, "key padding spread over several masked fills")
     return meaning

@@ -95,6 +95,9 @@ def emit_sdpa(op, core) -> ir.Value:
     """Build the Sdpa node for a :class:`~mha_onnx.rewrite.core.Core`; returns its
     [B, H, S, Dv] (rank 3: [N, S, Dv]) output."""
     query, key, value = core.query, core.key, core.value
+    if core.out_dtype is not None:  # float16 values under float32 scores: all in float32
+        value = op.Cast(value, to=query.dtype)
+        value.shape, value.dtype = core.value.shape, query.dtype
     if core.key_form == "bthd":
         key = op.Transpose(key, perm=[0, 2, 1, 3])
     elif core.key_form == "kt":
@@ -106,7 +109,7 @@ def emit_sdpa(op, core) -> ir.Value:
         query, key, value = (op.Unsqueeze(x, axis) for x in (query, key, value))
     mask = core.mask
     padded = _padded_keys(op, mask.padding) if mask.padding is not None else None
-    bias = _sum_terms(op, core, [_bias_term(b) for b in mask.biases]) if mask.biases else None
+    bias = _sum_terms(op, core, [_bias_term(b) for b in mask.added]) if mask.added else None
     dense = _sum_terms(op, core, list(mask.terms)) if mask.terms else None
     causal = mask.causal
     attrs = {
@@ -121,11 +124,11 @@ def emit_sdpa(op, core) -> ir.Value:
         inputs.pop()
     out = op.Sdpa(*inputs, _domain=FUSION_DOMAIN, **attrs)
     if core.split_heads:  # back to [B*H, S, Dv]
-        return op.Reshape(out, op.Concat(op.Constant(value_ints=[-1]),
-                                         op.Shape(out, start=2, end=4), axis=0))
-    if core.rank == 3:
+        out = op.Reshape(out, op.Concat(op.Constant(value_ints=[-1]),
+                                        op.Shape(out, start=2, end=4), axis=0))
+    elif core.rank == 3:
         out = op.Squeeze(out, op.Constant(value_ints=[1]))
-    return out
+    return out if core.out_dtype is None else op.Cast(out, to=core.out_dtype)
 
 
 def split_heads(op, x3: ir.Value, heads: int) -> ir.Value:
@@ -133,8 +136,11 @@ def split_heads(op, x3: ir.Value, heads: int) -> ir.Value:
     shape = dims(x3)
     if shape is not None and shape and shape[0] == 1:
         return op.Unsqueeze(x3, op.Constant(value_ints=[0]))
-    return op.Reshape(x3, op.Concat(op.Constant(value_ints=[-1, heads]),
-                                    op.Shape(x3, start=1), axis=0))
+    out = op.Reshape(x3, op.Concat(op.Constant(value_ints=[-1, heads]),
+                                   op.Shape(x3, start=1), axis=0))
+    if shape is not None and len(shape) == 3:  # the head size is what the kernels check
+        out.shape, out.dtype = ir.Shape([None, heads, shape[1], shape[2]]), x3.dtype
+    return out
 
 
 def _padded_keys(op, padding) -> ir.Value:
