@@ -24,9 +24,9 @@ MAX_LENGTH = "max_sequence_length"  # shared buffers: their length dim
 
 
 def cache_pairs(model: onnx.ModelProto) -> dict[str, str]:
-    """past input -> present output: as fuse recorded them, else by name (our
-    ``past_key``/``present_key`` and Optimum's ``past_key_values.0.key``/``present.0.key``),
-    else by structure (an output that is a past input with new positions concatenated)."""
+    """past input -> present output: as fuse recorded them; else by structure (an output
+    that is a past input with new positions concatenated) and by name (our
+    ``past_key``/``present_key`` and Optimum's ``past_key_values.0.key``/``present.0.key``)."""
     from mha_onnx import metadata
 
     recorded = metadata.loaded(model, "kv_cache")

@@ -91,7 +91,11 @@ def _tensor(spec: InputSpec, batched: bool) -> dict[str, Any]:
     dims = [d if isinstance(d, int) else -1 for d in spec.dims]
     if batched:
         dims = dims[1:]
-    return {"name": spec.name, "data_type": TRITON_TYPES[spec.dtype.name], "dims": dims}
+    entry: dict[str, Any] = {"name": spec.name, "data_type": TRITON_TYPES[spec.dtype.name],
+                             "dims": dims or [1]}
+    if not dims:  # a scalar (a shared cache's past_sequence_length): Triton wants a dim
+        entry["reshape"] = {"shape": []}
+    return entry
 
 
 def _outputs(model) -> list[InputSpec]:

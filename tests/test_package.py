@@ -123,3 +123,20 @@ def test_report_merges_two_targets(export_cache, tmp_path):
     stale.write_text(json.dumps({"points": []}))
     refused = CliRunner().invoke(main, ["report", str(stale), "-o", str(tmp_path / "x.md")])
     assert refused.exit_code == 2 and "schema" in refused.output
+
+
+def test_a_shared_kv_cache_model_packages_its_scalar_length(export_cache, tmp_path,
+                                                              model_config_pb2):
+    """A scalar input (past_sequence_length of --kv-cache shared) is dims [1] reshaped to []:
+    Triton's schema has no rank-0 dims."""
+    src = export_cache(CFG.replace(mask="causal", kv_cache=True))
+    shared = tmp_path / "kv.onnx"
+    result = CliRunner().invoke(main, ["fuse", str(src), "-o", str(shared), "--kv-cache", "shared"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["package", str(shared), "-o", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    config = _parse(model_config_pb2, tmp_path / "r" / "kv" / "config.pbtxt")
+    length = next(i for i in config.input if i.name == "past_sequence_length")
+    assert list(length.dims) == [1] and length.HasField("reshape")
+    assert list(length.reshape.shape) == []
+    assert model_config_pb2.DataType.Name(length.data_type) == "TYPE_INT64"
