@@ -530,22 +530,28 @@ class _CachedWrap(nn.Module):
         return out.last_hidden_state, layer.keys, layer.values
 
 
-def hf_cached_decoder(family: str, attn: str = "eager", opset: int = 18) -> onnx.ModelProto:
+def hf_cached_decoder(family: str, attn: str = "eager", opset: int = 18, *, hidden: int = D,
+                      heads: int = H, kv_heads: int | None = None,
+                      max_positions: int = 128) -> onnx.ModelProto:
     """A one-layer Hugging Face decoder with a KV cache, as Optimum-style exports have it:
     ``input_ids`` [batch, seq], ``attention_mask`` [batch, past + seq], ``past_key`` and
     ``past_value`` [batch, kv_heads, past, head_dim]; outputs the hidden state and the
     presents (DynamicCache's concatenation). Positions and the causal mask come from the
-    cache's length inside the graph."""
+    cache's length inside the graph. Tiny by default; ``hidden``/``heads``/``kv_heads`` for
+    benchmarks."""
     import transformers as tf
 
     config_name, model_name, extra = DECODERS[family]
-    common = {"vocab_size": 99, "hidden_size": D, "num_hidden_layers": 1,
-              "num_attention_heads": H, "intermediate_size": 2 * D,
-              "max_position_embeddings": 128, "attn_implementation": attn}
+    extra = dict(extra)
+    if kv_heads is not None:
+        extra["num_key_value_heads"] = kv_heads
+    common = {"vocab_size": 99, "hidden_size": hidden, "num_hidden_layers": 1,
+              "num_attention_heads": heads, "intermediate_size": 2 * hidden,
+              "max_position_embeddings": max_positions, "attn_implementation": attn}
     config = getattr(tf, config_name)(**{**common, **extra})
     torch.manual_seed(0)
     model = getattr(tf, model_name)(config).eval()
-    kv, head = extra.get("num_key_value_heads", H), extra.get("head_dim", D // H)
+    kv, head = extra.get("num_key_value_heads", heads), extra.get("head_dim", hidden // heads)
     ids, mask = torch.randint(0, 99, (2, 3)), torch.ones(2, 8, dtype=torch.int64)
     past_key, past_value = torch.randn(2, kv, 5, head), torch.randn(2, kv, 5, head)
     batch, seq, _ = _dims()

@@ -343,17 +343,20 @@ def verification_cases(original: onnx.ModelProto, results: list[BlockResult]) ->
         case = case_for(specs, f"past a form threshold ({n})", 2, [n + 1, n], "some")
         cases.append(replace(case, optional=True))
     odd = cases[1]
-    if any("no key padded" in r.form for r in results):  # the branch only unpadded runs take
-        cases.append(replace(odd, label="no key padded", padding="none"))
+    branches = [odd]
     shared = any("shared cache buffer" in r.form for r in results)
     if shared or any("If(no past)" in r.form for r in results):  # a KV-cache model's prompt
         cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}
         cases.append(ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)},
                                "some"))
-    if shared or any("If(one new token)" in r.form for r in results):  # its decode steps
-        new = {s.dims[1] for s in specs if len(s.dims) == 3 and isinstance(s.dims[1], str)}
+    if shared or any("If(one new token" in r.form for r in results):  # its decode steps
+        new = {s.dims[1] for s in specs if len(s.dims) in (2, 3) and s.role != "mask"
+               and isinstance(s.dims[1], str)}  # the query's seq_q, a decoder's input_ids
         cases.append(ShapeCase("one new token (decode)", {**odd.dims, **dict.fromkeys(new, 1)},
                                "some"))
+        branches.append(cases[-1])
+    if any("no key padded" in r.form for r in results):  # the branch only unpadded runs take
+        cases += [replace(c, label=f"{c.label}, no key padded", padding="none") for c in branches]
     return cases
 
 

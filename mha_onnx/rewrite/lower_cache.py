@@ -139,8 +139,8 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
         return outs[0], label
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
     rest = "If(no past): GroupQueryAttention (causal) | MHA + attention_bias"
-    if info.kv_heads != info.heads and info.padded is not None:
-        cache = None  # GQA with past takes no key padding, MHA with past no grouped K/V
+    if cache is not None and info.kv_heads != info.heads and info.padded is not None:
+        return _grouped_padded(op, info, q3, cache, decoding, rest)
     if cache is not None:
         outs = if_forms(op, info, decoding, lambda o: _decode_with_past(o, info, q3, *cache),
                         lambda o: _prefill_appending(o, info, q3, *cache), "decode", outputs=3)
@@ -151,6 +151,29 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
                    lambda o: _prefill(o, info, q3), "decode")
     head = "MHA key_padding_mask" if info.padded is not None else "MultiHeadAttention"
     return out, f"If(one new token): {head} over the cache | {rest}"
+
+
+def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: str) -> tuple[ir.Value, str]:
+    """Grouped K/V with a key padding mask: GQA with past takes no padding and MHA with past
+    no grouped K/V, so a step takes GQA with past when no key is padded (a batch of one, or
+    of equal lengths) and MHA over the cache's heads repeated otherwise."""
+    most = op.ReduceMax(op.Cast(info.padded, to=ir.DataType.INT32), keepdims=0)
+    fast = op.And(decoding, op.Equal(most, int_const(op, 0, np.int32)))
+
+    def padded(ops: TapeOps):
+        k, v = (ops.Concat(c.past, c.new, axis=2) for c in cache)
+        for made, old in ((k, cache[0].concat), (v, cache[1].concat)):
+            made.shape, made.dtype = old.shape, old.dtype
+        wide = dataclasses.replace(info, key=k, value=v)
+        out = if_forms(ops, wide, decoding, lambda o: _decode(o, wide, q3),
+                       lambda o: _prefill(o, wide, q3), "padded")
+        return out, k, v
+
+    outs = if_forms(op, info, fast, lambda o: _decode_with_past(o, info, q3, *cache), padded,
+                    "decode", outputs=3)
+    outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
+    return outs[0], ("If(one new token, no key padded): GroupQueryAttention with past (presents "
+                     f"from it) | If(one new token): MHA key_padding_mask over the cache | {rest}")
 
 
 def route_presents(graph: ir.Graph) -> dict[str, str]:
