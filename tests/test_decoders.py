@@ -63,6 +63,7 @@ FAMILIES = [
     ("falcon", "eager", 18, "float32", "4 q heads / 1 kv heads"),
     ("phi3", "sdpa", 18, "float32", "kv heads"),
     ("opt", "eager", 18, "float32", ""),
+    ("mpt", "eager", 18, "float32", "position bias"),  # ALiBi table, a float mask cast to bool
     ("llama", "sdpa", 23, "float32", "4 q heads / 2 kv heads"),  # Attention-23, RotaryEmbedding
 ]
 

@@ -169,3 +169,16 @@ def test_padding_is_proven_by_evaluation():
     assert "checked by evaluation" in wrong
     no_causal = oracle.padding_agrees(terms, (), Padding(g["pad"], False), SD)
     assert "checked by evaluation" in no_causal
+
+
+def test_a_float_mask_cast_to_bool_is_read_through_its_spelling():
+    """MPT: masked_fill(Cast(Where(keep, 0, min), bool), min): True (masked) where keep is
+    False: the causal keep and the padding inside are found."""
+    g = _graph([node("LessOrEqual", ["j", "i"], "causal"), *_padding_b11t("am", "am4"),
+                node("Cast", ["am4"], "amb", to=BOOL), node("And", ["causal", "amb"], "keep"),
+                const("zf", 0.0), const("low", -3.4e38), node("Where", ["keep", "zf", "low"], "fm"),
+                node("Cast", ["fm"], "masked", to=BOOL)], ["masked"])
+    pieces = take_apart([Term("replace", g["masked"], 1.0, -3.4e38, True)], SD, _size_only(g))
+    assert not pieces.reason and [leaf.value for leaf in pieces.size] == [g["causal"]]
+    (padding, _), = pieces.padding
+    assert padding.source is g["am"] and padding.inverted

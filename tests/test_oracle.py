@@ -120,3 +120,20 @@ def test_dims_of_intermediates_cut_the_slice():
 def test_values_of_inputs_are_not_size_only():
     g = Graph(model([node("Not", ["m"], "keep")], [tensor("m", BOOL, ["B", "S"])], ["keep"]))
     assert not Oracle(g.model).size_only(g["keep"])
+
+
+def test_an_alibi_table_sliced_to_the_keys_is_a_bias_within_its_length():
+    """MPT: ALiBi as a [H, 1, 64] table sliced to the last T keys. Past 64 the slice no
+    longer fits the scores (the model cannot run there either), so the oracle evaluates at
+    the longest lengths within it; far keys get graded scores below -100 (not one fill):
+    a bias added as it is, never a mask."""
+    import numpy as np
+
+    table = -(63 - np.arange(64, dtype=np.float32))[None, None, :] * np.array(
+        [[[0.5]], [[4.0]]], np.float32)
+    nodes = [const("table", table), const("n64", [64]), node("Sub", ["n64", "t_1d"], "start"),
+             const("end", [64]), const("axis2", [2]),
+             node("Slice", ["table", "start", "end", "axis2"], "keep")]
+    oracle, g = _keep(nodes)
+    verdict = oracle.pattern([SizeLeaf(g["keep"], None)], SQUARE)
+    assert verdict.kind == "none" and [b.value for b in verdict.biases] == [g["keep"]]

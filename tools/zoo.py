@@ -486,6 +486,9 @@ DECODERS: dict[str, tuple[str, str, dict]] = {
     "gptj": ("GPTJConfig", "GPTJModel", {"rotary_dim": 4}),
     # ALiBi folded into the scores with baddbmm on [B*H, S, T], softmax on [B, H, S, T]
     "bloom": ("BloomConfig", "BloomModel", {}),
+    # ALiBi as a [H, 1, max_seq_len] table sliced to the keys; a float mask cast to bool
+    "mpt": ("MptConfig", "MptModel", {"d_model": D, "n_layers": 1, "n_heads": H,
+                                      "max_seq_len": 128}),
 }
 
 

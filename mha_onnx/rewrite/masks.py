@@ -256,6 +256,12 @@ class _Collector:
         elif (op == "And" and not masked_when) or (op == "Or" and masked_when):
             for part in node.inputs:  # type: ignore[union-attr]
                 self.boolean(part, masked_when, fill, depth + 1)
+        elif _is_float(inner) and (spelled := _boolean_spelling(node)) is not None:
+            # a float mask read as a boolean (MPT: Cast(Where(keep, 0, min), bool)): nonzero,
+            # i.e. True, exactly where its condition equals the spelling's polarity
+            cond, nonzero_when, _ = spelled
+            self.boolean(cond, nonzero_when if masked_when else not nonzero_when, fill,
+                         depth + 1, outer)
         else:
             self._data_leaf(outer, value, masked_when, fill)
 

@@ -93,18 +93,24 @@ class MaskMeaning:
 
 def _dense(terms: list[Term], reason: str) -> MaskMeaning:
     """Only the dense form; refused when even that cannot reproduce fully masked rows."""
-    masking = [t for t in terms if t.mode == "replace"]
-    for term in masking:
-        if len(terms) > 1 and not term.fill * term.post <= ABSORBING:
+    _finite_fill_alone(terms)
+    return MaskMeaning(terms=tuple(terms), reason=reason)
+
+
+def _finite_fill_alone(terms: list[Term]) -> None:
+    """A masked_fill whose value does not absorb what other terms add (float16's -65504 under
+    MPT's ALiBi) gives fully masked rows one equal score that no additive form reproduces."""
+    for term in terms:
+        if term.mode == "replace" and len(terms) > 1 and not term.fill * term.post <= ABSORBING:
             raise Unsupported(f"masked_fill with the finite value {term.fill:g} combined with "
                               "other masks: fully masked rows could not be reproduced exactly")
-    return MaskMeaning(terms=tuple(terms), reason=reason)
 
 
 def plan(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> MaskMeaning:
     """Reduce the terms of one block to their meaning."""
     if not terms:
         return MaskMeaning()
+    _finite_fill_alone(terms)
     pieces = take_apart(terms, sd, oracle.size_only)
     if pieces.reason:
         return _dense(terms, pieces.reason)

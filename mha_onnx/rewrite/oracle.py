@@ -135,15 +135,32 @@ class Oracle:
 
     def _evaluate(self, leaves: list[SizeLeaf], sd: ScoreDims) -> SizePattern:
         runner = SliceRunner(self.model, [leaf.value for leaf in leaves], set(self._symbols))
-        lengths = self._lengths(runner.constants())
+        constants = runner.constants()
+        lengths = self._lengths(constants)
         observed = []
-        for assignment in assignments(self._symbols, lengths):
-            s, t = resolve(sd.seq_q, assignment), resolve(sd.seq_kv, assignment)
-            if s is None or t is None:
-                raise Refused("the scores' lengths cannot be related to the inputs' dims")
-            arrays = runner.run(assignment)
-            observed.append(_masked_and_biases(leaves, arrays, s, t))
+        for n, assignment in enumerate(assignments(self._symbols, lengths)):
+            try:
+                observed.append(self._observe(runner, leaves, sd, assignment))
+            except Refused:
+                if n < len(BASE_LENGTHS):
+                    raise
+                # Past the constant the pieces no longer fit the scores: a table of that many
+                # positions (MPT's ALiBi), so the model runs no longer either, and a window
+                # as long is no window. Evaluated at the longest lengths within the table.
+                base = max(constants) - 4 * len(self._symbols)
+                if base <= BASE_LENGTHS[-1]:
+                    raise
+                within = assignments(self._symbols, [*BASE_LENGTHS, base])[-1]
+                observed.append(self._observe(runner, leaves, sd, within))
         return _classify(observed, leaves)
+
+    @staticmethod
+    def _observe(runner: SliceRunner, leaves: list[SizeLeaf], sd: ScoreDims,
+                 assignment: dict[str, int]) -> _Observed:
+        s, t = resolve(sd.seq_q, assignment), resolve(sd.seq_kv, assignment)
+        if s is None or t is None:
+            raise Refused("the scores' lengths cannot be related to the inputs' dims")
+        return _masked_and_biases(leaves, runner.run(assignment), s, t)
 
     def _lengths(self, constants: list[int]) -> list[int]:
         lengths = list(BASE_LENGTHS)
@@ -189,6 +206,10 @@ def _masked_and_biases(leaves: list[SizeLeaf], arrays: list[np.ndarray], s: int,
         else:
             scaled = grid.astype(np.float64) * leaf.post
             here = scaled <= REMOVES_KEY
+            if here.any() and np.unique(scaled[here]).size > 1:
+                # graded, not one fill (ALiBi's far keys at long lengths): a bias, added as
+                # it is; masks fill their keys with one value
+                here = np.zeros_like(here)
             if here.any():
                 fills.append(float(scaled[here].max()))
             if np.any(scaled[~here] != 0):
