@@ -124,6 +124,11 @@ def shared_buffers(pasts: Mapping[str, np.ndarray], capacity: int, device: str =
             for name, past in pasts.items()}
 
 
+def device_of(provider: str) -> str:
+    """Where an execution provider's buffers live for IO binding."""
+    return "cpu" if provider == "cpu" else "cuda"
+
+
 def bound_step(session: Any, feeds: Mapping[str, np.ndarray], buffers: Mapping[str, Any],
                pairs: Mapping[str, str], device: str = "cpu") -> tuple[Any, Callable[[], None]]:
     """(binding, run): every past bound to its buffer (an OrtValue) and its present to the
@@ -157,7 +162,7 @@ class SharedCache:
                  max_length: int = 0, headroom: int = 3) -> None:
         self.runner, self.specs, self.pairs = runner, list(specs), dict(pairs)
         self.max_length, self.headroom = max_length, headroom
-        self.device = "cpu" if runner.provider == "cpu" else "cuda"
+        self.device = device_of(runner.provider)
         self.io_binding = True
         self._buffers: dict[str, Any] = {}
         self._returned: dict[str, np.ndarray] = {}

@@ -93,7 +93,7 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
         if config.decode:
             from mha_onnx.profile.worker import decode_feeds
 
-            decode_feeds(model, input_specs(model), 1, 1)  # refuses a model without a cache
+            decode_feeds(model, 1, 1)  # refuses a model without a cache
         elif is_shared(model):
             raise InputSpecError(f"{path}: a model with a shared KV-cache buffer is profiled "
                                  "by decode steps", hint="use --decode --context ...")

@@ -119,29 +119,33 @@ def timed_loop(runs: list[Callable[[], Any]], *, warmup: int, iters: int | None,
     return times
 
 
-def _feeds(spec: PointSpec, model: str) -> dict[str, np.ndarray]:
+def _proto(model: str):
     from mha_onnx.graphio import read_model
+
+    return read_model(model, load_external_data=False)
+
+
+def _feeds(spec: PointSpec, proto) -> dict[str, np.ndarray]:
     from mha_onnx.inputs import case_for, input_specs, load_inputs, make_inputs
 
-    proto = read_model(model, load_external_data=False)
     specs = input_specs(proto)
     if spec.inputs:
         return load_inputs(spec.inputs, specs)
     if spec.decode:
-        return decode_feeds(proto, specs, spec.batch, spec.seq_len)
+        return decode_feeds(proto, spec.batch, spec.seq_len)
     padding = "tail" if spec.pad_fraction else "none"
     case = case_for(specs, "profile", spec.batch, [spec.seq_len], padding, spec.pad_fraction)
     return make_inputs(specs, case)
 
 
-def decode_feeds(proto, specs, batch: int, context: int) -> dict[str, np.ndarray]:
+def decode_feeds(proto, batch: int, context: int) -> dict[str, np.ndarray]:
     """One new token after ``context`` cached positions (every cache input's length dim; a
     shared buffer: one position longer, ``context`` of them cached)."""
     from mha_onnx.cache import is_shared, shared_view, to_shared
     from mha_onnx.inputs import ShapeCase, case_for, make_inputs
 
+    specs, pairs = shared_view(proto)  # a shared buffer's as the appended interface has them
     shared = is_shared(proto)
-    specs, pairs = shared_view(proto) if shared else (specs, shared_view(proto)[1])
     past = {s.dims[2] for s in specs if s.name in pairs and isinstance(s.dims[2], str)}
     if not past:
         from mha_onnx.errors import InputSpecError
@@ -179,21 +183,19 @@ def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
                      spinning=len(spec.models) == 1)
 
 
-def _bound_run(runner, feeds: dict[str, np.ndarray], proto=None) -> Callable[[], Any]:
+def _bound_run(runner, feeds: dict[str, np.ndarray], proto) -> Callable[[], Any]:
     """One run: inputs on the device once (IO binding) or plain host feeds; a shared KV
     cache bound as past and present (every run writes the same next position in place)."""
-    from mha_onnx.cache import LENGTH_INPUT, bound_step, cache_pairs, shared_buffers
+    from mha_onnx.cache import LENGTH_INPUT, bound_step, cache_pairs, device_of
+    from mha_onnx.runtimes import import_ort
 
-    if LENGTH_INPUT in feeds and proto is not None:
-        pairs = cache_pairs(proto)
-        device = "cpu" if runner.provider == "cpu" else "cuda"
-        pasts = {name: feeds[name] for name in pairs}
-        buffers = shared_buffers(pasts, next(iter(pasts.values())).shape[2], device)
+    if LENGTH_INPUT in feeds:  # feeds made by decode_feeds: the pasts are the buffers
+        pairs, device = cache_pairs(proto), device_of(runner.provider)
+        ort = import_ort(for_gpu=device != "cpu")
+        buffers = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n], device, 0) for n in pairs}
         return bound_step(runner.session, feeds, buffers, pairs, device)[1]
     if not runner.io_binding:
         return lambda: runner.infer(feeds)
-    from mha_onnx.runtimes import import_ort
-
     ort = import_ort(for_gpu=True)
     binding = runner.session.io_binding()
     for name, array in feeds.items():
@@ -207,17 +209,17 @@ def measure(spec: PointSpec) -> dict[str, Any]:
     """Time ``spec`` in this process: per model its run times and session time; for one
     model also the peak memory of the runs and, if asked, the time per op."""
     device0 = device_used() if spec.provider != "cpu" else None
-    runners, runs, sessions = [], [], {}
+    runners, runs, sessions, first = [], [], {}, None
     for model in spec.models:
         start = time.perf_counter()
         runner = _runner(spec, model)
         runner.session  # noqa: B018
         sessions[model] = time.perf_counter() - start
         runners.append(runner)
-        from mha_onnx.graphio import read_model
-
-        runs.append(_bound_run(runner, _feeds(spec, model),
-                               read_model(model, load_external_data=False)))
+        proto = _proto(model)
+        feeds = _feeds(spec, proto)
+        first = first or (feeds, proto)
+        runs.append(_bound_run(runner, feeds, proto))
     rss_before = rss()
     reset_peak_rss()
     times = timed_loop(runs, warmup=spec.warmup, iters=spec.iters, min_time=spec.min_time)
@@ -226,11 +228,8 @@ def measure(spec: PointSpec) -> dict[str, Any]:
         runner.close()
     out: dict[str, Any] = {"models": {m: {"times": t, "session_s": sessions[m]}
                                       for m, t in zip(spec.models, times, strict=True)}}
-    if spec.decode:
-        from mha_onnx.graphio import read_model
-
-        proto = read_model(spec.models[0], load_external_data=False)
-        out["cache_bytes"] = cache_bytes(_feeds(spec, spec.models[0]), proto)
+    if spec.decode and first is not None:
+        out["cache_bytes"] = cache_bytes(*first)
     if len(spec.models) == 1:
         out.update(peak_rss=peak, run_rss=max(0, peak - rss_before),
                    device_bytes=None if device0 is None or device is None else max(0, device - device0))
@@ -247,7 +246,7 @@ def _op_times(spec: PointSpec) -> dict[str, Any]:
     folder = spec.trace_dir or None
     with tempfile.TemporaryDirectory(prefix="mha_onnx_prof_") as tmp:
         runner = _runner(spec, spec.models[0], profile_dir=folder or tmp)
-        feeds = _feeds(spec, spec.models[0])
+        feeds = _feeds(spec, _proto(spec.models[0]))
         runner.infer(feeds)
         runner.infer(feeds)
         trace = runner.end_profiling()

@@ -21,7 +21,7 @@ from onnxscript.optimizer import optimize, remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx import __version__, metadata
-from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH, SharedCache, cache_pairs, is_shared
+from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import ConfigError, FusionError, RuntimeCrash
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.inputs import ShapeCase, case_for, default_cases, input_specs, load_inputs
@@ -315,12 +315,8 @@ def fuse_file(
     verification = None
     if verify_result:
         cases = None if given is not None else verification_cases(original, results)
-        wrap = None
-        if is_shared(fused):  # run on its buffers, compared through the appended interface
-            specs, pairs = input_specs(original), cache_pairs(fused)
-            wrap = lambda runner: SharedCache(runner, specs, pairs)  # noqa: E731
         verification = verify(original, fused, cases=cases, given=given, atol=atol, rtol=rtol,
-                              levels=(level, fused_level), wrap=wrap)
+                              levels=(level, fused_level))
         _refuse_mismatch(verification)
     write_model(fused, output, force=force)
     return FuseReport(

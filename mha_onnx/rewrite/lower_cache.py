@@ -25,7 +25,13 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import MS_DOMAIN, onehot_dim, replace_shape
-from mha_onnx.rewrite.lower_common import TapeOps, dense_mha, int_const, scalar_shape
+from mha_onnx.rewrite.lower_common import (
+    TapeOps,
+    dense_mha,
+    int_const,
+    none_padded,
+    scalar_shape,
+)
 from mha_onnx.rewrite.lower_gqa import gqa_ok, if_forms, lower_gqa
 from mha_onnx.rewrite.lower_shared import lower_shared, shareable
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
@@ -45,6 +51,13 @@ class Appended:
     concat: ir.Value
     past: ir.Value
     new: ir.Value
+
+    def rebuilt(self, ops, past: ir.Value | None = None) -> ir.Value:
+        """The Concat made again where it is needed (in a branch), of ``past`` (default:
+        the whole past) and the new positions, typed as the original."""
+        made = ops.Concat(self.past if past is None else past, self.new, axis=2)
+        made.shape, made.dtype = self.concat.shape, self.concat.dtype
+        return made
 
 
 def appended(x: ir.Value) -> Appended | None:
@@ -120,10 +133,7 @@ def _prefill(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
 
 def _prefill_appending(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Appended):
     """The other branch when the presents come out of the If: the Concats are made here."""
-    k = ops.Concat(key.past, key.new, axis=2)
-    v = ops.Concat(value.past, value.new, axis=2)
-    for made, old in ((k, key.concat), (v, value.concat)):
-        made.shape, made.dtype = old.shape, old.dtype
+    k, v = key.rebuilt(ops), value.rebuilt(ops)
     return _prefill(ops, dataclasses.replace(info, key=k, value=v), q3), k, v
 
 
@@ -157,13 +167,10 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: str) -> tuple
     """Grouped K/V with a key padding mask: GQA with past takes no padding and MHA with past
     no grouped K/V, so a step takes GQA with past when no key is padded (a batch of one, or
     of equal lengths) and MHA over the cache's heads repeated otherwise."""
-    most = op.ReduceMax(op.Cast(info.padded, to=ir.DataType.INT32), keepdims=0)
-    fast = op.And(decoding, op.Equal(most, int_const(op, 0, np.int32)))
+    fast = op.And(decoding, none_padded(op, info))
 
     def padded(ops: TapeOps):
-        k, v = (ops.Concat(c.past, c.new, axis=2) for c in cache)
-        for made, old in ((k, cache[0].concat), (v, cache[1].concat)):
-            made.shape, made.dtype = old.shape, old.dtype
+        k, v = (c.rebuilt(ops) for c in cache)
         wide = dataclasses.replace(info, key=k, value=v)
         out = if_forms(ops, wide, decoding, lambda o: _decode(o, wide, q3),
                        lambda o: _prefill(o, wide, q3), "padded")

@@ -136,6 +136,13 @@ def int_const(op, values: list[int] | int, dtype: Any = np.int64) -> ir.Value:
     return op.Constant(value=ir.tensor(np.array(values, dtype)))
 
 
+def none_padded(op, info: SdpaInfo) -> ir.Value:
+    """A bool scalar: no key of any row is padded (``info.padded`` is all False)."""
+    assert info.padded is not None
+    most = op.ReduceMax(op.Cast(info.padded, to=ir.DataType.INT32), keepdims=0)
+    return op.Equal(most, int_const(op, 0, np.int32))
+
+
 def mean_over_keys(op, v: ir.Value, axis: int) -> ir.Value:
     """The mean of V over its key axis (uniform attention weights), keeping that axis."""
     total = op.ReduceSum(v, op.Constant(value_ints=[axis]), keepdims=1)

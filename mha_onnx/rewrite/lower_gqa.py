@@ -25,6 +25,7 @@ from mha_onnx.rewrite.lower_common import (
     dense_mha,
     int_const,
     name_values,
+    none_padded,
     safe_name,
     scalar_shape,
 )
@@ -158,10 +159,7 @@ def _right_padded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
 
 def _unpadded(op, info: SdpaInfo, q3, k3, v3) -> ir.Value:
     """If no key of any row is padded: GQA on every key; else the general form."""
-    assert info.padded is not None
-    most = op.ReduceMax(op.Cast(info.padded, to=ir.DataType.INT32), keepdims=0)
-    cond = op.Equal(most, int_const(op, 0, np.int32))
-    return if_forms(op, info, cond, lambda ops: gqa_call(ops, info, q3, k3, v3),
+    return if_forms(op, info, none_padded(op, info), lambda ops: gqa_call(ops, info, q3, k3, v3),
                     lambda ops: dense_mha(ops, info, q3, lazy=True), "unpadded")
 
 

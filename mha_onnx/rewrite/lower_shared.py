@@ -31,7 +31,13 @@ import onnx_ir as ir
 from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.irutil import MS_DOMAIN, onehot_dim, replace_shape
-from mha_onnx.rewrite.lower_common import TapeOps, dense_mha, int_const, scalar_shape
+from mha_onnx.rewrite.lower_common import (
+    TapeOps,
+    dense_mha,
+    int_const,
+    none_padded,
+    scalar_shape,
+)
 from mha_onnx.rewrite.lower_gqa import if_forms
 from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
 
@@ -65,8 +71,7 @@ def lower_shared(op, info: SdpaInfo, q3: ir.Value, key, value) -> tuple[list[ir.
     one = int_const(op, 1, np.int32)
     fast = op.Or(op.Equal(new32, one), op.Equal(past32, int_const(op, 0, np.int32)))
     if info.padded is not None:
-        most = op.ReduceMax(op.Cast(info.padded, to=ir.DataType.INT32), keepdims=0)
-        fast = op.And(fast, op.Equal(most, int_const(op, 0, np.int32)))
+        fast = op.And(fast, none_padded(op, info))
     seqlens = op.Expand(op.Sub(total, one), seq_dim(op, q3, 0))
 
     def gqa(ops: TapeOps):
@@ -92,8 +97,7 @@ def _general(ops: TapeOps, info: SdpaInfo, q3, key, value, past: ir.Value):
     big = int_const(ops, [np.iinfo(np.int64).max])
     logical, buffers = [], []
     for cache in (key, value):
-        made = ops.Concat(ops.Slice(cache.past, zero, length, axis), cache.new, axis=2)
-        made.shape, made.dtype = cache.concat.shape, cache.concat.dtype
+        made = cache.rebuilt(ops, ops.Slice(cache.past, zero, length, axis))
         logical.append(made)
         buffers.append(ops.Concat(made, ops.Slice(cache.past, end, big, axis), axis=2))
     wide = dataclasses.replace(info, key=logical[0], value=logical[1])

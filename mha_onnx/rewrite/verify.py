@@ -5,13 +5,14 @@ padded batch entry), compared with a dtype-aware tolerance."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 
+from mha_onnx.cache import SharedCache, cache_pairs, is_shared
 from mha_onnx.errors import MhaOnnxError, VerifyError
 from mha_onnx.inputs import ShapeCase, case_of_feeds, default_cases, input_specs, iter_feeds
 from mha_onnx.runtimes import OrtRunner
@@ -65,11 +66,11 @@ def verify(
     rtol: float | None = None,
     threads: int | None = None,
     levels: tuple[str, str] = ("all", "all"),
-    wrap: Callable[[OrtRunner], Any] | None = None,
 ) -> Verification:
     """Run both models on the same inputs (``given`` ones, else generated ``cases``) and
-    compare every output; ``levels``: the ORT optimisation level of each model; ``wrap``:
-    what runs the fused model given its runner (an interface adapter)."""
+    compare every output; ``levels``: the ORT optimisation level of each model. A fused
+    model with a shared KV cache runs on its own buffers behind the original's (appended)
+    interface."""
     specs = input_specs(original)
     if given is not None:
         runs = [(case_of_feeds(specs, dict(given), "given inputs"), dict(given))]
@@ -79,7 +80,7 @@ def verify(
     before = _Original(original, threads, levels[0])
     with OrtRunner(fused.SerializeToString(), "cpu", threads=threads,
                    optimization=levels[1]) as runner:
-        after = wrap(runner) if wrap is not None else runner
+        after = SharedCache(runner, specs, cache_pairs(fused)) if is_shared(fused) else runner
         for case, feeds in runs:
             try:
                 want = before.infer(feeds, fall_back=not case.optional)
