@@ -116,9 +116,14 @@ def inspect(model, as_json):
 @click.option("-o", "--output", required=True, help="Where to write the fused model.")
 @click.option("--target", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True,
               help="ort: ONNX Runtime contrib kernels; onnx: the standard Attention op (opset 23).")
+@click.option("--ep", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu",
+              show_default=True,
+              help="Execution provider the model will run on (target ort): the forms measured "
+                   "fastest there (docs/fusion-forms.md for cpu, docs/gpu/ for cuda; tensorrt "
+                   "runs ORT's attention kernels on CUDA).")
 @click.option("--form", "forms", multiple=True,
               help="Override a kernel form (target ort): causal=gqa|unidirectional|bias, "
-                   "key_padding=loop|mask|bias. Defaults: the fastest measured on CPU.")
+                   "key_padding=auto|loop|mask|bias|gqa. Defaults: those of --ep.")
 @click.option("--kv-cache", "kv_cache", type=click.Choice(["appended", "shared"]),
               default="appended", show_default=True,
               help="KV-cache models: appended keeps the interface (presents = pasts + new); "
@@ -131,7 +136,7 @@ def inspect(model, as_json):
               help="Verify with these inputs (.npz, one array per input) instead of generated ones.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def fuse(model, output, target, forms, kv_cache, no_verify, atol, rtol, inputs_npz, force,
+def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inputs_npz, force,
          as_json):
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
@@ -139,7 +144,7 @@ def fuse(model, output, target, forms, kv_cache, no_verify, atol, rtol, inputs_n
     from mha_onnx.rewrite.lower_ort import Forms
 
     report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
-                       atol=atol, rtol=rtol, forms=Forms.parse(forms), inputs=inputs_npz,
+                       atol=atol, rtol=rtol, forms=Forms.parse(forms, ep), inputs=inputs_npz,
                        kv_cache=kv_cache)
     _emit(report, as_json)
 

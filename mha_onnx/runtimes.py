@@ -65,6 +65,10 @@ def import_ort(*, for_gpu: bool = False) -> Any:
     if (for_gpu and not _PRELOADED and preload is not None
             and PROVIDERS["cuda"] in ort.get_available_providers()):
         _PRELOADED = True
+        # torch, where installed, loads the CUDA/cuDNN libraries its wheels carry (globally),
+        # which is how ORT's CUDA provider finds them beside a CUDA build of torch.
+        with contextlib.suppress(Exception):
+            import torch  # noqa: F401
         with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(Exception):
             _capture_native_stderr(preload)
     return ort
@@ -129,6 +133,7 @@ class OrtRunner:
         strict: bool = True,
         optimization: str = "all",
         spinning: bool = True,
+        tf32: bool = False,
     ) -> None:
         if provider not in PROVIDERS:
             raise ProviderError(
@@ -143,6 +148,7 @@ class OrtRunner:
         self.strict = strict
         self.optimization = optimization
         self.spinning = spinning
+        self.tf32 = tf32
         self._session: Any = None
         self._quiet_run: Any = None
         self.info: SessionInfo | None = None
@@ -199,13 +205,14 @@ class OrtRunner:
             self.info = SessionInfo("cpu", (wanted,), time.perf_counter() - start, False)
             return session
         # First ask for every node on the device, with ORT's CPU fallback disabled.
+        device = (wanted, self._provider_options())
         try:
-            session, captured = self._session_or_error(ort, source, [wanted], allow_fallback=False)
+            session, captured = self._session_or_error(ort, source, [device], allow_fallback=False)
             allow_fallback = False
         except _SessionFailed as failed:
             # Either the EP cannot start at all, or some nodes can only run on the CPU.
             session, captured = self._session_or_error(
-                ort, source, [wanted, PROVIDERS["cpu"]], allow_fallback=True
+                ort, source, [device, PROVIDERS["cpu"]], allow_fallback=True
             )
             if wanted in session.get_providers() and self.strict:
                 raise ProviderUnavailableError(
@@ -223,8 +230,16 @@ class OrtRunner:
         self.info = SessionInfo(self.provider, got, time.perf_counter() - start, allow_fallback)
         return session
 
+    def _provider_options(self) -> dict[str, str]:
+        """CUDA: float32 MatMuls in float32. ORT's CUDA provider rounds them through TF32 by
+        default (about 1e-3 relative), which silently changes a float32 model's results;
+        ``tf32=True`` measures that default instead."""
+        if self.provider == "cuda":
+            return {"use_tf32": "1" if self.tf32 else "0"}
+        return {}
+
     def _session_or_error(
-        self, ort: Any, source: Any, providers: list[str], *, allow_fallback: bool
+        self, ort: Any, source: Any, providers: list[Any], *, allow_fallback: bool
     ) -> tuple[Any, str]:
         options = self._options(ort, allow_fallback)
         try:
@@ -346,7 +361,8 @@ def node_placement(
 ) -> dict[str, tuple[str, str]]:
     """node name -> (op type, provider that ran it), from one profiled run."""
     with tempfile.TemporaryDirectory(prefix="mha_onnx_prof_") as folder:
-        runner = OrtRunner(model, provider, profile_dir=folder, io_binding=provider != "cpu")
+        runner = OrtRunner(model, provider, profile_dir=folder, io_binding=provider != "cpu",
+                           strict=False)
         try:
             runner.infer(feeds)
             trace = runner.end_profiling()

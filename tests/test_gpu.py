@@ -86,3 +86,20 @@ def test_shared_kv_cache_decodes_in_place_on_cuda(export_cache, tmp_path, dtype)
     assert report, report.render()
     assert any(c.provider == "cuda" and c.case.startswith("decode step 16")
                for c in report.comparisons)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("mask", ["none", "key-padding", "causal"])
+def test_forms_for_cuda_run_every_attention_kernel_on_the_gpu(export_cache, tmp_path, mask, dtype):
+    """`fuse --ep cuda`: parity on CUDA and no attention kernel left to the CPU (float32
+    GroupQueryAttention has no CUDA kernel; the CPU forms' would run there)."""
+    from mha_onnx.parity import ValidateConfig, validate_model
+    from mha_onnx.rewrite import fuse_file
+    from mha_onnx.rewrite.lower_ort import Forms
+
+    src = export_cache(CFG.replace(mask=mask, dtype=dtype))
+    dst = tmp_path / "cuda.onnx"
+    fuse_file(src, dst, forms=Forms.for_ep("cuda"))
+    report = validate_model(dst, ValidateConfig(providers=("cpu", "cuda"), reference=str(src)))
+    assert report, report.render()
+    assert not report.notes, report.notes

@@ -3,7 +3,8 @@
 
     .venv/bin/python -m tools.fusion_forms [--batches 1] [--seq-lens 512,2048,8192]
         [--variants self-none,cross-none,self-key-padding,cross-key-padding,self-causal]
-        [--interleave] [--threads 2] [--provider cpu] [--out FILE.md]
+        [--interleave] [--threads 2] [--provider cpu] [--dtype float32] [--out FILE.md]
+        [--json FILE.json]
 
 For each variant it exports the base preset, fuses it with each form (plus the unfused export
 and the ONNX Attention op), and profiles them side by side per batch x length: p50 latency
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import sys
 import tempfile
@@ -49,18 +51,18 @@ VARIANTS = {
 }
 
 
-def _models(variant: str, folder: Path) -> dict[str, str]:
+def _models(variant: str, folder: Path, dtype: str = "float32") -> dict[str, str]:
     attention, mask = variant.split("-", 1)
-    cfg = load_preset("base").replace(attention=attention, mask=mask)
-    base = folder / f"{variant}.onnx"
+    cfg = load_preset("base").replace(attention=attention, mask=mask, dtype=dtype)
+    base = folder / f"{variant}-{dtype}.onnx"
     export_model(cfg, base, force=True)
     original = onnx.load(base)
     models = {"unfused export": str(base)}
     for n, (label, policy) in enumerate(VARIANTS[variant]):
-        path = folder / f"{variant}-{n}.onnx"
+        path = folder / f"{variant}-{dtype}-{n}.onnx"
         write_model(fuse_model(original, forms=policy)[0], path, force=True)
         models[label] = str(path)
-    path = folder / f"{variant}-onnx.onnx"
+    path = folder / f"{variant}-{dtype}-onnx.onnx"
     write_model(fuse_model(original, target="onnx")[0], path, force=True)
     models["ONNX Attention (opset 23)"] = str(path)
     return models
@@ -77,18 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-time", type=float, default=None)
     parser.add_argument("--interleave", action="store_true")
     parser.add_argument("--provider", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     parser.add_argument("--out", default=None, help="write a markdown table here")
+    parser.add_argument("--json", default=None, help="write every point as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    lines = []
+    lines, records = [], []
     with tempfile.TemporaryDirectory(prefix="mha_forms_") as folder:
         for variant in args.variants.split(","):
-            models = _models(variant, Path(folder))
+            models = _models(variant, Path(folder), args.dtype)
             config = ProfileConfig(providers=(args.provider,), batches=args.batches,
                                    seq_lens=args.seq_lens, iters=args.iters,
                                    min_time=args.min_time, warmup=1, threads=args.threads,
                                    op_breakdown=False, memory_check=False,
                                    interleave=args.interleave,
+                                   io_binding=args.provider != "cpu",
                                    pad_fraction=0.25 if "key-padding" in variant else 0.0)
             report = profile_models(list(models.values()), config)
             by_path = {v: k for k, v in models.items()}
@@ -101,13 +106,17 @@ def main(argv: list[str] | None = None) -> int:
                 cells = (f"error: {p.error}" if p.error else
                          f"{p.p50_ms:.2f} | {'-' if ratio is None else f'{ratio:.2f}'} | {memory}")
                 lines.append(f"| {variant} | {by_path[p.model]} | {p.batch} | {p.seq_len} | {cells} |")
+                records.append({"variant": variant, "form": by_path[p.model], "dtype": args.dtype,
+                                "provider": args.provider, "batch": p.batch, "seq_len": p.seq_len,
+                                "p50_ms": None if p.error else p.p50_ms, "ratio": ratio,
+                                "memory": p.memory, "error": p.error})
                 print(lines[-1], flush=True)
     timing = ("all forms of a point timed in turn in one process" if args.interleave
               else "each point in a child process of its own")
     header = [
         f"Measured {datetime.date.today()} on {args.provider} with "
         f"`.venv/bin/python -m tools.fusion_forms {' '.join(argv or sys.argv[1:])}` "
-        f"(base preset, fp32, {args.threads} threads, median of >= {args.iters} runs, {timing}; "
+        f"(base preset, {args.dtype}, {args.threads} threads, median of >= {args.iters} runs, {timing}; "
         "memory: peak RSS growth of the child process while running, device memory on CUDA; "
         "key padding pads the last 25 % of keys; ratio: p50 over the unfused export's).",
         "",
@@ -116,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.out:
         Path(args.out).write_text("\n".join(header + lines) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
     return 0
 
 

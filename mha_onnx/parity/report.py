@@ -61,6 +61,7 @@ class ValidationReport:
     checks: tuple[CheckResult, ...]
     allow_missing: bool
     seconds: float
+    notes: tuple[str, ...] = ()  # warnings: attention kernels on the CPU, forms for another EP
 
     @property
     def outputs_passed(self) -> bool:
@@ -95,6 +96,7 @@ class ValidationReport:
             "fully_masked_rows": [m.to_dict() for m in self.masked_rows],
             "checks": [c.to_dict() for c in self.checks],
             "seconds": round(self.seconds, 3),
+            "notes": list(self.notes),
         }
 
     def render(self) -> str:
@@ -126,6 +128,7 @@ class ValidationReport:
                 f"  FAIL {c.output} on {c.provider} vs {c.against} at {c.case}: max abs error "
                 f"{c.stats.max_abs:.3g} > atol {c.stats.atol:g} (+ rtol {c.stats.rtol:g}); "
                 f"would need atol {c.stats.needed_atol:.3g}")
+        lines.extend(f"  warning: {n}" for n in self.notes)
         verdict = {EXIT_OK: "PASSED", EXIT_MISMATCH: "FAILED: outputs differ",
                    EXIT_PROVIDER: "FAILED: a requested provider could not run"}[self.exit_code]
         lines.append(f"  result: {verdict} ({self.seconds:.1f} s)")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mha_onnx import metadata
 from mha_onnx.cache import SharedCache, is_shared, shared_view, to_shared
 from mha_onnx.graphio import prepare_output, read_model
 from mha_onnx.inputs import (
@@ -145,7 +146,33 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         model=str(path), references=tuple(labels), providers=tuple(statuses),
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
+        notes=tuple(placement_notes(model, statuses)),
     )
+
+
+ATTENTION_KERNELS = ("(MultiHeadAttention)", "(GroupQueryAttention)", "(Attention)")
+
+
+def placement_notes(model, statuses: Sequence[ProviderStatus]) -> list[str]:
+    """Warnings a GPU deployment needs: attention kernels ORT runs on the CPU under another
+    provider (ORT's CUDA GroupQueryAttention has no float32 kernel, for one), and a model
+    fused with the forms of another execution provider than the one validated."""
+    notes = []
+    fusion = metadata.loaded(model, "fusion") or {}
+    fused_for = fusion.get("ep", "cpu") if fusion.get("target", "ort") == "ort" else None
+    for status in statuses:
+        if not status.ran or status.provider == "cpu":
+            continue
+        kernels = [n for n in status.cpu_nodes if n.endswith(ATTENTION_KERNELS)]
+        if kernels:
+            notes.append(f"under {status.provider}, ORT runs {len(kernels)} attention kernel(s) "
+                         f"on the CPU: {', '.join(kernels[:6])}"
+                         + (" ..." if len(kernels) > 6 else ""))
+        if fused_for is not None and fusion.get("blocks") and fused_for != status.provider:
+            notes.append(f"the model was fused with the forms for {fused_for}; "
+                         f"`mha-onnx fuse --ep {status.provider}` picks those measured on "
+                         f"{status.provider}")
+    return notes
 
 
 def _decode(model, specs, pairs, references, runners, config: ValidateConfig) -> list[Comparison]:

@@ -246,13 +246,13 @@ def parse_onnx_attention(node: ir.Node, block: str, oracle: Oracle) -> Core:
     )
 
 
-def check_softcap(core: Core, target: str, causal_form: str) -> None:
+def check_softcap(core: Core, target: str, gqa: bool) -> None:
     """Soft-capped scores have one fused kernel: GroupQueryAttention (``--target ort``), for
     causal self-attention whose head sizes it takes and no position bias."""
     if not core.softcap:
         return
     causal = core.mask.causal
-    fits = (target == "ort" and causal_form == "gqa" and causal is not None
+    fits = (target == "ort" and gqa and causal is not None
             and causal.alignment == "square" and not core.mask.added and not core.mask.reason
             and core.query is not None and _head_sizes_fit(core))
     if not fits:
@@ -271,7 +271,7 @@ class SoftmaxAttention(pattern.RewriteRuleClassBase):
     def __init__(self, log: BlockLog, opset: int, oracle: Oracle, target: str, forms) -> None:
         super().__init__("SoftmaxAttention", remove_nodes=False)
         self.log, self.opset, self.oracle = log, opset, oracle
-        self.target, self.causal_form = target, forms.causal
+        self.target, self.softcap_gqa = target, forms.gqa_for(softcap=True)
         self._core: Core | None = None
 
     def pattern(self, op, probs, value):
@@ -281,7 +281,7 @@ class SoftmaxAttention(pattern.RewriteRuleClassBase):
         result = MatchResult()
         try:
             self._core = parse_softmax_attention(attn.producer(), self.opset, self.oracle)
-            check_softcap(self._core, self.target, self.causal_form)
+            check_softcap(self._core, self.target, self.softcap_gqa)
         except Reject as exc:
             if exc.candidate:
                 self.log.reject(exc.block, exc.reason)
@@ -301,7 +301,7 @@ class OnnxAttention(pattern.RewriteRuleClassBase):
     def __init__(self, log: BlockLog, oracle: Oracle, target: str, forms) -> None:
         super().__init__("OnnxAttention", remove_nodes=True)
         self.log, self.oracle = log, oracle
-        self.target, self.causal_form = target, forms.causal
+        self.target, self.softcap_gqa = target, forms.gqa_for(softcap=True)
         self._core: Core | None = None
 
     def pattern(self, op, query, key, value):
@@ -314,7 +314,7 @@ class OnnxAttention(pattern.RewriteRuleClassBase):
         block = node.name or "Attention"
         try:
             self._core = parse_onnx_attention(node, block, self.oracle)
-            check_softcap(self._core, self.target, self.causal_form)
+            check_softcap(self._core, self.target, self.softcap_gqa)
         except Reject as exc:
             self.log.reject(block, exc.reason)
             return result.fail(str(exc))

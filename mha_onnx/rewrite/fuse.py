@@ -304,7 +304,7 @@ def fuse_file(
     given = load_inputs(inputs, input_specs(original)) if inputs is not None else None
     level = _safe_level(preflight(source), "the original model") if verify_result else "all"
     fused, results, notes = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
-    _carry_metadata(original, fused, results, target)
+    _carry_metadata(original, fused, results, target, (forms or Forms()).ep)
     if not results:
         notes.append("the model has no attention block; the output is an unchanged copy")
     checked = preflight(fused.SerializeToString())
@@ -377,7 +377,7 @@ def _refuse_mismatch(verification: Verification) -> None:
 
 
 def _carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,
-                    results: list[BlockResult], target: str) -> None:
+                    results: list[BlockResult], target: str, ep: str = "cpu") -> None:
     """Keep the original's metadata (mha-onnx's config among it) and record the fusion (and
     the KV-cache interface fuse_model recorded)."""
     cache = metadata.loaded(fused, "kv_cache")
@@ -385,5 +385,6 @@ def _carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,
     fused.metadata_props.extend(original.metadata_props)
     if cache is not None:
         metadata.write(fused, {"kv_cache": cache})
-    summary = {"version": __version__, "target": target, "blocks": [r.to_dict() for r in results]}
+    summary = {"version": __version__, "target": target, "ep": ep,
+               "blocks": [r.to_dict() for r in results]}
     metadata.write(fused, {"fusion": summary})

@@ -80,8 +80,11 @@ def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None, *,
     return op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _outputs=3, **attrs)[0]
 
 
-def lower_gqa(op, info: SdpaInfo, q3: ir.Value) -> tuple[ir.Value, str]:
-    """The causal block on GQA (behind a run-time check where GQA's exactness needs one)."""
+def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
+              ) -> tuple[ir.Value, str]:
+    """The causal block on GQA (behind a run-time check where GQA's exactness needs one).
+    ``right_padded=False``: padded batches never take GQA (with seqlens_k), only unpadded
+    ones (on CUDA, where the right-padded form disagreed with the original)."""
     k3, v3 = to_bsd(op, info.key, info.kv_heads), to_bsd(op, info.value, info.kv_heads)
     label = "GroupQueryAttention (causal"
     label += f", {info.kv_heads} kv heads" if info.kv_heads != info.heads else ""
@@ -93,7 +96,7 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value) -> tuple[ir.Value, str]:
         return _top_left(op, info, q3, k3, v3), f"If(S <= T): {label} | MHA + causal bias"
     if info.padded is None:
         return gqa_call(op, info, q3, k3, v3), label
-    if _window_fp16(info):
+    if _window_fp16(info) or not right_padded:
         return _unpadded(op, info, q3, k3, v3), f"If(no key padded): {label} | MHA + attention_bias"
     return _right_padded(op, info, q3, k3, v3), f"If(right padding): {label} | MHA + attention_bias"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -54,11 +54,17 @@ class Forms:
     causal: str = "gqa"
     key_padding: str = "auto"
     kv_cache: str = "appended"  # or shared: max-length cache buffers (lower_shared)
+    # The execution provider the forms are for. On CUDA (docs/gpu/2026-11-30-h200.md) GQA is
+    # kept only where no other kernel is exact (soft-capping, sliding windows): ORT's CUDA GQA
+    # has no float32 kernel (the node runs on the CPU) and its float16 right-padded branch
+    # disagreed with the original there; KV-cache layers keep their forms.
+    ep: str = "cpu"
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "causal": ("gqa", "unidirectional", "bias"),
         "key_padding": ("auto", "loop", "mask", "bias", "gqa"),
-        "kv_cache": ("appended", "shared")}
+        "kv_cache": ("appended", "shared"),
+        "ep": ("cpu", "cuda", "tensorrt")}
     # Bidirectional GQA holds the [B, H, S, T] probabilities: fastest up to ~1k keys, then
     # slower than the Loop form and O(L^2) in memory (docs/fusion-forms.md, key padding).
     GQA_MAX_KEYS: ClassVar[int] = 1024
@@ -73,8 +79,24 @@ class Forms:
                                   hint=f"{kind} forms: {', '.join(choices)}")
 
     @classmethod
-    def parse(cls, items: Sequence[str]) -> Forms:
-        """``["causal=bias", "key_padding=mask"]`` -> Forms."""
+    def for_ep(cls, ep: str = "cpu") -> Forms:
+        """The forms measured fastest on an execution provider: CPU, docs/fusion-forms.md;
+        CUDA (and TensorRT, whose sessions run ORT's contrib ops on CUDA), docs/gpu/: MHA
+        unidirectional for causal blocks (0.08-0.62x of the unfused graph in float16, faster
+        than GQA at every shape measured) and MHA with the padding as a dense bias (no If:
+        the run-time checks cost more than they save on a GPU at short lengths)."""
+        if ep == "cpu":
+            return cls()
+        return cls(causal="unidirectional", key_padding="bias", ep=ep)
+
+    def gqa_for(self, *, softcap: bool = False, window: bool = False) -> bool:
+        """Whether causal blocks go onto GroupQueryAttention: the CPU default; elsewhere
+        only blocks no other kernel computes exactly in linear memory."""
+        return self.causal == "gqa" or (self.ep != "cpu" and (softcap or window))
+
+    @classmethod
+    def parse(cls, items: Sequence[str], ep: str = "cpu") -> Forms:
+        """``["causal=bias", "key_padding=mask"]`` over the forms of ``ep`` -> Forms."""
         values = {}
         for item in items:
             kind, _, form = item.partition("=")
@@ -84,7 +106,10 @@ class Forms:
                                   hint="use causal=gqa|unidirectional|bias or "
                                        "key_padding=auto|loop|mask|bias|gqa")
             values[kind] = form.strip()
-        return cls(**values)
+        if ep not in cls.CHOICES["ep"]:
+            raise ConfigError(f"unknown execution provider {ep!r} for --ep",
+                              hint=f"use {' | '.join(cls.CHOICES['ep'])}")
+        return replace(cls.for_ep(ep), **values)
 
 
 def _mha(op, q3, k, v, info: SdpaInfo, bias: ir.Value | None = None) -> ir.Value:
@@ -97,9 +122,10 @@ def lower_ort(op, node: ir.Node, forms: Forms = Forms()) -> tuple[ir.Value, str]
     """The fused [B, S, H*Dv] output of one Sdpa node and a label of the form used."""
     info = SdpaInfo.of(node)
     q3 = to_bsd(op, info.query, info.heads)
-    if info.causal and forms.causal == "gqa" and gqa_ok(info):
-        return lower_gqa(op, info, q3)
-    if forms.causal == "gqa" and cached_ok(info):
+    if info.causal and forms.gqa_for(softcap=bool(info.softcap), window=bool(info.window)) \
+            and gqa_ok(info):
+        return lower_gqa(op, info, q3, right_padded=forms.ep == "cpu")
+    if (forms.causal == "gqa" or forms.ep != "cpu") and cached_ok(info):
         return lower_cached(op, info, q3, forms.kv_cache)
     kind = info.mask_kind
     if kind == "none":
