@@ -6,7 +6,7 @@ CLI := $(VENV)/bin/mha-onnx
 OUT := out
 PRESET ?= base
 
-.PHONY: run test lint clean
+.PHONY: run test lint clean fixtures
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,18 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools
 	$(PY) -m pytest -q
+
+# Optimum exports committed under tests/fixtures/optimum (optimum-onnx 0.1.0 needs
+# transformers < 4.58, so it gets an environment of its own; not part of make test).
+OPT_VENV := .venv-optimum
+$(OPT_VENV)/.installed:
+	test -x $(OPT_VENV)/bin/python || $(PYTHON) -m venv $(OPT_VENV)
+	$(OPT_VENV)/bin/python -m pip install -q torch==2.13.0 optimum-onnx==0.1.0 \
+		'transformers<4.58' onnx==1.23.2
+	touch $@
+
+fixtures: $(OPT_VENV)/.installed
+	$(OPT_VENV)/bin/python tools/optimum_fixtures.py --out tests/fixtures/optimum
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools

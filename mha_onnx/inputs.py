@@ -12,13 +12,14 @@ import ast
 import operator
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from mha_onnx.errors import InputSpecError, ResourceError
+from mha_onnx.graphdims import pin_dims
 from mha_onnx.table import human_bytes
 
 NP_TYPES = {
@@ -83,6 +84,7 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
     """The model's real inputs (initializers listed as inputs excluded), with their roles."""
     initializers = {t.name for t in model.graph.initializer}
     roles = _integer_roles(model)
+    switches = {n.input[0] for n in _all_nodes(model.graph) if n.op_type == "If"}
     specs = []
     for value in model.graph.input:
         if value.name in initializers:
@@ -94,17 +96,19 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
                      for d in tensor.shape.dim)
         dtype = np.dtype(NP_TYPES[tensor.elem_type])
         role, bound = ("mask", 2) if dtype == np.bool_ else ("data", 16)
+        if value.name in switches:
+            role, bound = "switch", 2
         if dtype.kind in "iu":
             role, bound = roles.get(value.name, ("ids", 16))
         specs.append(InputSpec(value.name, dtype, dims, role, bound))
-    return specs
+    return pin_dims(model, specs)
 
 
 def _integer_roles(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
     """Integer inputs by use: indices into a table (ids, bounded by its rows) or values used
-    as a mask (0/1). Followed through ops that keep values; subgraphs are not looked into."""
+    as a mask (0/1). Followed through ops that keep values, into subgraphs."""
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for node in model.graph.node:
+    for node in _all_nodes(model.graph):  # If branches too (Optimum's merged decoders)
         for index, name in enumerate(node.input):
             consumers.setdefault(name, []).append((node, index))
     rows = {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
@@ -121,7 +125,8 @@ def _integer_roles(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
                     uses.add("index")
                     if node.input[0] in rows:
                         bounds.append(int(rows[node.input[0]]))
-                elif node.op_type in _KEEPS_VALUES and index == 0:
+                elif (node.op_type in _KEEPS_VALUES or node.op_type in _INDEX_INPUT) \
+                        and index == 0:  # a gather's output holds some of the data's values
                     frontier.extend(node.output)
                 elif node.op_type in _MASK_USES:
                     uses.add("mask")
@@ -130,6 +135,14 @@ def _integer_roles(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
         elif uses == {"mask"}:
             roles[value.name] = ("mask", 2)
     return roles
+
+
+def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
 
 
 def contract_specs(config) -> list[InputSpec]:
@@ -313,8 +326,18 @@ def _size(dim: int | str | None, values: dict[str, int]) -> int:
 
 def iter_feeds(specs: Sequence[InputSpec], cases: Sequence[ShapeCase], *,
                seed: int = 0) -> Iterator[tuple[ShapeCase, dict[str, np.ndarray]]]:
+    """Each case's inputs; a model with switches (bool inputs an If branches on, such as
+    Optimum's ``use_cache_branch``) gets every case with each switch on and off."""
+    switches = [s for s in specs if s.role == "switch"]
     for n, case in enumerate(cases):
-        yield case, make_inputs(specs, case, seed=seed + n)
+        feeds = make_inputs(specs, case, seed=seed + n)
+        if not switches:
+            yield case, feeds
+            continue
+        for on in (True, False):
+            values = {s.name: np.full(feeds[s.name].shape, on, dtype=s.dtype) for s in switches}
+            label = f"{case.label}, {', '.join(s.name for s in switches)}={on}"
+            yield replace(case, label=label), {**feeds, **values}
 
 
 def load_inputs(path: str | Path, specs: Sequence[InputSpec]) -> dict[str, np.ndarray]:

@@ -112,10 +112,11 @@ def _score_rank(softmax: ir.Node, opset: int, block: str) -> int:
 def _grouping(key: ir.Value, key_form: str, value: ir.Value, heads: object
               ) -> tuple[ir.Value, ir.Value, int] | None:
     """K and V repeated from (or broadcast over) the same G < H heads: their [B, G, T, D]
-    sources and G."""
-    if key_form != "bhtd" or not isinstance(heads, int):
+    sources and G. One K/V head that the MatMul broadcasts (multi-query, Falcon) may also come
+    as K^T [B, 1, D, T]: the head axis is the same in every key form but [B, T, G, D]."""
+    if key_form == "bthd" or not isinstance(heads, int):
         return None
-    for find in (repeated_heads, broadcast_heads):
+    for find in (repeated_heads, broadcast_heads) if key_form == "bhtd" else (broadcast_heads,):
         k, v = find(key, heads), find(value, heads)
         if k is not None and v is not None and k.kv_heads == v.kv_heads:
             return k.source, v.source, k.kv_heads

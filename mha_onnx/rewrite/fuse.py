@@ -43,6 +43,7 @@ from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
+from mha_onnx.rewrite.shapes import with_symbolic_shapes
 from mha_onnx.rewrite.verify import Verification, verify
 from mha_onnx.table import table
 
@@ -169,7 +170,7 @@ def fuse_model(
         policy = replace(policy, kv_cache=kv_cache)
     if policy.kv_cache == "shared" and target != "ort":
         raise ConfigError("--kv-cache shared is an ONNX Runtime form", hint="use --target ort")
-    model = to_ir(model_proto)
+    model = to_ir(with_symbolic_shapes(model_proto))
     notes = _prepare(model, target)
     repaired: list[str] = []
     RewriteRuleSet([RotaryCachesOverBatch.rule(repaired)]).apply_to_model(model)
@@ -236,7 +237,7 @@ def _shared_note(shared: int, chosen: dict[str, str]) -> str:
 def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
     """What fuse would make of each unfused attention block, without rewriting anything:
     block name -> its meaning (e.g. "causal + key padding, window 4") or "not fused: why"."""
-    model = to_ir(model_proto)
+    model = to_ir(with_symbolic_shapes(model_proto))
     _prepare(model, "ort")
     oracle = Oracle(model)
     out: dict[str, str] = {}

@@ -113,7 +113,7 @@ def plan(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> MaskMeaning:
     _finite_fill_alone(terms)
     pieces = take_apart(terms, sd, oracle.size_only)
     if pieces.reason:
-        return _dense(terms, pieces.reason)
+        return _evaluated(terms, sd, oracle, pieces.reason)
     size = oracle.pattern(pieces.size, sd)
     if size.kind == "other":
         return _dense(terms, size.reason)
@@ -136,6 +136,22 @@ def plan(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> MaskMeaning:
     if meaning.kind == "key_padding" and len(terms) > 1 and mode == "replace":
         return _dense(terms, "key padding spread over several masked fills")
     return meaning
+
+
+def _evaluated(terms: list[Term], sd: ScoreDims, oracle: Oracle, reason: str) -> MaskMeaning:
+    """A mask whose pieces were not all understood one by one, judged as a whole: causal
+    (or nothing) + key padding from one [B, T] input, proven by evaluation; else dense."""
+    found = oracle.value_mask(terms, sd)
+    if isinstance(found, str):
+        return _dense(terms, reason)
+    size, padding, fill = found
+    if not fill <= REMOVES_KEY:
+        return _dense(terms, f"masked keys get the score {fill:g}, which does not remove them")
+    causal = Causal(size.window, size.alignment) if size.kind == "causal" else None
+    mode = "replace" if all(t.mode == "replace" for t in terms) else "add"
+    if causal is None and len(terms) > 1 and mode == "replace":
+        return _dense(terms, "key padding spread over several masked fills")
+    return MaskMeaning(causal, padding, (), tuple(terms), fill, mode)
 
 
 def _one_padding(found: tuple[tuple[Padding, float], ...]) -> tuple[Padding] | tuple[()] | str:

@@ -25,6 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.inputs import ShapeCase, padding_pattern
+from mha_onnx.rewrite import value_masks
 from mha_onnx.rewrite.masks import REMOVES_KEY, Padding, ScoreDims, SizeLeaf, Term
 from mha_onnx.rewrite.slices import Refused, SliceRunner, assignments, input_symbols, resolve
 
@@ -132,6 +133,21 @@ class Oracle:
         except Refused as exc:
             return str(exc)
         return ""
+
+    def value_mask(self, terms: Sequence[Term], sd: ScoreDims
+                   ) -> tuple[SizePattern, Padding, float] | str:
+        """A mask computed from one [B, T] input's values, judged as a whole by evaluation
+        (:mod:`mha_onnx.rewrite.value_masks`): its size-dependent part, the key padding and
+        the weakest masked score; or why it is not that."""
+        try:
+            found = value_masks.evaluate(self.model, self._symbols, self._lengths, terms, sd)
+        except Refused as exc:
+            return str(exc)
+        observed = [_Observed(m, found.fill, ()) for m in found.masked]
+        size = _classify(observed, [])
+        if size.kind == "other":
+            return size.reason
+        return size, found.padding, found.fill
 
     def _evaluate(self, leaves: list[SizeLeaf], sd: ScoreDims) -> SizePattern:
         runner = SliceRunner(self.model, [leaf.value for leaf in leaves], set(self._symbols))

@@ -53,8 +53,14 @@ class SliceRunner:
     def __init__(self, model: ir.Model, values: list[ir.Value], symbols: set[str],
                  fed: tuple[ir.Value, ...] = ()) -> None:
         inputs = boundary(values, symbols, fed)
+        owner = values[0].producer().graph if values and values[0].producer() else None
+        source: ir.Graph | ir.GraphView = model.graph
+        if owner is not None and owner is not model.graph:  # an If branch (merged decoders):
+            # a view, so that the outer values the branch reads may bound the piece
+            source = ir.GraphView(list(owner.inputs), list(owner.outputs), nodes=list(owner),
+                                  opset_imports=model.graph.opset_imports)
         try:
-            graph = ir.convenience.extract(model.graph, inputs, _unique(values))
+            graph = ir.convenience.extract(source, inputs, _unique(values))
         except ValueError as exc:
             raise Refused(f"the mask cannot be cut out of the graph ({exc})") from exc
         self.graph = graph

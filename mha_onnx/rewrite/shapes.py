@@ -1,0 +1,93 @@
+"""Shape facts for graphs that carry none: ONNX Runtime's symbolic shape inference.
+
+TorchScript exports (Optimum's among them) carry no ``value_info`` and compute reshape targets
+with ``Shape -> Gather -> Concat`` chains, which ONNX's own shape inference cannot follow: the
+attention blocks' Q, K and V then have no known shapes and no rule can read them. ORT's
+symbolic shape inference (the maintained implementation its transformers optimizer uses)
+evaluates those chains symbolically and names every dim, ``past_sequence_length +
+sequence_length`` included, so that recognition does not depend on which exporter wrote the
+graph. It runs on a copy; where it fails, the graph is fused with the shapes it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+
+import onnx
+
+log = logging.getLogger(__name__)
+
+
+def with_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every value's symbolic shape in ``value_info`` (a copy), or ``model``
+    itself when ORT's symbolic shape inference cannot run on it. A graph it cannot take as a
+    whole (Optimum's merged decoders: one ``If`` on ``use_cache_branch`` whose branches are
+    the decoder with and without a past) gets each branch inferred as a model of its own."""
+    inferred = _infer(model)
+    if inferred is not None:
+        return inferred
+    branches = [(n, a) for n in model.graph.node for a in n.attribute
+                if a.type == onnx.AttributeProto.GRAPH]
+    if not branches:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    done = 0
+    for node in out.graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                done += _infer_branch(out, attr.g)
+    log.info("symbolic shapes inferred for %d of %d branch(es)", done, len(branches))
+    return out
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:  # an onnxruntime build without its tools
+        return None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return SymbolicShapeInference.infer_shapes(model, auto_merge=True,
+                                                       guess_output_rank=False)
+    except Exception as exc:  # noqa: BLE001 - an optional help; fusing goes on without it
+        log.info("symbolic shape inference failed (%s: %s)", type(exc).__name__,
+                 str(exc)[:200])
+        return None
+
+
+def _infer_branch(model: onnx.ModelProto, branch: onnx.GraphProto) -> int:
+    """Infer ``branch`` as a model whose inputs are the outer values it reads (the main
+    graph's inputs and initializers); its value_info filled in place. 1 if it worked."""
+    inputs = {v.name: v for v in model.graph.input}
+    weights = {t.name: t for t in model.graph.initializer}
+    inner = {o for n in branch.node for o in n.output} | {t.name for t in branch.initializer}
+    used = [name for n in branch.node for name in n.input if name and name not in inner]
+    # outputs without their declared shapes: Optimum declares both branches' presents as
+    # [.., past + seq, ..], which the branch without a past does not compute
+    outputs = [onnx.helper.make_tensor_value_info(o.name, o.type.tensor_type.elem_type, None)
+               for o in branch.output]
+    graph = onnx.helper.make_graph(list(branch.node), "branch", [], outputs,
+                                   initializer=list(branch.initializer))
+    for name in dict.fromkeys(used):
+        if name in inputs:
+            graph.input.append(inputs[name])
+        elif name in weights:
+            graph.initializer.append(weights[name])
+        else:
+            return 0  # a value of the outer graph whose shape is not known here
+    alone = onnx.helper.make_model(graph, opset_imports=list(model.opset_import),
+                                   ir_version=model.ir_version)
+    inferred = _infer(alone)
+    if inferred is None:
+        return 0
+    del branch.value_info[:]
+    branch.value_info.extend(v for v in inferred.graph.value_info if v.name in inner)
+    found = {o.name: o for o in inferred.graph.output}
+    for output in branch.output:
+        if found.get(output.name) is not None and found[output.name].type.tensor_type.HasField(
+                "shape"):
+            output.type.CopyFrom(found[output.name].type)
+    return 1

@@ -1,0 +1,85 @@
+"""The files users have: Optimum exports (TorchScript exporter, no value_info, shapes computed
+by Shape chains, masks built the TorchScript way, ``past_key_values.N.*`` caches), committed
+under tests/fixtures/optimum by tools/optimum_fixtures.py (`make fixtures`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+
+from mha_onnx.inputs import input_specs
+from mha_onnx.parity import ValidateConfig, validate_model
+from mha_onnx.rewrite import fuse_file
+
+FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
+FILES = sorted(FIXTURES.glob("*/*.onnx"))
+DECODERS = [p for p in FILES
+            if json.loads((p.parent / "versions.json").read_text())["task"]
+            == "text-generation-with-past"]
+
+
+def _id(path: Path) -> str:
+    return f"{path.parent.name}/{path.stem}"
+
+
+def test_fixtures_say_what_made_them():
+    assert len(FILES) >= 20
+    for folder in {p.parent for p in FILES}:
+        made = json.loads((folder / "versions.json").read_text())
+        assert made["versions"]["optimum-onnx"] == "0.1.0"
+        assert made["config"]["hidden_size"] <= 64
+        assert all((folder / f).stat().st_size < 1_000_000 for f in made["files"])
+        assert not onnx.load(folder / made["files"][0]).graph.value_info  # as Optimum wrote it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", FILES, ids=_id)
+def test_optimum_exports_fuse_every_block(path, tmp_path):
+    report = fuse_file(path, tmp_path / "fused.onnx")
+    left = [(b.block, b.reason) for b in report.blocks if b.status != "fused"]
+    if path.parent.name == "bloom":  # ALiBi from attention_mask's cumsum: a value bias
+        assert all("bias" in b.form for b in report.blocks)
+    assert not left, left
+    assert report.verification is not None and report.verification.passed
+    forms = [b.form for b in report.blocks]
+    meanings = [b.meaning for b in report.blocks]
+    if path in DECODERS and path.parent.name != "bloom":
+        assert all(m.startswith("causal (bottom-right) + key padding") for m in meanings), meanings
+        assert all("If(one new token" in f for f in forms), forms
+    if path.parent.name in ("bert", "roberta", "distilbert", "electra"):
+        assert all(m == "key padding" for m in meanings), meanings
+    if path.name == "decoder_model_merged.onnx":  # both branches fused, both verified
+        assert len(report.blocks) == 8
+        cases = {r.case for r in report.verification.results}
+        assert any("use_cache_branch=True" in c for c in cases)
+        assert any("use_cache_branch=False" in c for c in cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in DECODERS if p.parent.name in
+                                  ("llama", "gpt2", "qwen2", "phi3")], ids=_id)
+def test_optimum_decoders_decode_like_the_export(path, tmp_path):
+    """validate decodes a prompt and 16 steps through Optimum's names, fused against the
+    original, on the fused model's own chain."""
+    fuse_file(path, tmp_path / "fused.onnx")
+    report = validate_model(tmp_path / "fused.onnx", ValidateConfig(reference=str(path)))
+    assert report, report.render()
+    assert sum(c.case.startswith("decode step") for c in report.comparisons) >= 16
+
+
+def test_image_dims_come_from_the_graph():
+    """pixel_values [batch_size, num_channels, height, width]: channels from the Conv
+    weight, the image size the model runs at (its position table fixes it)."""
+    specs = {s.name: s for s in input_specs(onnx.load(FIXTURES / "vit" / "model.onnx"))}
+    assert specs["pixel_values"].dims == ("batch_size", 3, 32, 32)
+
+
+def test_attention_mask_of_a_torchscript_export_is_a_mask():
+    """attention_mask reaches the graph through Cast -> Flatten -> Gather (TorchScript's
+    advanced indexing): a 0/1 keep mask, not token ids."""
+    specs = {s.name: s for s in input_specs(onnx.load(FIXTURES / "llama" / "model.onnx"))}
+    assert specs["attention_mask"].role == "mask"
+    assert specs["input_ids"].role == "ids" and specs["input_ids"].bound == 128

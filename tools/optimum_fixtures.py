@@ -1,0 +1,111 @@
+"""Optimum exports of small random-weight models: the files users actually have.
+
+    make fixtures          # makes .venv-optimum (optimum-onnx 0.1.0, transformers < 4.58)
+                           # and runs this script in it
+    .venv-optimum/bin/python tools/optimum_fixtures.py [--out tests/fixtures/optimum]
+        [--only llama,gpt2,...]
+
+optimum-onnx 0.1.0 (the newest release) needs transformers < 4.58 while this project pins
+transformers 5, so the exports are made in a second environment and committed (STYLE.md rule
+14): one folder per family holding the ONNX file(s) Optimum wrote (TorchScript exporter, opset
+18, no value_info) and `versions.json` with what made them. Weights are random (seed 0),
+hidden size <= 64, so each file stays far below 1 MB. Nothing is downloaded: each model is
+built from a config, saved with `save_pretrained` and exported from that folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+# family -> (task, config class, model class, config fields)
+COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "intermediate_size": 128, "max_position_embeddings": 256}
+FAMILIES: dict[str, tuple[str, str, str, dict]] = {
+    "llama": ("text-generation-with-past", "LlamaConfig", "LlamaForCausalLM",
+              {"num_key_value_heads": 2}),
+    "qwen2": ("text-generation-with-past", "Qwen2Config", "Qwen2ForCausalLM",
+              {"num_key_value_heads": 2}),
+    "mistral": ("text-generation-with-past", "MistralConfig", "MistralForCausalLM",
+                {"num_key_value_heads": 2, "sliding_window": None}),
+    "phi3": ("text-generation-with-past", "Phi3Config", "Phi3ForCausalLM",
+             {"num_key_value_heads": 2, "pad_token_id": 0}),
+    "gemma": ("text-generation-with-past", "GemmaConfig", "GemmaForCausalLM",
+              {"num_key_value_heads": 1, "head_dim": 16}),
+    "qwen3": ("text-generation-with-past", "Qwen3Config", "Qwen3ForCausalLM",
+              {"num_key_value_heads": 2, "head_dim": 16}),
+    "gpt2": ("text-generation-with-past", "GPT2Config", "GPT2LMHeadModel",
+             {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
+    "gpt_neox": ("text-generation-with-past", "GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "bloom": ("text-generation-with-past", "BloomConfig", "BloomForCausalLM",
+              {"n_layer": 2, "n_head": 4}),
+    "opt": ("text-generation-with-past", "OPTConfig", "OPTForCausalLM",
+            {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "falcon": ("text-generation-with-past", "FalconConfig", "FalconForCausalLM",
+               {"new_decoder_architecture": False, "multi_query": True, "alibi": False}),
+    "bert": ("feature-extraction", "BertConfig", "BertModel", {}),
+    "roberta": ("feature-extraction", "RobertaConfig", "RobertaModel", {"pad_token_id": 1}),
+    "distilbert": ("feature-extraction", "DistilBertConfig", "DistilBertModel",
+                   {"dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 128}),
+    "electra": ("feature-extraction", "ElectraConfig", "ElectraModel", {"embedding_size": 64}),
+    "vit": ("image-feature-extraction", "ViTConfig", "ViTModel",
+            {"image_size": 32, "patch_size": 8}),
+    "t5": ("text2text-generation-with-past", "T5Config", "T5ForConditionalGeneration",
+           {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2,
+            "num_heads": 4}),
+}
+
+
+def export(family: str, out: Path) -> list[str]:
+    import torch
+    import transformers as tf
+    from optimum.exporters.onnx import main_export
+
+    task, config_name, model_name, extra = FAMILIES[family]
+    config = getattr(tf, config_name)(**{**COMMON, **extra})
+    torch.manual_seed(0)
+    model = getattr(tf, model_name)(config).eval()
+    with tempfile.TemporaryDirectory(prefix=f"optimum_{family}_") as tmp:
+        model.save_pretrained(Path(tmp) / "model")
+        main_export(str(Path(tmp) / "model"), output=str(Path(tmp) / "onnx"), task=task,
+                    do_validation=False)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for onnx_file in sorted((Path(tmp) / "onnx").glob("*.onnx")):
+            if onnx_file.stat().st_size > 1_500_000:
+                raise SystemExit(f"{family}: {onnx_file.name} is over 1.5 MB")
+            shutil.copy(onnx_file, out / onnx_file.name)
+            written.append(onnx_file.name)
+    return written
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    return {name: md.version(name) for name in
+            ("optimum-onnx", "optimum", "transformers", "torch", "onnx")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="tests/fixtures/optimum")
+    parser.add_argument("--only", default=None)
+    args = parser.parse_args(argv)
+    only = args.only.split(",") if args.only else list(FAMILIES)
+    made = versions()
+    for family in only:
+        files = export(family, Path(args.out) / family)
+        task = FAMILIES[family][0]
+        (Path(args.out) / family / "versions.json").write_text(json.dumps(
+            {"task": task, "files": files, "config": {**COMMON, **FAMILIES[family][3]},
+             "made_by": "tools/optimum_fixtures.py", "versions": made}, indent=1) + "\n")
+        print(family, task, files, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
