@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from mha_onnx import __version__
-from mha_onnx.errors import MhaOnnxError
+from mha_onnx.errors import EXIT_MISMATCH, MhaOnnxError
 
 
 class _Group(click.Group):
@@ -20,6 +20,7 @@ class _Group(click.Group):
     exit code, no traceback (``-v`` prints the traceback too)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        self.as_json = "--json" in (sys.argv[1:] if args is None else list(args))
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as exc:  # bad options, missing arguments
@@ -35,14 +36,28 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except MhaOnnxError as exc:
-            if ctx.obj and ctx.obj.get("verbose"):
-                traceback.print_exc()
-            hint = f" (hint: {exc.hint})" if exc.hint else ""
-            click.echo(f"error: {exc.message}{hint}", err=True)
-            ctx.exit(exc.exit_code)
+            self._fail(ctx, exc.message, exc.hint, exc.exit_code, type(exc).__name__)
         except KeyboardInterrupt:
             click.echo("error: interrupted; no output was written", err=True)
             ctx.exit(130)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:  # a bug of mha-onnx, not the user's input
+            self._fail(ctx, f"internal error: {type(exc).__name__}: {str(exc)[:300]}",
+                       "please report it with the output of -v (the traceback)", EXIT_MISMATCH,
+                       "InternalError")
+
+    def _fail(self, ctx: click.Context, message: str, hint: str | None, code: int,
+              kind: str) -> None:
+        """One line on stderr (a JSON object on stdout under --json), then the exit code."""
+        if ctx.obj and ctx.obj.get("verbose"):
+            traceback.print_exc()
+        if getattr(self, "as_json", False):
+            click.echo(json.dumps({"error": message, "hint": hint, "kind": kind,
+                                   "exit_code": code}, indent=2))
+        else:
+            click.echo(f"error: {message}" + (f" (hint: {hint})" if hint else ""), err=True)
+        ctx.exit(code)
 
 
 def _emit(report: Any, as_json: bool) -> None:
@@ -134,10 +149,12 @@ def inspect(model, as_json):
 @click.option("--rtol", type=float, default=None)
 @click.option("--inputs", "inputs_npz", default=None,
               help="Verify with these inputs (.npz, one array per input) instead of generated ones.")
+@click.option("--strict", is_flag=True,
+              help="Exit 1 and write nothing when any attention block is left unfused.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inputs_npz, force,
-         as_json):
+def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inputs_npz, strict,
+         force, as_json):
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
     from mha_onnx.rewrite import fuse_file
@@ -145,7 +162,7 @@ def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inpu
 
     report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
                        atol=atol, rtol=rtol, forms=Forms.parse(forms, ep), inputs=inputs_npz,
-                       kv_cache=kv_cache)
+                       kv_cache=kv_cache, strict=strict)
     _emit(report, as_json)
 
 
@@ -165,11 +182,13 @@ def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inpu
               help="Save inputs, outputs and provenance (.npz) to check on another machine.")
 @click.option("--load-outputs", default=None,
               help="Run the inputs saved by --save-outputs here and compare with its outputs.")
+@click.option("--strict", is_flag=True,
+              help="Fail --load-outputs when the golden file was saved from another model.")
 @click.option("--force", is_flag=True, help="Replace an existing --save-outputs file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads, allow_missing,
-             no_memory_check, inputs_npz, save_outputs, load_outputs, force, as_json):
+             no_memory_check, inputs_npz, save_outputs, load_outputs, strict, force, as_json):
     """Parity of MODEL across PyTorch, ORT CPU, CUDA and TensorRT. Exit 0 when everything
     passed, 1 when outputs differ, 3 when a requested provider could not run."""
     from mha_onnx.graphio import read_model
@@ -183,6 +202,7 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
         tolerances=parse_tolerances(atol, rtol), seed=seed, allow_missing=allow_missing,
         reference=reference, threads=threads, memory_check=not no_memory_check,
         inputs=inputs_npz, save_outputs=save_outputs, load_outputs=load_outputs, force=force,
+        strict=strict,
     )
     report = validate_model(model, config)
     _emit(report, as_json)
@@ -234,8 +254,12 @@ def _progress():
 @click.option("--min-time", type=float, default=None,
               help="Time each point for at least this many seconds (>= 3 runs).")
 @click.option("--threads", default=None, help="Intra-op thread counts, e.g. 1,2 (default: ORT's).")
-@click.option("--interleave", is_flag=True, help="Run the models of each point in turn in one "
-              "process (fair ratios on a busy machine; no memory figures).")
+@click.option("--interleave/--no-interleave", default=None,
+              help="Run the models of each point in turn in one process: fair ratios on a "
+                   "busy machine, no memory figures (default when comparing 2+ models; "
+                   "--no-interleave: each point in a child process, with memory).")
+@click.option("--keep-going", is_flag=True,
+              help="Finish the sweep when a point fails (the exit code is 1 all the same).")
 @click.option("--io-binding", is_flag=True, help="Keep inputs/outputs on the device (CUDA).")
 @click.option("--pad-fraction", type=float, default=0.0, show_default=True,
               help="Fraction of trailing keys padded in mask inputs.")
@@ -249,9 +273,10 @@ def _progress():
 @click.option("--plot", "plot_path", default=None, help="Also draw latency/memory vs length (PNG).")
 @click.option("--trace", "trace_dir", default=None, help="Keep ORT's Chrome-trace JSON here.")
 @click.option("--force", is_flag=True, help="Replace existing --csv/--plot files and --trace traces.")
-def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threads, interleave,
-            io_binding, pad_fraction, inputs_npz, decode, context, no_ops, no_memory_check,
-            as_json, csv_path, plot_path, trace_dir, force):
+@click.pass_context
+def profile(ctx, models, providers, batches, seq_lens, warmup, iters, min_time, threads,
+            interleave, keep_going, io_binding, pad_fraction, inputs_npz, decode, context, no_ops,
+            no_memory_check, as_json, csv_path, plot_path, trace_dir, force):
     """Latency percentiles, throughput, GFLOP/s vs roofline, memory and per-op time."""
     from mha_onnx.graphio import prepare_folder, prepare_output
     from mha_onnx.profile import (
@@ -277,7 +302,8 @@ def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threa
         warmup=warmup, iters=iters, decode=decode,
         min_time=min_time, threads=_threads(threads), io_binding=io_binding, trace_dir=trace_dir,
         pad_fraction=pad_fraction, op_breakdown=not no_ops, memory_check=not no_memory_check,
-        interleave=interleave, inputs=inputs_npz)
+        interleave=len(models) > 1 if interleave is None else interleave, inputs=inputs_npz,
+        keep_going=keep_going)
     step, close = _progress()
     try:
         report = profile_models(models, config, on_point=step)
@@ -288,6 +314,7 @@ def profile(models, providers, batches, seq_lens, warmup, iters, min_time, threa
     if plot_path:
         draw(report, plot_path, force=force)
     _emit(report, as_json)
+    ctx.exit(0 if report else 1)  # a failed point is no result
 
 
 @main.command()

@@ -72,5 +72,11 @@ class ProviderError(MhaOnnxError):
     exit_code = EXIT_PROVIDER
 
 
+class BlocksLeft(MhaOnnxError):
+    """``fuse --strict``: some attention blocks could not be fused (exit 1, nothing written)."""
+
+    exit_code = EXIT_MISMATCH
+
+
 class RuntimeCrash(ProviderError):
     """ONNX Runtime died by a signal on this model (in a child process, so we did not)."""

@@ -86,13 +86,36 @@ def _check_text(message, path: str | os.PathLike[str]) -> None:
                         f"UTF-8 text {bytes(item)[:24]!r}", hint="the file may be corrupt")
 
 
+# Ops ONNX Runtime registers in the default domain that ONNX does not define (ORT GenAI's
+# builder and mha-onnx's norm fusion write SimplifiedLayerNormalization there, as ORT runs it).
+ORT_ONNX_DOMAIN_OPS = {"SimplifiedLayerNormalization"}
+
+
+def for_checker(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` for onnx.checker: ORT's own default-domain ops moved to its contrib domain
+    (whose ops the checker does not judge), so that what ORT runs is not refused as corrupt.
+    The model itself is not changed."""
+    nodes = [n for n in model.graph.node if n.domain in ("", "ai.onnx")
+             and n.op_type in ORT_ONNX_DOMAIN_OPS]
+    if not nodes:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        if node.domain in ("", "ai.onnx") and node.op_type in ORT_ONNX_DOMAIN_OPS:
+            node.domain = "com.microsoft"
+    if not any(o.domain == "com.microsoft" for o in copy.opset_import):
+        copy.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return copy
+
+
 def check_structure(model: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:
     """onnx.checker without shape inference: catches dangling inputs, bad attributes and
     other corruption (invalid text included) before any rewrite or session sees the graph."""
     _check_text(model, path)
     try:
         if model.ByteSize() < PROTOBUF_LIMIT:
-            onnx.checker.check_model(model)
+            onnx.checker.check_model(for_checker(model))
     except (onnx.checker.ValidationError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelFileError(f"{path} is not a valid ONNX model: {first[:300]}",

@@ -125,3 +125,42 @@ def test_outputs_are_not_replaced_without_force(export_cache, tmp_path, option):
     assert replaced.exit_code == 0, replaced.output
     if option != "--trace":
         assert target.read_bytes() != b"keep me"
+
+
+def test_speedups_read_as_faster_or_slower_and_broken_rooflines_are_flagged():
+    from mha_onnx.profile.report import _fraction, speed_words
+
+    assert speed_words(1.16) == "1.16x faster" and speed_words(1 / 1.16) == "1.16x slower"
+    assert _fraction(0.42) == "42%" and _fraction(1.31) == ">100%?" and _fraction(None) == "-"
+
+
+def test_a_failed_point_is_an_error_row_null_figures_and_exit_1(tmp_path):
+    """A graph that adds a [1, 64] table to its [B, S] input runs at S = 64 only."""
+    import json
+
+    import numpy as np
+    from click.testing import CliRunner
+    from onnx import TensorProto, helper, numpy_helper
+
+    from mha_onnx.cli import main
+
+    table = numpy_helper.from_array(np.ones((1, 64), np.float32), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "table"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])],
+        initializer=[table])
+    path = tmp_path / "fixed.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                                ir_version=9), path)
+    args = ["profile", str(path), "--seq-lens", "64,100,64", "--iters", "2", "--no-ops",
+            "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    points = json.loads(result.output[result.output.index("{"):])["points"]
+    assert [p["seq_len"] for p in points] == [64, 100]  # stopped at the failed point
+    assert points[1]["error"] and points[1]["p50_ms"] is None and points[0]["p50_ms"] > 0
+    going = CliRunner().invoke(main, args + ["--keep-going"])
+    assert going.exit_code == 1
+    assert [p["seq_len"] for p in json.loads(going.output[going.output.index("{"):])["points"]] \
+        == [64, 100, 64]

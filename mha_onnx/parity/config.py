@@ -36,6 +36,7 @@ class ValidateConfig:
     load_outputs: str | None = None  # run the inputs stored here, compare with its outputs
     force: bool = False  # replace an existing --save-outputs file
     decode_steps: int = 16  # KV-cache models: single-token steps after the prompt
+    strict: bool = False  # a golden file saved from another model fails
 
     def tolerance_for(self, output: str, dtype: np.dtype) -> tuple[float, float]:
         default_atol, default_rtol = default_tolerance(dtype)

@@ -79,6 +79,7 @@ class GoldenReference:
 
     def __init__(self, runs: list[GoldenRun], meta: dict[str, Any], path: str) -> None:
         self.runs = runs
+        self.meta = meta
         self.label = (f"golden = {path} (saved {meta.get('created', '?')} on "
                       f"{meta.get('machine', {}).get('processor', '?')}, provider "
                       f"{meta.get('provider', '?')}, model sha256 "

@@ -29,7 +29,7 @@ from mha_onnx.inputs import (
     load_inputs,
     make_inputs,
 )
-from mha_onnx.metadata import session_options
+from mha_onnx.metadata import CheckResult, session_options
 from mha_onnx.parity.config import ValidateConfig
 from mha_onnx.parity.decode import PROMPT, decode_chains
 from mha_onnx.parity.golden import (
@@ -123,6 +123,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     if golden is not None:
         references["golden"] = golden
         labels.append(golden.label)
+        checks += golden_provenance(golden, path, config.strict)
     level = session_options(model).get("optimization", "all")
     probe = to_shared(runs[0][1], specs, pairs) if shared else runs[0][1]
     runners, statuses = _start_providers(str(path), config, probe, level)
@@ -142,12 +143,42 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         save_golden(config.save_outputs, saved, {
             "model": Path(path).name, "model_sha256": file_sha256(path), "provider": provider,
             "machine": machine_info()}, force=config.force)
+    if golden is not None:  # a comparison of nothing is no pass
+        checks.append(golden_coverage(golden, model, comparisons))
     return ValidationReport(
         model=str(path), references=tuple(labels), providers=tuple(statuses),
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
         notes=tuple(placement_notes(model, statuses)),
     )
+
+
+def golden_provenance(golden: GoldenReference, path: str | Path, strict: bool) -> list:
+    """Was the golden file saved from this very model? A different sha256 is said (a fused
+    model checked against its original's golden outputs is legitimate); --strict fails it."""
+    saved = golden.meta.get("model_sha256")
+    here = file_sha256(path)
+    if saved == here:
+        return [CheckResult("golden model", True, "saved from this model (same sha256)")]
+    detail = (f"saved from another model (sha256 {str(saved)[:12]}, this one {here[:12]}, "
+              f"{golden.meta.get('model', '?')})")
+    return [CheckResult("golden model", not strict, detail + ("" if strict else "; compared "
+                                                             "anyway (--strict fails this)"))]
+
+
+def golden_coverage(golden: GoldenReference, model, comparisons: Sequence[Comparison]
+                    ) -> CheckResult:
+    """Every output of the model is compared with the golden file, else the check fails."""
+    outputs = [o.name for o in model.graph.output]
+    stored = sorted({name for run in golden.runs for name in run.outputs})
+    compared = {c.output for c in comparisons if c.against == "golden"}
+    missing = [o for o in outputs if o not in compared]
+    if not compared or missing:
+        return CheckResult("golden outputs", False,
+                           f"{len(compared)} of {len(outputs)} outputs compared: the golden file "
+                           f"holds {stored[:6]}, the model has {outputs[:6]}")
+    return CheckResult("golden outputs", True,
+                       f"{len(outputs)} output(s) compared over {len(golden.runs)} stored run(s)")
 
 
 ATTENTION_KERNELS = ("(MultiHeadAttention)", "(GroupQueryAttention)", "(Attention)")

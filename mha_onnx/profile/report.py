@@ -38,6 +38,7 @@ class ProfileConfig:
     interleave: bool = False
     inputs: str | None = None
     decode: bool = False  # seq_lens are cache lengths: one new token per step
+    keep_going: bool = False  # finish the sweep after a failed point (default: stop there)
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, int) or self.threads is None:
@@ -98,6 +99,14 @@ class Point:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["top_ops"] = [asdict(o) for o in self.top_ops]
+        if self.error is not None:  # a failed point has no figures, not zeros
+            for key in ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "min_ms", "tokens_per_s",
+                        "iters", "session_s"):
+                data[key] = None
+        for key in ("roofline_fraction", "bandwidth_fraction"):
+            if data[key] is not None and data[key] > 1.0:
+                data[key + "_note"] = ("above 1: the probe measured less than this run "
+                                       "achieved, so it bounds nothing here")
         return data
 
 
@@ -172,11 +181,19 @@ class ProfileReport:
             ratio = "" if s["memory_ratio"] is None else f", memory x{s['memory_ratio']:.2f}"
             lines.append(f"  {Path(s['model']).name} vs {Path(self.models[0]).name} ({s['provider']}, "
                          f"batch {s['batch']}, seq {s['seq_len']}, {s['threads']} threads): "
-                         f"x{s['speedup']:.2f} faster{ratio}")
+                         f"{speed_words(s['speedup'])}{ratio}")
         if len({p.threads for p in self.points}) > 1:
             for b in self.best_threads():
                 lines.append(f"  best threads {Path(b['model']).name} {b['provider']} b{b['batch']} "
                              f"s{b['seq_len']}: {b['threads']} ({b['p50_ms']:.2f} ms)")
+        failed = [p for p in self.points if p.error]
+        for p in failed:
+            lines.append(f"  FAILED {Path(p.model).name} {p.provider} b{p.batch} "
+                         f"s{p.seq_len}: {p.error}")
+        if any((p.roofline_fraction or 0) > 1 or (p.bandwidth_fraction or 0) > 1
+               for p in self.points):
+            lines.append("  roofline '>100%?': the probe measured less than the run achieved "
+                         "(threads, sizes or caches differ), so it is no bound there")
         for p in self.points:
             if p.top_ops:
                 ops = ", ".join(f"{o.op_type}@{o.provider} {100 * o.share:.0f}%" for o in p.top_ops[:4])
@@ -184,14 +201,27 @@ class ProfileReport:
         return "\n".join(lines)
 
 
+def speed_words(speedup: float) -> str:
+    """``1.16x faster`` / ``1.16x slower`` (never ``x0.86 faster``)."""
+    if speedup >= 1:
+        return f"{speedup:.2f}x faster"
+    return f"{1 / speedup:.2f}x slower"
+
+
+def _fraction(value: float | None) -> str:
+    """A roofline share; above 100 % the probe bounds nothing and is flagged, not printed."""
+    if value is None:
+        return "-"
+    return ">100%?" if value > 1.0 else f"{100 * value:.0f}%"
+
+
 def _row(p: Point) -> tuple:
-    return _cells(p, "-" if p.gflops is None else f"{p.gflops:.1f}",
-                  "-" if p.roofline_fraction is None else f"{100 * p.roofline_fraction:.0f}%")
+    return _cells(p, "-" if p.gflops is None else f"{p.gflops:.1f}", _fraction(p.roofline_fraction))
 
 
 def _decode_row(p: Point) -> tuple:
     return _cells(p, "-" if p.cache_bytes is None else f"{p.cache_bytes / 1e6:.1f}",
-                  "-" if p.bandwidth_fraction is None else f"{100 * p.bandwidth_fraction:.0f}%")
+                  _fraction(p.bandwidth_fraction))
 
 
 def _cells(p: Point, work: str, roofline: str) -> tuple:
@@ -199,7 +229,7 @@ def _cells(p: Point, work: str, roofline: str) -> tuple:
     % of the matmul roofline, or cache MB and % of the bandwidth roofline)."""
     head = (Path(p.model).name, p.provider, p.batch, p.seq_len, p.threads)
     if p.error:
-        return head + ("ERROR", p.error[:60]) + ("",) * 7
+        return head + ("ERROR", "(below)") + ("",) * 7
     memory = "-" if p.memory is None else human_bytes(p.memory)
     return head + (p.p50_ms, p.p90_ms, p.p99_ms, p.min_ms, f"{p.tokens_per_s:,.0f}", work,
                    roofline, memory, f"{p.session_s:.2f}")

@@ -113,7 +113,7 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
     for n, (group, provider, batch, seq, threads) in enumerate(jobs):
         if on_point:
             on_point(n, len(jobs), f"{', '.join(Path(p).name for p in group)} {provider} "
-                                   f"b{batch} s{seq} t{threads or 'default'}")
+                                   f"b{batch} s{seq} t{resolved_threads(threads)}")
         spec = PointSpec(models=group, provider=provider, batch=batch, seq_len=seq,
                          threads=threads, warmup=config.warmup, iters=config.iters,
                          min_time=config.min_time, io_binding=config.io_binding and provider != "cpu",
@@ -122,6 +122,8 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
                          trace_dir=config.trace_dir, inputs=config.inputs, decode=config.decode)
         raw = in_child({"point": asdict(spec)})
         points += [_point(model, spec, raw, config, roofline, bandwidth) for model in group]
+        if any(p.error for p in points[-len(group):]) and not config.keep_going:
+            break  # the report says which point failed; --keep-going finishes the sweep
     if on_point:
         on_point(len(jobs), len(jobs), "done")
     return ProfileReport(tuple(points), roofline, machine_info(), time.perf_counter() - started,

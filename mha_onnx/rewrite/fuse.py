@@ -22,7 +22,7 @@ from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx import __version__, metadata
 from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
-from mha_onnx.errors import ConfigError, FusionError, RuntimeCrash
+from mha_onnx.errors import BlocksLeft, ConfigError, FusionError, RuntimeCrash
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.inputs import ShapeCase, case_for, default_cases, input_specs, load_inputs
 from mha_onnx.preflight import Preflight, preflight
@@ -39,6 +39,7 @@ from mha_onnx.rewrite.lower_cache import route_presents
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower_ort import Forms, LowerMergedOutput, LowerSdpa
 from mha_onnx.rewrite.lower_shared import share_interface
+from mha_onnx.rewrite.norms import fuse_norms
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
@@ -190,6 +191,10 @@ def fuse_model(
         RewriteRuleSet([LowerSdpa.rule(chosen, policy)]).apply_to_model(model)
         pairs = route_presents(model.graph)
         shared = share_interface(model.graph)
+        normed = fuse_norms(model)
+        if normed:
+            notes.append(f"{normed} RMS normalisation(s) (with the residual Add where there is "
+                         "one) onto ORT's SimplifiedLayerNormalization kernels")
         if policy.kv_cache == "shared":
             notes.append(_shared_note(shared, chosen))
         model.opset_imports.setdefault(MS_DOMAIN, 1)
@@ -294,6 +299,7 @@ def fuse_file(
     forms: Forms | None = None,
     inputs: str | Path | None = None,
     kv_cache: str | None = None,
+    strict: bool = False,
 ) -> FuseReport:
     """Fuse ``source`` into ``output``; refuses to write when the fused graph's outputs differ
     from the original's beyond tolerance (unless ``verify_result`` is False). ``inputs``: an
@@ -306,6 +312,12 @@ def fuse_file(
     level = _safe_level(preflight(source), "the original model") if verify_result else "all"
     fused, results, notes = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
     _carry_metadata(original, fused, results, target, (forms or Forms()).ep)
+    left = [r for r in results if r.status == "left"]
+    if strict and left:
+        raise BlocksLeft(f"{len(left)} of {len(results)} attention block(s) left unfused "
+                         f"(first: {left[0].block}: {left[0].reason}); nothing was written",
+                         hint="without --strict the model is written with those blocks as "
+                              "they are; `mha-onnx inspect` shows why each is left")
     if not results:
         notes.append("the model has no attention block; the output is an unchanged copy")
     checked = preflight(fused.SerializeToString())

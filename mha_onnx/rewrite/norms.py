@@ -1,0 +1,107 @@
+"""RMS normalisation onto ORT's kernels: ``SimplifiedLayerNormalization`` (and, with the
+residual Add before it, ``com.microsoft.SkipSimplifiedLayerNormalization``), as ORT GenAI's
+builder writes a Llama layer.
+
+Hugging Face's ``x * rsqrt(mean(x^2) + eps) * weight`` reaches ONNX as
+``Mul(weight, Cast(Mul(x, Div(1, Sqrt(Add(ReduceMean(Pow(x, 2)), eps))))))`` from the
+TorchScript exporter (Optimum) and with ``Reciprocal`` instead of ``Div(1, .)`` elsewhere;
+onnxscript's own rule and ORT's session-level fusion expect other spellings, so in a decode
+step these ~9 small ops per norm are dispatched one by one. One rule per spelling; the
+weight must be a constant vector over the last axis and the mean over that axis only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+from onnxscript.rewriter import RewriteRuleSet, pattern
+from onnxscript.rewriter._basics import MatchResult
+
+from mha_onnx.rewrite.irutil import MS_DOMAIN, const_array, const_scalar, dims
+
+
+class RmsNorm(pattern.RewriteRuleClassBase):
+    """``weight * cast(x * 1/sqrt(mean(x^2, -1) + eps))`` -> SimplifiedLayerNormalization."""
+
+    def __init__(self, reciprocal: bool, cast: bool) -> None:
+        super().__init__(f"RmsNorm{'Reciprocal' if reciprocal else 'Div'}{'Cast' if cast else ''}")
+        self.reciprocal, self.cast = reciprocal, cast
+
+    def pattern(self, op, x, axes, eps, one, two, weight):
+        mean = op.ReduceMean(op.Pow(x, two), axes, _allow_other_attributes=True)
+        root = op.Sqrt(op.Add(mean, eps))
+        inverse = op.Reciprocal(root) if self.reciprocal else op.Div(one, root)
+        normed = op.Mul(x, inverse)
+        if self.cast:
+            normed = op.Cast(normed, _allow_other_attributes=True)
+        return op.Mul(weight, normed)
+
+    def check(self, context, x, axes, eps, one, two, weight, **_) -> MatchResult:
+        result = MatchResult()
+        shape, w = dims(x), const_array(weight)
+        if const_scalar(two) != 2.0 or (not self.reciprocal and const_scalar(one) != 1.0):
+            return result.fail("not a mean of squares under a reciprocal square root")
+        if const_scalar(eps) is None or shape is None:
+            return result.fail("epsilon not constant or the input's rank unknown")
+        reduced = const_array(axes)
+        if reduced is None or [int(a) % len(shape) for a in reduced.reshape(-1)] != [len(shape) - 1]:
+            return result.fail("the mean is not over the last axis alone")
+        if w is None or w.ndim != 1 or w.shape[0] != shape[-1]:
+            return result.fail("the weight is not a constant vector over the last axis")
+        if _before_upcast(x, weight).dtype != weight.dtype:
+            return result.fail("the input and the weight differ in type")
+        return result
+
+    def rewrite(self, op, x, eps, weight, **_):
+        source = _before_upcast(x, weight)
+        return op.SimplifiedLayerNormalization(source, weight, axis=-1,
+                                               epsilon=float(const_scalar(eps)), stash_type=1)
+
+
+class SkipRmsNorm(pattern.RewriteRuleClassBase):
+    """``SimplifiedLayerNormalization(a + b)`` whose sum is also used (the residual stream)
+    -> SkipSimplifiedLayerNormalization, which returns both."""
+
+    def __init__(self) -> None:
+        super().__init__("SkipRmsNorm")
+
+    def pattern(self, op, a, b, weight):
+        total = op.Add(a, b)
+        normed = op.SimplifiedLayerNormalization(total, weight, _allow_other_attributes=True,
+                                                 _outputs=["normed"])
+        return normed, total
+
+    def check(self, context, a, b, normed, **_) -> MatchResult:
+        result = MatchResult()
+        da, db = dims(a), dims(b)
+        if da is None or db is None or da != db or len(da) != 3:
+            return result.fail("the residual Add broadcasts or is not [B, S, D]")
+        if a.dtype != b.dtype or a.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            return result.fail("operands of different or unsupported types")
+        return result
+
+    def rewrite(self, op, a, b, weight, normed, **_):
+        attrs: dict[str, Any] = {"epsilon": normed.producer().attributes["epsilon"].as_float()}
+        outs = op.SkipSimplifiedLayerNormalization(a, b, weight, _domain=MS_DOMAIN,
+                                                   _outputs=4, **attrs)
+        return outs[0], outs[3]  # the normalised value, the residual sum
+
+
+def _before_upcast(x: ir.Value, weight: ir.Value) -> ir.Value:
+    """The norm's input before a Cast up to float32, when the weight has that type (the
+    kernel computes in float32 itself: stash_type=1)."""
+    cast = x.producer()
+    if cast is not None and cast.op_type == "Cast" and cast.inputs[0] is not None \
+            and cast.inputs[0].dtype == weight.dtype:
+        return cast.inputs[0]
+    return x
+
+
+def fuse_norms(model: ir.Model) -> int:
+    """RMSNorm and residual + RMSNorm onto ORT's kernels; the number of nodes rewritten."""
+    rules = [RmsNorm.rule(r, c) for r in (False, True) for c in (True, False)]
+    count = RewriteRuleSet(rules).apply_to_model(model)
+    count += RewriteRuleSet([SkipRmsNorm.rule()]).apply_to_model(model)
+    return count
+

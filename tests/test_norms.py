@@ -1,0 +1,81 @@
+"""RMSNorm (and the residual Add before it) onto ORT's SimplifiedLayerNormalization kernels:
+structure, parity on ORT, and the near misses that must stay as they are."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnxscript.optimizer import remove_unused_nodes
+
+from mha_onnx.graphio import check_structure
+from mha_onnx.rewrite.norms import fuse_norms
+from mha_onnx.runtimes import OrtRunner
+
+F = TensorProto.FLOAT
+DIM = 16
+
+
+def _norm(x: str, out: str, axes=(-1,), reciprocal=False, weight_shape=(DIM,)) -> list:
+    w = numpy_helper.from_array(np.linspace(0.5, 1.5, int(np.prod(weight_shape)), dtype=np.float32)
+                                .reshape(weight_shape), f"{out}_w")
+    nodes = [
+        helper.make_node("Constant", [], [f"{out}_two"], value_float=2.0),
+        helper.make_node("Pow", [x, f"{out}_two"], [f"{out}_sq"]),
+        helper.make_node("Constant", [], [f"{out}_axes"], value_ints=list(axes)),
+        helper.make_node("ReduceMean", [f"{out}_sq", f"{out}_axes"], [f"{out}_mean"], keepdims=1),
+        helper.make_node("Constant", [], [f"{out}_eps"], value_float=1e-6),
+        helper.make_node("Add", [f"{out}_mean", f"{out}_eps"], [f"{out}_var"]),
+        helper.make_node("Sqrt", [f"{out}_var"], [f"{out}_root"]),
+    ]
+    if reciprocal:
+        nodes.append(helper.make_node("Reciprocal", [f"{out}_root"], [f"{out}_inv"]))
+    else:
+        nodes += [helper.make_node("Constant", [], [f"{out}_one"], value_float=1.0),
+                  helper.make_node("Div", [f"{out}_one", f"{out}_root"], [f"{out}_inv"])]
+    nodes += [helper.make_node("Mul", [x, f"{out}_inv"], [f"{out}_n"]),
+              helper.make_node("Cast", [f"{out}_n"], [f"{out}_c"], to=F),
+              helper.make_node("Mul", [f"{out}_w", f"{out}_c"], [out])]
+    return nodes, w
+
+
+def _model(**kw) -> onnx.ModelProto:
+    """h = a + b (the residual, also an output), y = rmsnorm(h)."""
+    nodes, w = _norm("h", "y", **kw)
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["h"]), *nodes], "g",
+                              [helper.make_tensor_value_info(n, F, ["B", "S", DIM]) for n in "ab"],
+                              [helper.make_tensor_value_info(n, F, ["B", "S", DIM]) for n in "yh"],
+                              initializer=[w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def _run(model: onnx.ModelProto, feeds):
+    with OrtRunner(model.SerializeToString()) as runner:
+        return runner.infer(feeds)
+
+
+@pytest.mark.parametrize("reciprocal", [False, True], ids=["div", "reciprocal"])
+def test_rms_norm_and_residual_fuse(reciprocal):
+    original = _model(reciprocal=reciprocal)
+    model = ir.from_proto(original)
+    assert fuse_norms(model) == 2
+    remove_unused_nodes(model)
+    fused = ir.to_proto(model)
+    ops = [(n.domain, n.op_type) for n in fused.graph.node]
+    assert ops == [("com.microsoft", "SkipSimplifiedLayerNormalization")]
+    check_structure(fused)  # ORT's ops are not refused by the checker
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((2, 5, DIM)).astype(np.float32) for n in "ab"}
+    got, want = _run(fused, feeds), _run(original, feeds)
+    for name in "yh":
+        np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{"axes": (1,)}, {"weight_shape": (1, DIM)}],
+                         ids=["mean over another axis", "weight not a vector"])
+def test_near_misses_stay(kw):
+    model = ir.from_proto(_model(**kw))
+    assert fuse_norms(model) == 0
+    assert "SimplifiedLayerNormalization" not in [n.op_type for n in model.graph]

@@ -1,0 +1,89 @@
+"""Prompt and decode of an Optimum Llama export: as exported, fused by mha-onnx, by ORT's
+transformers optimizer, and ORT GenAI's hand-built graph for the same weights.
+
+Three environments (each tool's own pins), one folder:
+
+    .venv-optimum/bin/python -m tools.bench_optimum make DIR   # HF folder + Optimum export
+    .venv-genai/bin/python -m tools.bench_optimum genai DIR    # ORT GenAI's builder
+    .venv/bin/python -m tools.bench_optimum run DIR [--threads 2] [--prompt 1024]
+        [--context 4096] [--batch 1] [--min-time 1]
+
+The model: Llama, hidden 1024, 16 query / 4 K/V heads (head 64), 2 layers, fp32, random
+weights (seed 0), a vocabulary of 512 (a BPE trained on a few sentences: GenAI's builder
+needs a tokenizer) so that the layers, not the LM head, are timed. ``run`` fuses the export
+(appended cache, and ``--kv-cache shared``), applies ORT's optimizer (model_type gpt2, the
+one its Llama path uses; opt_level 1), checks every graph's outputs against the export's,
+then times each graph in turn in one process (sleeping thread pools, ``--threads``):
+
+- prompt: ``--prompt`` tokens, empty cache;
+- decode: one token after ``--context`` cached positions (GenAI's graph and the shared form
+  with their cache buffers bound as past and present, the others with an appended cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB, MAX_POS = 1024, 16, 4, 2, 512, 8192
+
+
+def make(folder: Path) -> None:
+    """HF folder (config, weights, tokenizer) and Optimum's export of it (.venv-optimum)."""
+    import torch
+    import transformers as tf
+    from optimum.exporters.onnx import main_export
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    hf = folder / "hf"
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2816,
+                            num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                            num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS,
+                            bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).eval().save_pretrained(hf)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    text = ["multi-head attention from PyTorch to production under ONNX Runtime"] * 50
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=VOCAB,
+                                                      special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                      bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(hf)
+    main_export(str(hf), output=str(folder / "optimum"), task="text-generation-with-past",
+                do_validation=False)
+
+
+def genai(folder: Path) -> None:
+    """ORT GenAI's builder on the same folder (.venv-genai)."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
+                    str(folder / "hf"), "-o", str(folder / "genai"), "-p", "fp32", "-e", "cpu"],
+                   check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=("make", "genai", "run"))
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--min-time", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    if args.action == "make":
+        make(args.folder)
+    elif args.action == "genai":
+        genai(args.folder)
+    else:
+        from tools.bench_optimum_run import run
+
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""`python -m tools.bench_optimum run DIR`: the graphs built, checked and timed (see
+tools/bench_optimum.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from mha_onnx.cache import LENGTH_INPUT
+from mha_onnx.runtimes import OrtRunner
+
+KV, D = 4, 64
+HEADROOM = 8
+
+
+def _graphs(folder: Path) -> dict[str, Path]:
+    from mha_onnx.rewrite import fuse_file
+
+    original = folder / "optimum" / "model.onnx"
+    out = {"Optimum export": original}
+    fused, shared = folder / "fused.onnx", folder / "fused.shared.onnx"
+    if not fused.exists():
+        print(fuse_file(original, fused).render(), flush=True)
+    if not shared.exists():
+        print(fuse_file(original, shared, kv_cache="shared").render(), flush=True)
+    out["mha-onnx fuse (appended cache)"] = fused
+    out["mha-onnx fuse --kv-cache shared"] = shared
+    ort_opt = folder / "ort_optimizer.onnx"
+    if not ort_opt.exists():
+        from onnxruntime.transformers.optimizer import optimize_model
+
+        optimize_model(str(original), model_type="gpt2", num_heads=16, hidden_size=1024,
+                       opt_level=1).save_model_to_file(str(ort_opt))
+    out["ORT transformers optimizer (gpt2, O1)"] = ort_opt
+    out["ORT GenAI builder"] = folder / "genai" / "model.onnx"
+    return out
+
+
+def _feeds(kind: str, names: list[str], batch: int, new: int, past: int,
+           rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(plain inputs, cache buffers) for one step of ``new`` tokens after ``past`` cached
+    positions; every row unpadded. kinds: appended | shared (ours) | genai."""
+    total = past + new
+    feeds = {"input_ids": rng.integers(3, 500, (batch, new)).astype(np.int64),
+             "attention_mask": np.ones((batch, total), np.int64)}
+    if "position_ids" in names:
+        feeds["position_ids"] = np.broadcast_to(np.arange(past, total), (batch, new)).copy()
+    pasts = {}
+    length = past if kind == "appended" else total + HEADROOM
+    for name in sorted(n for n in names if n.startswith("past_key_values")):  # same per name
+        buf = np.zeros((batch, KV, length, D), np.float32)
+        buf[:, :, :past] = rng.standard_normal((batch, KV, past, D)) * 0.5
+        pasts[name] = buf
+    if kind == "shared":
+        feeds[LENGTH_INPUT] = np.array(past, np.int64)
+    return feeds, pasts
+
+
+def _kind(label: str) -> str:
+    return "genai" if "GenAI" in label else "shared" if "shared" in label else "appended"
+
+
+def _step(runner: OrtRunner, kind: str, feeds, pasts) -> tuple[Callable[[], None], Callable]:
+    """A run with every input bound once (IO binding); shared buffers also bound as the
+    presents, written in place. Returns (run, logits)."""
+    import onnxruntime as ort
+
+    session = runner.session
+    binding = session.io_binding()
+    values = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in
+              {**feeds, **pasts}.items()}
+    for name, value in values.items():
+        binding.bind_ortvalue_input(name, value)
+    for output in session.get_outputs():
+        past = output.name.replace("present", "past_key_values")
+        if kind != "appended" and past in values:
+            binding.bind_ortvalue_output(output.name, values[past])
+        else:
+            binding.bind_output(output.name, "cpu")
+
+    def logits() -> np.ndarray:
+        names = [o.name for o in session.get_outputs()]
+        return binding.copy_outputs_to_cpu()[names.index("logits")]
+
+    return (lambda: session.run_with_iobinding(binding)), logits
+
+
+def _time(runs: dict[str, Callable[[], None]], min_time: float) -> dict[str, float]:
+    """Median ms of each run, taken in turn (one of each per round) for >= min_time each."""
+    times = {k: [] for k in runs}
+    for run in runs.values():
+        run()
+    spent = dict.fromkeys(runs, 0.0)
+    while min(spent.values()) < min_time or min(len(t) for t in times.values()) < 5:
+        for label, run in runs.items():
+            start = time.perf_counter()
+            run()
+            took = time.perf_counter() - start
+            times[label].append(took)
+            spent[label] += took
+    return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+
+
+def run(args) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    folder = Path(args.folder)
+    graphs = _graphs(folder)
+    runners = {k: OrtRunner(v, threads=args.threads, spinning=False) for k, v in graphs.items()}
+    rows = {}
+    for phase, new, past in (("prompt", args.prompt, 0), ("decode", 1, args.context)):
+        runs, logits = {}, {}
+        for label, runner in runners.items():
+            names = runner.input_names
+            feeds, pasts = _feeds(_kind(label), names, args.batch, new, past,
+                                  np.random.default_rng(0))
+            runs[label], logits[label] = _step(runner, _kind(label), feeds, pasts)
+        base = "Optimum export"
+        runs[base]()
+        want = logits[base]()
+        for label in runs:
+            runs[label]()
+            err = float(np.abs(logits[label]() - want).max())
+            print(f"{phase}: {label}: logits max abs vs the export {err:.2e}", flush=True)
+        rows[phase] = _time(runs, args.min_time)
+    print(f"\n| graph | prompt {args.prompt} tokens ms | ratio | decode step, context "
+          f"{args.context} ms | ratio |\n|---|---|---|---|---|")
+    for label in graphs:
+        p, d = rows["prompt"][label], rows["decode"][label]
+        print(f"| {label} | {p:.1f} | {p / rows['prompt']['Optimum export']:.2f}x | {d:.2f} | "
+              f"{d / rows['decode']['Optimum export']:.2f}x |")
