@@ -6,7 +6,7 @@ CLI := $(VENV)/bin/mha-onnx
 OUT := out
 PRESET ?= base
 
-.PHONY: run test lint clean fixtures
+.PHONY: run test lint clean fixtures bench-envs
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,16 @@ $(OPT_VENV)/.installed:
 
 fixtures: $(OPT_VENV)/.installed
 	$(OPT_VENV)/bin/python tools/optimum_fixtures.py --out tests/fixtures/optimum
+
+# ORT GenAI's model builder (needs transformers >= 5, onnx-ir) for tools/bench_optimum.
+GENAI_VENV := .venv-genai
+$(GENAI_VENV)/.installed:
+	test -x $(GENAI_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_VENV)
+	$(GENAI_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.24.0 \
+		onnxruntime-genai==0.18.0 onnx-ir onnx==1.23.2 tokenizers
+	touch $@
+
+bench-envs: $(OPT_VENV)/.installed $(GENAI_VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools

@@ -1,7 +1,8 @@
 """Prompt and decode of an Optimum Llama export: as exported, fused by mha-onnx, by ORT's
 transformers optimizer, and ORT GenAI's hand-built graph for the same weights.
 
-Three environments (each tool's own pins), one folder:
+Three environments (each tool's own pins; `make bench-envs` makes the two extra ones), one
+folder:
 
     .venv-optimum/bin/python -m tools.bench_optimum make DIR   # HF folder + Optimum export
     .venv-genai/bin/python -m tools.bench_optimum genai DIR    # ORT GenAI's builder
