@@ -12,6 +12,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
+from onnx import numpy_helper
 
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
@@ -93,6 +94,10 @@ def test_decode_profile_reports_the_bandwidth_roofline(export_cache):
     assert second["cache_bytes"] == 4 * second["cache_bytes"] // 4 == 2 * 1 * 4 * 64 * 8 * 4
     assert all(0 < p["bandwidth_fraction"] for p in data["points"])
     assert first["tokens_per_s"] > 0
+    # a step reads every weight too: the four projections of d_model 32, with their biases
+    weights = sum(numpy_helper.to_array(t).nbytes
+                  for t in onnx.load(export_cache(CFG)).graph.initializer)
+    assert first["weight_bytes"] == weights >= 4 * 32 * 32 * 4
 
 
 def test_report_shows_a_decode_step_against_the_bandwidth(export_cache, tmp_path):

@@ -86,6 +86,7 @@ class Point:
     run_rss_bytes: int | None = None
     device_bytes: int | None = None
     cache_bytes: int | None = None  # decode: the KV cache one step reads
+    weight_bytes: int | None = None  # decode: the weights one step reads (all of them)
     bandwidth_fraction: float | None = None  # decode: cache bytes / time over the bandwidth
     session_s: float = 0.0
     top_ops: tuple[OpTime, ...] = ()
@@ -169,7 +170,8 @@ class ProfileReport:
             lines.append(f"  memory bandwidth ({key}): {value:.1f} GB/s (reading)")
         if self.decode:
             lines.append("  decode: one new token per step after 'seq' cached positions; "
-                         "'roofline' = time to read the cache once at that bandwidth / p50")
+                         "'roofline' = time to read the cache and the weights once at that "
+                         "bandwidth / p50")
             head = ["model", "ep", "batch", "cache", "threads", "p50 ms", "p90 ms", "p99 ms",
                     "min ms", "tokens/s", "cache MB", "roofline", "memory", "load s"]
             lines.append(table(head, [_decode_row(p) for p in self.points]))

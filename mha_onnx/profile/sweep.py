@@ -145,7 +145,7 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
         peak_rss_bytes=raw.get("peak_rss"), run_rss_bytes=raw.get("run_rss"),
         device_bytes=raw.get("device_bytes"), session_s=float(mine["session_s"]),
         top_ops=tuple(OpTime(**o) for o in raw.get("top_ops", [])), trace=raw.get("trace"))
-    rates = (_decode_rates(spec, raw, p50, bandwidth) if config.decode
+    rates = (_decode_rates(spec, raw, p50, bandwidth, _weight_bytes(model)) if config.decode
              else _flop_rates(model, spec, config, roofline, p50))
     return Point(**where, **measured, **rates)
 
@@ -168,11 +168,27 @@ def _flop_rates(model: str, spec: PointSpec, config: ProfileConfig, roofline: di
 
 
 def _decode_rates(spec: PointSpec, raw: dict[str, Any], p50: float,
-                  bandwidth: dict[str, float]) -> dict[str, Any]:
+                  bandwidth: dict[str, float], weights: int) -> dict[str, Any]:
     """A decode step: tokens/s is one token per batch entry per step; the roofline is
-    reading the cache once at the measured bandwidth."""
+    reading what a step must read once at the measured bandwidth: the cache and every
+    weight of the model (a decoder's step reads all its weights for one token)."""
     cache = raw.get("cache_bytes")
     gbps = bandwidth.get(f"{spec.provider} float32")
-    fraction = (cache / 1e9 / gbps) / (p50 / 1e3) if cache and gbps else None
+    step = (cache or 0) + weights
+    fraction = (step / 1e9 / gbps) / (p50 / 1e3) if step and gbps else None
     return dict(tokens_per_s=spec.batch / (p50 / 1e3), cache_bytes=cache,
-                bandwidth_fraction=fraction)
+                weight_bytes=weights, bandwidth_fraction=fraction)
+
+
+def _weight_bytes(model: str) -> int:
+    """Bytes of the model's initializers (external data included, read from their size)."""
+    from mha_onnx.graphio import read_model as read
+
+    proto = read(model, load_external_data=False)
+    total = 0
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == 1:  # external: its length is recorded
+            total += int(next((e.value for e in tensor.external_data if e.key == "length"), 0))
+        else:
+            total += len(tensor.raw_data) or np.prod(tensor.dims, dtype=np.int64) * 4
+    return int(total)
