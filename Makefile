@@ -6,7 +6,7 @@ CLI := $(VENV)/bin/mha-onnx
 OUT := out
 PRESET ?= base
 
-.PHONY: run test lint clean fixtures bench-envs
+.PHONY: run test test-fast lint clean fixtures bench-envs
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ $(GENAI_VENV)/.installed:
 	touch $@
 
 bench-envs: $(OPT_VENV)/.installed $(GENAI_VENV)/.installed
+
+# The loop of change-and-check: what needs no torch.export (about half a minute).
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools

@@ -20,6 +20,7 @@ import onnx
 
 from mha_onnx.errors import InputSpecError, ResourceError
 from mha_onnx.graphdims import pin_dims
+from mha_onnx.input_roles import all_nodes, integer_roles
 from mha_onnx.table import human_bytes
 
 NP_TYPES = {
@@ -35,13 +36,6 @@ NP_TYPES = {
 # Dim names exporters give the batch axis; every other symbolic dim is a length.
 _BATCH_DIM = re.compile(r"batch|^b$|^n$", re.IGNORECASE)
 # Ops that pass an input's values on unchanged (as far as "is it a mask" goes).
-_KEEPS_VALUES = {"Cast", "Unsqueeze", "Squeeze", "Reshape", "Expand", "Identity", "Slice",
-                 "Flatten", "Transpose", "Tile"}
-_INDEX_INPUT = {"Gather": 1, "GatherElements": 1, "GatherND": 1}
-_MASK_USES = {"Where", "Mul", "Sub", "Add", "Equal", "Not", "And", "Or", "Xor", "CumSum",
-              "ReduceSum", "ReduceMax", "ReduceMin", "Less", "Greater", "LessOrEqual",
-              "GreaterOrEqual", "Neg", "GatherND", "Compress"}
-
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -83,8 +77,8 @@ def is_batch_dim(name: str) -> bool:
 def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
     """The model's real inputs (initializers listed as inputs excluded), with their roles."""
     initializers = {t.name for t in model.graph.initializer}
-    roles = _integer_roles(model)
-    switches = {n.input[0] for n in _all_nodes(model.graph) if n.op_type == "If"}
+    roles = integer_roles(model)
+    switches = {n.input[0] for n in all_nodes(model.graph) if n.op_type == "If"}
     specs = []
     for value in model.graph.input:
         if value.name in initializers:
@@ -102,47 +96,6 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
             role, bound = roles.get(value.name, ("ids", 16))
         specs.append(InputSpec(value.name, dtype, dims, role, bound))
     return pin_dims(model, specs)
-
-
-def _integer_roles(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
-    """Integer inputs by use: indices into a table (ids, bounded by its rows) or values used
-    as a mask (0/1). Followed through ops that keep values, into subgraphs."""
-    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for node in _all_nodes(model.graph):  # If branches too (Optimum's merged decoders)
-        for index, name in enumerate(node.input):
-            consumers.setdefault(name, []).append((node, index))
-    rows = {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
-    roles = {}
-    for value in model.graph.input:
-        frontier, seen, bounds, uses = [value.name], set(), [], set()
-        while frontier:
-            name = frontier.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            for node, index in consumers.get(name, []):
-                if _INDEX_INPUT.get(node.op_type) == index:
-                    uses.add("index")
-                    if node.input[0] in rows:
-                        bounds.append(int(rows[node.input[0]]))
-                elif (node.op_type in _KEEPS_VALUES or node.op_type in _INDEX_INPUT) \
-                        and index == 0:  # a gather's output holds some of the data's values
-                    frontier.extend(node.output)
-                elif node.op_type in _MASK_USES:
-                    uses.add("mask")
-        if bounds:
-            roles[value.name] = ("ids", max(1, min(bounds)))
-        elif uses == {"mask"}:
-            roles[value.name] = ("mask", 2)
-    return roles
-
-
-def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(attr.g)
 
 
 def contract_specs(config) -> list[InputSpec]:

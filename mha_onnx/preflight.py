@@ -17,9 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# Our names for ORT's graph optimisation levels, from the most to the least optimised.
-LEVELS = {"all": "ORT_ENABLE_ALL", "extended": "ORT_ENABLE_EXTENDED",
-          "basic": "ORT_ENABLE_BASIC", "none": "ORT_DISABLE_ALL"}
+from mha_onnx.runtimes import LEVELS  # noqa: F401 (also where callers look for it)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ PROVIDERS = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 SHORT_NAMES = {v: k for k, v in PROVIDERS.items()}
+# Our names for ORT's graph optimisation levels, from the most to the least optimised.
+LEVELS = {"all": "ORT_ENABLE_ALL", "extended": "ORT_ENABLE_EXTENDED",
+          "basic": "ORT_ENABLE_BASIC", "none": "ORT_DISABLE_ALL"}
 
 
 class ProviderUnavailableError(ProviderError):
@@ -178,8 +181,6 @@ class OrtRunner:
         if not self.spinning:  # idle pool threads sleep instead of spinning (shared CPUs)
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        from mha_onnx.preflight import LEVELS
-
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
                                                    LEVELS[self.optimization])
         if self.provider != "cpu" and not allow_fallback:

@@ -51,3 +51,14 @@ def zoo():
         return cache[name]
 
     return get
+
+
+SLOW_FIXTURES = {"zoo", "export_cache"}  # torch.export behind them: seconds per model
+
+
+def pytest_collection_modifyitems(config, items):
+    """A fast suite (STYLE.md rule 21): what needs torch.export is ``slow``, so that
+    ``pytest -m "not slow"`` runs in about a minute; ``make test`` runs everything."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -10,8 +10,7 @@ from mha_onnx.graphio import for_checker
 from mha_onnx.inspect import summarize
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.blocks import all_graphs
-from mha_onnx.rewrite.fuse import verification_cases
-from mha_onnx.rewrite.verify import verify
+from mha_onnx.rewrite.verify import verification_cases, verify
 
 
 def ops(model: onnx.ModelProto) -> list[str]:

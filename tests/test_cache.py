@@ -19,7 +19,7 @@ from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError
 from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
 from mha_onnx.reference import build_reference, run_reference
-from mha_onnx.rewrite.fuse import verification_cases
+from mha_onnx.rewrite.verify import verification_cases
 from tests.fusing import fused_and_checked, ops
 
 CFG = MhaConfig(d_model=32, num_heads=4, mask="causal", kv_cache=True, name="kv")
@@ -290,7 +290,7 @@ def test_grouped_heads_with_a_padding_mask_step_on_gqa_with_past(zoo):
     """A Llama layer with DynamicCache (grouped K/V, an attention_mask): a step with no key
     padded runs on GQA with past (no heads repeated), a padded one on MHA over the repeated
     cache; verification covers both, at one new token after a past."""
-    from mha_onnx.rewrite.fuse import verification_cases
+    from mha_onnx.rewrite.verify import verification_cases
 
     original = zoo("hf_cached_llama")
     fused, results = fused_and_checked(original)

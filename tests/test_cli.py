@@ -20,6 +20,7 @@ def cli():
     return invoke
 
 
+@pytest.mark.slow
 def test_export_and_inspect(cli, tmp_path):
     cfg = tmp_path / "tiny.toml"
     cfg.write_text("d_model = 32\nnum_heads = 4\n")

@@ -19,6 +19,8 @@ from mha_onnx.runtimes import OrtRunner
 from tests.fusing import fused_and_checked, ops
 from tools.zoo import CAUSAL_SPELLINGS, NOT_CAUSAL, hf_decoder
 
+pytestmark = pytest.mark.slow  # every test here exports a Hugging Face model
+
 GQA = "GroupQueryAttention"
 RIGHT_PADDED_GQA = "If(right padding): GroupQueryAttention"
 
@@ -94,7 +96,7 @@ def test_float16_windows_take_gqa_when_no_key_is_padded(decoders):
     right-padded batch: such blocks take GQA when no key is padded (the common batch of one,
     or of equal lengths) and the general form otherwise. Verified with and without padding,
     S beyond the window."""
-    from mha_onnx.rewrite.fuse import verification_cases
+    from mha_onnx.rewrite.verify import verification_cases
 
     model = decoders("mistral", "eager", 18, "float16")
     fused, results = fused_and_checked(model)

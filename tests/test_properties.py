@@ -56,6 +56,7 @@ EXPLORE = int(os.environ.get("MHA_ONNX_EXPLORE", "0"))
 @given(family=st.sampled_from(sorted(FAMILIES)), heads=st.sampled_from([2, 4, 8]),
        head_dim=st.sampled_from([32, 36, 64, 128]), groups=st.sampled_from([1, 2]),
        attn=st.sampled_from(["eager", "sdpa"]), dtype=st.sampled_from(["float32", "float16"]))
+@pytest.mark.slow
 def test_random_decoder_configs_fuse_or_say_why(family, heads, head_dim, groups, attn, dtype):
     model = _decoder(family, heads, head_dim, groups, attn, dtype)
     fused, results, _ = fuse_model(model)
@@ -69,6 +70,7 @@ def test_random_decoder_configs_fuse_or_say_why(family, heads, head_dim, groups,
     assert verify(model, fused).passed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_torch_nn_in_half_precisions(tmp_path, dtype):
     """float16 fuses and verifies; bfloat16 (no fused kernel on ORT's CPU) is left with the
@@ -94,12 +96,13 @@ def test_torch_nn_in_half_precisions(tmp_path, dtype):
             assert "has no fused attention kernel" in result.output, result.output
 
 
+@pytest.mark.slow
 def test_float16_window_with_padding_stays_exact():
     """Found by the property test: ORT's float16 GQA with a window disagrees on the padded
     query rows of right-padded batches longer than the window, so that case takes GQA only
     when no key is padded and the dense form otherwise; verification over both branches
     (padded rows, no padding, S beyond the window) passes."""
-    from mha_onnx.rewrite.fuse import verification_cases
+    from mha_onnx.rewrite.verify import verification_cases
 
     model = _decoder("mistral", 4, 64, 1, "eager", "float16")
     fused, results, _ = fuse_model(model)

@@ -14,8 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
-from onnxscript.rewriter import pattern
-from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter import MatchResult, pattern
 
 from mha_onnx.rewrite.irutil import dims, float_attr, int_attr, same_dim
 from mha_onnx.rewrite.masks import ScoreDims, Term

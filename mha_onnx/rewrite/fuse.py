@@ -8,7 +8,6 @@ against the original on ORT CPU -> atomic write. A block that is not fused gets 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,9 +23,9 @@ from mha_onnx import __version__, metadata
 from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import BlocksLeft, ConfigError, FusionError, RuntimeCrash
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
-from mha_onnx.inputs import ShapeCase, case_for, default_cases, input_specs, load_inputs
+from mha_onnx.inputs import input_specs, load_inputs
 from mha_onnx.preflight import Preflight, preflight
-from mha_onnx.rewrite.blocks import find_blocks, why_left
+from mha_onnx.rewrite.blocks import all_graphs, find_blocks, why_left
 from mha_onnx.rewrite.core import (
     BlockLog,
     OnnxAttention,
@@ -34,6 +33,7 @@ from mha_onnx.rewrite.core import (
     parse_onnx_attention,
     parse_softmax_attention,
 )
+from mha_onnx.rewrite.forms import ONE_TOKEN, SHARED, Form
 from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower_cache import route_presents
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
@@ -45,7 +45,7 @@ from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from mha_onnx.rewrite.shapes import with_symbolic_shapes
-from mha_onnx.rewrite.verify import Verification, verify
+from mha_onnx.rewrite.verify import Verification, verification_cases, verify
 from mha_onnx.table import table
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ class BlockResult:
 
     block: str
     status: str  # "fused" | "left" | "already fused"
-    form: str = ""
+    form: str = ""  # the chosen form's label, rendered from ``chosen``
+    chosen: Form | None = field(default=None, compare=False, repr=False)
     mask: str = ""  # the mask family: none | causal | key_padding | bias
     reason: str = ""
     meaning: str = ""  # the block as understood, e.g. "causal + key padding, 8 q / 2 kv heads"
@@ -139,6 +140,7 @@ def _prepare(model: ir.Model, target: str) -> list[str]:
     notes = []
     if model.functions:
         common_passes.InlinePass()(model)
+    _unique_node_names(model)
     if target == "onnx" and _opset(model) < ONNX_ATTENTION_OPSET:
         from onnxscript.version_converter import convert_version
 
@@ -155,6 +157,24 @@ def _prepare(model: ir.Model, target: str) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - optional clean-up
         log.warning("onnxscript optimizer failed (%s); fusing the graph as it is", exc)
     return notes
+
+
+def _unique_node_names(model: ir.Model) -> None:
+    """One identity per block: node names unique over the model, subgraphs included (an
+    Optimum merged decoder's two If branches name their nodes alike); a repeated name gets
+    its graph's name (the branch) after it."""
+    seen: set[str] = set()
+    for graph in all_graphs(model.graph):
+        for node in graph:
+            name = node.name or node.op_type
+            if name in seen:
+                base, n = f"{name}@{graph.name or 'subgraph'}", 1
+                name = base
+                while name in seen:
+                    n += 1
+                    name = f"{base}#{n}"
+            node.name = name
+            seen.add(name)
 
 
 def fuse_model(
@@ -180,7 +200,7 @@ def fuse_model(
                      "refuses (cos/sin caches broadcast over the batch, now expanded)")
     before = find_blocks(model.graph)
     blog = BlockLog()
-    chosen: dict[str, str] = {}
+    chosen: dict[str, Form] = {}
     oracle = Oracle(model)
     RewriteRuleSet([SoftmaxAttention.rule(blog, _opset(model), oracle, target, policy)]
                    ).apply_to_model(model)
@@ -222,9 +242,10 @@ def _past_dim(model: onnx.ModelProto, pairs: dict[str, str]) -> str:
     return LENGTH_INPUT
 
 
-def _shared_note(shared: int, chosen: dict[str, str]) -> str:
+def _shared_note(shared: int, chosen: dict[str, Form]) -> str:
     """Refuses a shared cache that is not every cached layer's; the note on the interface."""
-    appended = [block for block, form in chosen.items() if form.startswith("If(one new token)")]
+    appended = [block for block, form in chosen.items()
+                if ONE_TOKEN in form.all_cases() and SHARED not in form.all_cases()]
     if appended or not shared:
         raise ConfigError(
             "--kv-cache shared: " + (f"{len(appended)} cached layer(s) cannot take a shared "
@@ -261,17 +282,17 @@ def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
     return out
 
 
-def _fused_result(name: str, blog: BlockLog, form: str) -> BlockResult:
+def _fused_result(name: str, blog: BlockLog, form: Form) -> BlockResult:
     core = blog.matched.get(name)
     if core is None:
-        return BlockResult(name, "fused", form=form)
+        return BlockResult(name, "fused", form=form.label, chosen=form)
     details = {"heads": core.heads, "kv_heads": core.kv_heads, "softcap": core.softcap,
                "mask_meaning": core.mask.to_dict()}
-    return BlockResult(name, "fused", form=form, mask=core.mask.kind, meaning=core.describe(),
-                       details=details)
+    return BlockResult(name, "fused", form=form.label, mask=core.mask.kind,
+                       meaning=core.describe(), details=details, chosen=form)
 
 
-def _results(before, blog: BlockLog, chosen: dict[str, str]) -> list[BlockResult]:
+def _results(before, blog: BlockLog, chosen: dict[str, Form]) -> list[BlockResult]:
     """One result per block found before fusing (ONNX Attention nodes are "fused" both
     before and after; rewritten ones are reported as fused into their new form)."""
     results = []
@@ -337,36 +358,6 @@ def fuse_file(
         verification=verification, seconds=time.perf_counter() - started, written=True,
         notes=tuple(notes),
     )
-
-
-def verification_cases(original: onnx.ModelProto, results: list[BlockResult]) -> list[ShapeCase]:
-    """The default cases, plus lengths just past every length threshold a chosen form
-    switches at ("If(T < 128)", "T <= 1024"), so that each branch is checked."""
-    specs = input_specs(original)
-    cases = default_cases(specs)
-    thresholds = set()
-    for result in results:
-        for op_, number in re.findall(r"T (<=?) (\d+)", result.form):
-            thresholds.add(int(number) + (1 if op_ == "<=" else 0))
-    for n in sorted(thresholds):
-        case = case_for(specs, f"past a form threshold ({n})", 2, [n + 1, n], "some")
-        cases.append(replace(case, optional=True))
-    odd = cases[1]
-    branches = [odd]
-    shared = any("shared cache buffer" in r.form for r in results)
-    if shared or any("If(no past)" in r.form for r in results):  # a KV-cache model's prompt
-        cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}
-        cases.append(ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)},
-                               "some"))
-    if shared or any("If(one new token" in r.form for r in results):  # its decode steps
-        new = {s.dims[1] for s in specs if len(s.dims) in (2, 3) and s.role != "mask"
-               and isinstance(s.dims[1], str)}  # the query's seq_q, a decoder's input_ids
-        cases.append(ShapeCase("one new token (decode)", {**odd.dims, **dict.fromkeys(new, 1)},
-                               "some"))
-        branches.append(cases[-1])
-    if any("no key padded" in r.form for r in results):  # the branch only unpadded runs take
-        cases += [replace(c, label=f"{c.label}, no key padded", padding="none") for c in branches]
-    return cases
 
 
 def _safe_level(checked: Preflight, what: str) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import ast
 import functools
-import re
 
 import numpy as np
 import onnx_ir as ir
@@ -101,12 +101,18 @@ def same_dim(a: Dim, b: Dim) -> bool:
         return False
     if a == b:
         return True
-    if isinstance(a, str) and isinstance(b, str) and _EXPRESSION.search(a + b):
+    if isinstance(a, str) and isinstance(b, str) and any(c in "-+*/()" for c in a + b):
         return _equal_expressions(a, b)
     return False
 
 
-_EXPRESSION = re.compile(r"[-+*/()]")
+def _names(text: str) -> set[str]:
+    """The identifiers of an arithmetic expression (``past + seq`` -> {past, seq})."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return set()
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -114,7 +120,7 @@ def _equal_expressions(a: str, b: str) -> bool:
     import sympy
 
     try:
-        names = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", a + " " + b))
+        names = _names(a) | _names(b)
         symbols = {n: sympy.Symbol(n, integer=True, positive=True) for n in names}
         return sympy.simplify(sympy.sympify(a, locals=symbols)
                               - sympy.sympify(b, locals=symbols)) == 0

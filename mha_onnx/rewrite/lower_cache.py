@@ -24,10 +24,12 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN, onehot_dim, replace_shape
 from mha_onnx.rewrite.lower_common import (
     TapeOps,
     dense_mha,
+    fix_all_padded,
     int_const,
     none_padded,
     scalar_shape,
@@ -90,7 +92,6 @@ def _decode(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
 
 def _mha(ops: TapeOps, info: SdpaInfo, q3, k, v, past_k=None, past_v=None) -> list[ir.Value]:
     """MultiHeadAttention without a mask but key padding; with past: (out, presents)."""
-    from mha_onnx.rewrite.lower_ort import fix_all_padded
 
     keep = None if info.padded is None else ops.Cast(ops.Not(info.padded), to=ir.DataType.INT32)
     inputs = [q3, k, v, None, keep, None, past_k, past_v]
@@ -138,7 +139,7 @@ def _prefill_appending(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: A
 
 
 def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
-                 ) -> tuple[ir.Value, str]:
+                 ) -> tuple[ir.Value, Form]:
     """``kv_cache``: appended (the presents are the pasts with the new keys appended) or
     shared (max-length buffers, see lower_shared; where a layer's caches are not plain model
     inputs and outputs it stays appended, which fuse then refuses)."""
@@ -148,7 +149,8 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
         outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
         return outs[0], label
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
-    rest = "If(no past): GroupQueryAttention (causal) | MHA + attention_bias"
+    rest = either("no past", "GroupQueryAttention (causal)", "MHA + attention_bias",
+                  cases=(NO_PAST,))
     if cache is not None and info.kv_heads != info.heads and info.padded is not None:
         return _grouped_padded(op, info, q3, cache, decoding, rest)
     if cache is not None:
@@ -156,14 +158,16 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
                         lambda o: _prefill_appending(o, info, q3, *cache), "decode", outputs=3)
         outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
         kernel = "MultiHeadAttention" if info.kv_heads == info.heads else "GroupQueryAttention"
-        return outs[0], f"If(one new token): {kernel} with past (presents from it) | {rest}"
+        return outs[0], either("one new token", f"{kernel} with past (presents from it)", rest,
+                               cases=(ONE_TOKEN,))
     out = if_forms(op, info, decoding, lambda o: _decode(o, info, q3),
                    lambda o: _prefill(o, info, q3), "decode")
     head = "MHA key_padding_mask" if info.padded is not None else "MultiHeadAttention"
-    return out, f"If(one new token): {head} over the cache | {rest}"
+    return out, either("one new token", f"{head} over the cache", rest, cases=(ONE_TOKEN,))
 
 
-def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: str) -> tuple[ir.Value, str]:
+def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: Form
+                    ) -> tuple[ir.Value, Form]:
     """Grouped K/V with a key padding mask: GQA with past takes no padding and MHA with past
     no grouped K/V, so a step takes GQA with past when no key is padded (a batch of one, or
     of equal lengths) and MHA over the cache's heads repeated otherwise."""
@@ -179,8 +183,11 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: str) -> tuple
     outs = if_forms(op, info, fast, lambda o: _decode_with_past(o, info, q3, *cache), padded,
                     "decode", outputs=3)
     outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
-    return outs[0], ("If(one new token, no key padded): GroupQueryAttention with past (presents "
-                     f"from it) | If(one new token): MHA key_padding_mask over the cache | {rest}")
+    padded = either("one new token", "MHA key_padding_mask over the cache", rest,
+                    cases=(ONE_TOKEN,))
+    return outs[0], either("one new token, no key padded",
+                           "GroupQueryAttention with past (presents from it)", padded,
+                           cases=(ONE_TOKEN, UNPADDED))
 
 
 def route_presents(graph: ir.Graph) -> dict[str, str]:

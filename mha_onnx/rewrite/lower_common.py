@@ -196,3 +196,19 @@ def dense_mha(op, info: SdpaInfo, q3: ir.Value, *, lazy: bool) -> ir.Value:
     if info.nan_to_zero:
         out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)
     return out
+
+
+def fix_all_padded(op, info: SdpaInfo, out3: ir.Value, v: ir.Value, v_is_3d: bool) -> ir.Value:
+    """Rows of batch entries whose keys are all padded, set to what the original computes."""
+    special = fully_masked_value(op, info, v, 1 if v_is_3d else 2)
+    if special is None:
+        return out3
+    if info.all_masked_value() == "mean" and not v_is_3d:  # [B, H, 1, Dv] -> [B, 1, H*Dv]
+        special = op.Reshape(op.Transpose(special, perm=[0, 2, 1, 3]),
+                             op.Constant(value_ints=[0, 1, -1]))
+    assert info.padded is not None
+    all_padded = op.ReduceMin(op.Cast(info.padded, to=ir.DataType.INT32),
+                              op.Constant(value_ints=[1]), keepdims=1)
+    all_padded = op.Cast(op.Unsqueeze(all_padded, op.Constant(value_ints=[2])),
+                         to=ir.DataType.BOOL)  # [B, 1, 1]
+    return op.Where(all_padded, special, out3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from mha_onnx.rewrite.forms import UNPADDED, Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN, dims
 from mha_onnx.rewrite.lower_common import (
     TapeOps,
@@ -81,7 +82,7 @@ def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None, *,
 
 
 def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
-              ) -> tuple[ir.Value, str]:
+              ) -> tuple[ir.Value, Form]:
     """The causal block on GQA (behind a run-time check where GQA's exactness needs one).
     ``right_padded=False``: padded batches never take GQA (with seqlens_k), only unpadded
     ones (on CUDA, where the right-padded form disagreed with the original)."""
@@ -93,12 +94,14 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
     label += ", bias" if info.bias is not None else ""
     label += ")"
     if info.alignment == "top-left":
-        return _top_left(op, info, q3, k3, v3), f"If(S <= T): {label} | MHA + causal bias"
+        return _top_left(op, info, q3, k3, v3), either("S <= T", label, "MHA + causal bias")
     if info.padded is None:
-        return gqa_call(op, info, q3, k3, v3), label
+        return gqa_call(op, info, q3, k3, v3), Form(label)
     if _window_fp16(info) or not right_padded:
-        return _unpadded(op, info, q3, k3, v3), f"If(no key padded): {label} | MHA + attention_bias"
-    return _right_padded(op, info, q3, k3, v3), f"If(right padding): {label} | MHA + attention_bias"
+        return _unpadded(op, info, q3, k3, v3), either("no key padded", label,
+                                                       "MHA + attention_bias", cases=(UNPADDED,))
+    return _right_padded(op, info, q3, k3, v3), either("right padding", label,
+                                                       "MHA + attention_bias")
 
 
 def _window_fp16(info: SdpaInfo) -> bool:

@@ -11,6 +11,7 @@ import math
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.lower_common import causal_bias, mean_over_keys
 from mha_onnx.rewrite.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN, SdpaInfo, seq_dim
@@ -74,7 +75,7 @@ def _dense(op, info: SdpaInfo) -> ir.Value:
     return out
 
 
-def lower_onnx(op, node: ir.Node) -> tuple[ir.Value, str]:
+def lower_onnx(op, node: ir.Node) -> tuple[ir.Value, Form]:
     """The fused [B, H, S, Dv] output of one Sdpa node and a label of the form used.
 
     ORT's Attention gives 0 for a query whose keys are all masked (-inf or the lowest float);
@@ -84,18 +85,18 @@ def lower_onnx(op, node: ir.Node) -> tuple[ir.Value, str]:
     info = SdpaInfo.of(node)
     kind = info.mask_kind
     if kind == "none":
-        return _attention(op, info), "Attention"
+        return _attention(op, info), Form("Attention")
     plain_causal = (info.causal and info.padded is None and info.bias is None
                     and not info.window and info.alignment in ("square", "top-left"))
     if plain_causal:  # top-left aligned, as the op's is_causal: no row is ever fully masked
-        return _attention(op, info, is_causal=1), "Attention (is_causal)"
+        return _attention(op, info, is_causal=1), Form("Attention (is_causal)")
     if kind == "key_padding":
-        return _key_padding(op, info), "Attention + key mask [B,1,S,T]"
-    return _dense(op, info), "Attention + attention bias"
+        return _key_padding(op, info), Form("Attention + key mask [B,1,S,T]")
+    return _dense(op, info), Form("Attention + attention bias")
 
 
 class LowerToOnnxAttention(pattern.RewriteRuleClassBase):
-    def __init__(self, forms: dict[str, str]) -> None:
+    def __init__(self, forms: dict[str, Form]) -> None:
         super().__init__("LowerToOnnxAttention")
         self.forms = forms
 

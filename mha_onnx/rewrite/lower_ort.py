@@ -21,16 +21,16 @@ from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import pattern
-from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter import MatchResult, pattern
 
 from mha_onnx.errors import ConfigError
+from mha_onnx.rewrite.forms import Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, same_dim
 from mha_onnx.rewrite.lower_cache import cached_ok, lower_cached
 from mha_onnx.rewrite.lower_common import (
     causal_bias,
     dense_mha,
-    fully_masked_value,
+    fix_all_padded,
     kv_operands,
     scalar_shape,
 )
@@ -118,8 +118,8 @@ def _mha(op, q3, k, v, info: SdpaInfo, bias: ir.Value | None = None) -> ir.Value
                                  _domain=MS_DOMAIN)
 
 
-def lower_ort(op, node: ir.Node, forms: Forms = Forms()) -> tuple[ir.Value, str]:
-    """The fused [B, S, H*Dv] output of one Sdpa node and a label of the form used."""
+def lower_ort(op, node: ir.Node, forms: Forms = Forms()) -> tuple[ir.Value, Form]:
+    """The fused [B, S, H*Dv] output of one Sdpa node and the form used."""
     info = SdpaInfo.of(node)
     q3 = to_bsd(op, info.query, info.heads)
     if info.causal and forms.gqa_for(softcap=bool(info.softcap), window=bool(info.window)) \
@@ -130,27 +130,27 @@ def lower_ort(op, node: ir.Node, forms: Forms = Forms()) -> tuple[ir.Value, str]
     kind = info.mask_kind
     if kind == "none":
         k, v, _ = kv_operands(op, info)
-        return _mha(op, q3, k, v, info), "MultiHeadAttention"
+        return _mha(op, q3, k, v, info), Form("MultiHeadAttention")
     if kind == "causal" and info.padded is None and info.bias is None and not info.window:
         return _causal_mha(op, info, q3, forms)
     if kind == "key_padding":
         return _key_padding(op, info, q3, forms)
-    return dense_mha(op, info, q3, lazy=False), "MultiHeadAttention + attention_bias"
+    return dense_mha(op, info, q3, lazy=False), Form("MultiHeadAttention + attention_bias")
 
 
-def _causal_mha(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, str]:
+def _causal_mha(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, Form]:
     k, v, k3d = kv_operands(op, info)
     if forms.causal == "unidirectional" and info.alignment == "square":
         out = op.MultiHeadAttention(q3, k, v, num_heads=info.heads, scale=info.scale,
                                     unidirectional=1, _domain=MS_DOMAIN)
-        return out, "MultiHeadAttention (unidirectional)"
+        return out, Form("MultiHeadAttention (unidirectional)")
     if info.alignment == "bottom-right":
-        return dense_mha(op, info, q3, lazy=False), "MultiHeadAttention + attention_bias"
+        return dense_mha(op, info, q3, lazy=False), Form("MultiHeadAttention + attention_bias")
     bias = causal_bias(op, info, seq_dim(op, q3, 1), seq_dim(op, k, 1 if k3d else 2))
-    return _mha(op, q3, k, v, info, bias), "MultiHeadAttention + causal bias"
+    return _mha(op, q3, k, v, info, bias), Form("MultiHeadAttention + causal bias")
 
 
-def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, str]:
+def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, Form]:
     """The key padding form: fixed by ``forms``, or (auto) chosen at run time by shape and
     padding, from measurements (docs/fusion-forms.md): bidirectional GQA for right-padded
     self-attention up to GQA_MAX_KEYS keys; otherwise MHA's key_padding_mask below
@@ -158,21 +158,24 @@ def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Val
     form = forms.key_padding
     gqa_able = info.self_attention and gqa_shapes_ok(info)
     if form == "auto":
-        general = f"If(T < {forms.LOOP_MIN_KEYS}): MHA key_padding_mask | Loop(Compress keys)"
+        general = either(f"T < {forms.LOOP_MIN_KEYS}", "MHA key_padding_mask",
+                         "Loop(Compress keys)", switch_at=(forms.LOOP_MIN_KEYS,))
         if gqa_able:
             out = key_padding_gqa(op, info, q3, lambda ops: _by_length(ops, info, q3, forms),
                                   forms.GQA_MAX_KEYS)
-            return out, (f"If(right padding, T <= {forms.GQA_MAX_KEYS}): GroupQueryAttention "
-                         f"(bidirectional) | {general}")
+            return out, either(f"right padding, T <= {forms.GQA_MAX_KEYS}",
+                               "GroupQueryAttention (bidirectional)", general,
+                               switch_at=(forms.GQA_MAX_KEYS + 1,))
         return _by_length(op, info, q3, forms), general
     if form == "gqa" and gqa_able:
         out = key_padding_gqa(op, info, q3, lambda ops: _padding_form(ops, info, q3, "loop"))
-        return out, "If(right padding): GroupQueryAttention (bidirectional) | Loop(Compress keys)"
+        return out, either("right padding", "GroupQueryAttention (bidirectional)",
+                           "Loop(Compress keys)")
     form = "loop" if form == "gqa" else form
     labels = {"loop": "Loop(Compress keys) + MultiHeadAttention",
               "mask": "MultiHeadAttention + key_padding_mask",
               "bias": "MultiHeadAttention + key padding bias"}
-    return _padding_form(op, info, q3, form), labels[form]
+    return _padding_form(op, info, q3, form), Form(labels[form])
 
 
 def _by_length(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> ir.Value:
@@ -205,26 +208,10 @@ def _padding_form(op, info: SdpaInfo, q3: ir.Value, form: str) -> ir.Value:
     return fix_all_padded(op, info, out, v, k3d)
 
 
-def fix_all_padded(op, info: SdpaInfo, out3: ir.Value, v: ir.Value, v_is_3d: bool) -> ir.Value:
-    """Rows of batch entries whose keys are all padded, set to what the original computes."""
-    special = fully_masked_value(op, info, v, 1 if v_is_3d else 2)
-    if special is None:
-        return out3
-    if info.all_masked_value() == "mean" and not v_is_3d:  # [B, H, 1, Dv] -> [B, 1, H*Dv]
-        special = op.Reshape(op.Transpose(special, perm=[0, 2, 1, 3]),
-                             op.Constant(value_ints=[0, 1, -1]))
-    assert info.padded is not None
-    all_padded = op.ReduceMin(op.Cast(info.padded, to=ir.DataType.INT32),
-                              op.Constant(value_ints=[1]), keepdims=1)
-    all_padded = op.Cast(op.Unsqueeze(all_padded, op.Constant(value_ints=[2])),
-                         to=ir.DataType.BOOL)  # [B, 1, 1]
-    return op.Where(all_padded, special, out3)
-
-
 class LowerMergedOutput(pattern.RewriteRuleClassBase):
     """Reshape(Transpose(Sdpa, [0,2,1,3]), [B, S, H*Dv]) -> the kernel's 3-D output directly."""
 
-    def __init__(self, forms: dict[str, str], policy: Forms) -> None:
+    def __init__(self, forms: dict[str, Form], policy: Forms) -> None:
         super().__init__("LowerMergedOutput")
         self.forms, self.policy = forms, policy
 
@@ -254,7 +241,7 @@ class LowerMergedOutput(pattern.RewriteRuleClassBase):
 class LowerSdpa(pattern.RewriteRuleClassBase):
     """Sdpa -> kernel, then back to [B, H, S, Dv] for whatever consumes it."""
 
-    def __init__(self, forms: dict[str, str], policy: Forms) -> None:
+    def __init__(self, forms: dict[str, Form], policy: Forms) -> None:
         super().__init__("LowerSdpa")
         self.forms, self.policy = forms, policy
 

@@ -30,6 +30,8 @@ import onnx_ir as ir
 
 from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import ConfigError
+from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, Form, either
+from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
 from mha_onnx.rewrite.irutil import MS_DOMAIN, onehot_dim, replace_shape
 from mha_onnx.rewrite.lower_common import (
     TapeOps,
@@ -62,8 +64,8 @@ def length_input(graph: ir.Graph) -> ir.Value:
     return value
 
 
-def lower_shared(op, info: SdpaInfo, q3: ir.Value, key, value) -> tuple[list[ir.Value], str]:
-    """(out, present_key, present_value) and the form's label."""
+def lower_shared(op, info: SdpaInfo, q3: ir.Value, key, value) -> tuple[list[ir.Value], Form]:
+    """(out, present_key, present_value) and the form."""
     past = length_input(key.past.graph)
     past32 = op.Cast(past, to=ir.DataType.INT32)
     new32 = op.Cast(op.Reshape(seq_dim(op, q3, 1), scalar_shape(op)), to=ir.DataType.INT32)
@@ -84,8 +86,9 @@ def lower_shared(op, info: SdpaInfo, q3: ir.Value, key, value) -> tuple[list[ir.
                     "shared", outputs=3)
     outs[0].producer().meta[SHARED] = (key, value)
     guard = "no past or one new token" + (", no key padded" if info.padded is not None else "")
-    return list(outs), (f"If({guard}): GroupQueryAttention on a shared cache buffer | "
-                        "MHA + attention_bias over the cache's valid part")
+    cases = (SHARED_RUN, NO_PAST, ONE_TOKEN) + ((UNPADDED,) if info.padded is not None else ())
+    return list(outs), either(guard, "GroupQueryAttention on a shared cache buffer",
+                              "MHA + attention_bias over the cache's valid part", cases=cases)
 
 
 def _general(ops: TapeOps, info: SdpaInfo, q3, key, value, past: ir.Value):

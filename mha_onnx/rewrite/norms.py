@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import onnx_ir as ir
-from onnxscript.rewriter import RewriteRuleSet, pattern
-from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter import MatchResult, RewriteRuleSet, pattern
 
 from mha_onnx.rewrite.irutil import MS_DOMAIN, const_array, const_scalar, dims
 

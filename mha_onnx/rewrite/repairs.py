@@ -8,8 +8,7 @@
 
 from __future__ import annotations
 
-from onnxscript.rewriter import pattern
-from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter import MatchResult, pattern
 
 from mha_onnx.rewrite.irutil import dims, same_dim
 

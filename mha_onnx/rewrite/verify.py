@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,15 @@ import onnx
 
 from mha_onnx.cache import SharedCache, cache_pairs, is_shared
 from mha_onnx.errors import MhaOnnxError, VerifyError
-from mha_onnx.inputs import ShapeCase, case_of_feeds, default_cases, input_specs, iter_feeds
+from mha_onnx.inputs import (
+    ShapeCase,
+    case_for,
+    case_of_feeds,
+    default_cases,
+    input_specs,
+    iter_feeds,
+)
+from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED
 from mha_onnx.runtimes import OrtRunner
 from mha_onnx.stats import ErrorStats, compare
 
@@ -133,3 +141,33 @@ class _Original:
                 hint="--no-verify skips the check (not recommended)",
             ) from exc
         return dict(zip(names, values, strict=True))
+
+
+def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> list[ShapeCase]:
+    """The default cases, plus every kind of run a branch of a chosen form takes: key lengths
+    at which a guard first picks its other branch, a prompt without past, decode steps and
+    unpadded batches (read from each form's fields, never from its label). ``results``: the
+    fuse report's blocks (each with its ``chosen`` form, None where left)."""
+    specs = input_specs(original)
+    cases = default_cases(specs)
+    forms = [r.chosen for r in results if r.chosen is not None]
+    thresholds = {n for form in forms for n in form.switches()}
+    kinds = {c for form in forms for c in form.all_cases()}
+    for n in sorted(thresholds):
+        case = case_for(specs, f"past a form threshold ({n})", 2, [n + 1, n], "some")
+        cases.append(replace(case, optional=True))
+    odd = cases[1]
+    branches = [odd]
+    if NO_PAST in kinds:  # a KV-cache model's prompt
+        cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}
+        cases.append(ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)},
+                               "some"))
+    if ONE_TOKEN in kinds:  # its decode steps
+        new = {s.dims[1] for s in specs if len(s.dims) in (2, 3) and s.role != "mask"
+               and isinstance(s.dims[1], str)}  # the query's seq_q, a decoder's input_ids
+        cases.append(ShapeCase("one new token (decode)", {**odd.dims, **dict.fromkeys(new, 1)},
+                               "some"))
+        branches.append(cases[-1])
+    if UNPADDED in kinds:  # the branch only unpadded runs take
+        cases += [replace(c, label=f"{c.label}, no key padded", padding="none") for c in branches]
+    return cases

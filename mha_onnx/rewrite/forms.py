@@ -1,0 +1,57 @@
+"""A chosen kernel form as data: what stage 2 made of a block, from which the label people
+read is rendered and which verification reads (never the label itself).
+
+A form is one kernel call (``kernel``), possibly behind a run-time ``guard`` (an ``If``)
+whose other branch is another form (``otherwise``). ``switch_at`` holds the key lengths at
+which a guard on the length first picks the other branch (verification runs past each), and
+``cases`` the kinds of run only a branch takes (verification runs each kind).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Kinds of run that only some branch of a form takes.
+NO_PAST = "no past"  # a KV-cache model's prompt
+ONE_TOKEN = "one new token"  # a decode step
+UNPADDED = "no key padded"  # a batch without padding
+SHARED = "shared cache buffer"  # a past that is a max-length buffer (lower_shared)
+
+
+@dataclass(frozen=True)
+class Form:
+    kernel: str
+    guard: str = ""
+    otherwise: Form | None = None
+    switch_at: tuple[int, ...] = ()
+    cases: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def label(self) -> str:
+        """e.g. ``If(T < 128): MHA key_padding_mask | Loop(Compress keys)``."""
+        head = f"If({self.guard}): {self.kernel}" if self.guard else self.kernel
+        return head if self.otherwise is None else f"{head} | {self.otherwise.label}"
+
+    def chain(self) -> list[Form]:
+        """This form and every form behind its guards, in order."""
+        out, current = [], self
+        while current is not None:
+            out.append(current)
+            current = current.otherwise
+        return out
+
+    def switches(self) -> set[int]:
+        return {n for form in self.chain() for n in form.switch_at}
+
+    def all_cases(self) -> set[str]:
+        return {c for form in self.chain() for c in form.cases}
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def either(guard: str, kernel: str, otherwise: Form | str, *, switch_at: tuple[int, ...] = (),
+           cases: tuple[str, ...] = ()) -> Form:
+    """``If(guard): kernel | otherwise``."""
+    other = otherwise if isinstance(otherwise, Form) else Form(otherwise)
+    return Form(kernel, guard, other, switch_at, frozenset(cases))

@@ -1,0 +1,81 @@
+"""The house rules (STYLE.md 16-21) that code can check: imports point one way (no cycles,
+lazy imports inside functions included), modules stay small and functions short, rewrite/
+parses no labels (no regular expressions) and uses onnxscript's public API only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "mha_onnx"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """mha_onnx modules that ``name`` imports anywhere in its file."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                found.add(target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_import_cycles_lazy_imports_included():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        stack, seen = list(graph[start]), set()
+        while stack:
+            current = stack.pop()
+            if current == goal:
+                return True
+            if current not in seen:
+                seen.add(current)
+                stack.extend(graph[current])
+        return False
+
+    cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a))
+    assert not cycles, cycles
+
+
+def test_modules_stay_small_and_functions_short():
+    long_modules = {p.name: n for p in PACKAGE.rglob("*.py")
+                    if (n := len(p.read_text().splitlines())) > 400}
+    long_functions = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) \
+                    and node.end_lineno - node.lineno + 1 > 60:
+                long_functions.append(f"{path.name}:{node.name}")
+    assert not long_modules, long_modules
+    assert not long_functions, long_functions
+
+
+def test_rewrite_parses_no_labels_and_uses_public_onnxscript():
+    for path in (PACKAGE / "rewrite").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   for alias in node.names}
+        modules |= {node.module or "" for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom)}
+        assert "re" not in modules, f"{path.name} uses regular expressions"
+        private = [m for m in modules if m.startswith("onnxscript") and "._" in m]
+        assert not private, f"{path.name} imports onnxscript's private {private}"
