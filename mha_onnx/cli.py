@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from mha_onnx import __version__
+from mha_onnx.config import form_help
 from mha_onnx.errors import EXIT_MISMATCH, MhaOnnxError
 
 
@@ -137,8 +138,8 @@ def inspect(model, as_json):
                    "fastest there (docs/fusion-forms.md for cpu, docs/gpu/ for cuda; tensorrt "
                    "runs ORT's attention kernels on CUDA).")
 @click.option("--form", "forms", multiple=True,
-              help="Override a kernel form (target ort): causal=gqa|unidirectional|bias, "
-                   "key_padding=auto|loop|mask|bias|gqa. Defaults: those of --ep.")
+              help=f"Override a kernel form (target ort): {form_help()}. Defaults: those of "
+                   "--ep.")
 @click.option("--kv-cache", "kv_cache", type=click.Choice(["appended", "shared"]),
               default="appended", show_default=True,
               help="KV-cache models: appended keeps the interface (presents = pasts + new); "
@@ -234,7 +235,10 @@ def _progress():
             state["bar"] = click.progressbar(length=total, label="profiling", file=sys.stderr)
             state["bar"].__enter__()
         state["bar"].label = label
-        state["bar"].update(done - state["bar"].pos)
+        if done > state["bar"].pos:
+            state["bar"].update(done - state["bar"].pos)
+        else:  # the first point: shown before it runs, not skipped
+            state["bar"].render_progress()
 
     def close():
         if "bar" in state:

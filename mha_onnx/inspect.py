@@ -97,14 +97,35 @@ class ModelSummary:
                                 for b in self.blocks], indent="    "))
         top = list(self.op_counts.items())
         lines.append("  ops: " + ", ".join(f"{op} x{n}" for op, n in top))
+        fusion = self.metadata.get("fusion")
+        if isinstance(fusion, dict) and fusion.get("blocks"):
+            lines.append(f"  fused by mha-onnx {fusion.get('version', '?')} (target "
+                         f"{fusion.get('target', '?')}, forms for {fusion.get('ep', 'cpu')}):")
+            rows = []
+            for b in fusion["blocks"]:
+                parts = str(b.get("form") or "-").split(" | ")
+                rows.append((b.get("block", "?"), b.get("status", "?"), parts[0],
+                             b.get("meaning") or b.get("reason") or ""))
+                rows += [("", "", f"| {part}", "") for part in parts[1:]]
+            lines.append(table(["block", "status", "form", "understood as"], rows, indent="    "))
         if self.metadata:
             lines.append("  mha-onnx metadata:")
             for key, value in self.metadata.items():
-                if key == "params":
+                if key in ("params", "fusion"):
                     continue
-                text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-                lines.append(f"    {key}: {text}")
+                lines.append(f"    {key}: {_short_value(value)}")
         return "\n".join(lines)
+
+
+def _short_value(value: Any) -> str:
+    """A metadata value in one readable line: key=value pairs for a dict, long ones cut."""
+    if isinstance(value, dict):
+        items = [f"{k}={v if not isinstance(v, dict | list) else json.dumps(v, sort_keys=True)}"
+                 for k, v in value.items()]
+        text = ", ".join(items)
+    else:
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def _value_summary(value: ir.Value) -> ValueSummary:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy as np
 
 from mha_onnx.errors import ConfigError
 from mha_onnx.graphio import external_files, prepare_folder, read_model
+from mha_onnx.input_roles import all_nodes
 from mha_onnx.inputs import InputSpec, input_specs, split_dims
 from mha_onnx.metadata import session_options
 from mha_onnx.table import table
@@ -71,17 +72,19 @@ class PackageReport:
     configs: dict[str, str]  # target -> config text
     batching: dict[str, Any]
     seconds: float
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"repository": self.repository, "name": self.name, "files": list(self.files),
                 "targets": list(self.configs), "batching": self.batching,
-                "seconds": round(self.seconds, 3)}
+                "notes": list(self.notes), "seconds": round(self.seconds, 3)}
 
     def render(self) -> str:
         rows = [(f, ) for f in self.files]
         return "\n".join([f"packaged {self.name} into {self.repository} for "
                           f"{', '.join(self.configs)} in {self.seconds:.1f} s",
                           f"  dynamic batching: {json.dumps(self.batching)}",
+                          *(f"  note: {n}" for n in self.notes),
                           table(["file"], rows, indent="  ")])
 
 
@@ -133,6 +136,8 @@ def batching_from_profile(path: str | None, max_batch: int) -> dict[str, Any]:
             best[b], latency[b] = point["tokens_per_s"], point["p50_ms"]
     if not best:
         raise ConfigError(f"{path} has no usable point at batch <= {max_batch}")
+    if len(best) < 2:  # one batch size measured says nothing about batching
+        return {}
     top = max(best.values())
     preferred = sorted(b for b, v in best.items() if v >= 0.9 * top and b > 1) or [max(best)]
     return {"preferred_batch_size": preferred,
@@ -225,12 +230,42 @@ def _scalar(value: Any, key: str) -> str:
 
 # -- the repository -------------------------------------------------------------------------------
 
+def package_notes(model, cfg: PackageConfig, batching: dict[str, Any]
+                  ) -> tuple[PackageConfig, list[str]]:
+    """What a deployment must know: ORT-only ops under a TensorRT target, a TensorRT
+    profile longer than the model's position table (capped), batching left at Triton's
+    defaults for want of measured batch sizes."""
+    notes = []
+    if "tensorrt" in cfg.targets:
+        counts: dict[str, int] = {}
+        for node in all_nodes(model.graph):  # inside If branches too
+            if node.domain not in ("", "ai.onnx") or node.op_type in ("If", "Loop", "Scan"):
+                label = f"{node.domain + '.' if node.domain else ''}{node.op_type}"
+                counts[label] = counts.get(label, 0) + 1
+        if counts:
+            ops = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+            notes.append(f"tensorrt: TensorRT builds no engine for {ops}; ONNX Runtime runs "
+                         "them on CUDA between the TensorRT engines (fuse --ep tensorrt picks "
+                         "the forms measured on CUDA, with fewer If guards)")
+    limit = min((s.bound for s in input_specs(model) if s.role == "ids"
+                 and "position" in s.name.lower()), default=None)
+    if limit is not None and cfg.lengths[2] > limit:
+        low, opt, _ = cfg.lengths
+        cfg = replace(cfg, lengths=(min(low, limit), min(opt, limit), limit))
+        notes.append(f"lengths capped at {limit}, the model's position table")
+    if cfg.from_profile and not batching:
+        notes.append(f"{cfg.from_profile} measured one batch size: dynamic batching is left "
+                     "at Triton's defaults (profile --batch 1,4,8 to choose it)")
+    return cfg, notes
+
+
 def package_model(source: str | Path, repository: str | Path, cfg: PackageConfig) -> PackageReport:
     """Write the model repository (refusing a non-empty model folder without ``force``)."""
     started = time.perf_counter()
     model = read_model(source)
     folder = prepare_folder(Path(repository) / cfg.name, force=cfg.force)
     batching = batching_from_profile(cfg.from_profile, cfg.max_batch_size)
+    cfg, notes = package_notes(model, cfg, batching)
     threads = _best_threads(cfg.from_profile)
     configs = {t: to_pbtxt(triton_config(model, cfg, t, batching, threads if t == "cpu" else 0))
                + "\n" for t in cfg.targets}
@@ -245,7 +280,7 @@ def package_model(source: str | Path, repository: str | Path, cfg: PackageConfig
     files.append(_write(folder / "config.pbtxt", configs[cfg.targets[0]]))
     files.append(_write(folder / "README.md", serving_readme(model, cfg, batching)))
     return PackageReport(str(repository), cfg.name, tuple(str(f) for f in files), configs,
-                         batching, time.perf_counter() - started)
+                         batching, time.perf_counter() - started, tuple(notes))
 
 
 def _copy(src: str | Path, dst: Path) -> Path:

@@ -24,14 +24,17 @@ MIN_SCHEMA = 2
 
 @dataclass(frozen=True)
 class Target:
-    """Where points ran: a machine (by its description) and a provider."""
+    """Where points ran: a machine (by its description), a provider and the intra-op
+    threads (two profiles of one machine at 1 and 2 threads are two columns, not one)."""
 
     machine: str
     provider: str
+    threads: int | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.machine} / {self.provider}"
+        threads = "" if self.threads is None else f" / {self.threads} threads"
+        return f"{self.machine} / {self.provider}{threads}"
 
 
 @dataclass(frozen=True)
@@ -50,10 +53,11 @@ class MergedReport:
                  + ", ".join(f"`{Path(s).name}`" for s in self.sources) + ".",
                  "", "Cells: p50 ms / tokens per s / % of that machine's matmul roofline "
                  "(decode points, whose L is the cached context: % of its memory bandwidth, "
-                 "`bw`) / memory (threads).", "",
+                 "`bw`; `>100%?` where the probe measured less than the run achieved) / "
+                 "memory. One column per machine, provider and thread count.", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in self.rows:
-            cells = [row["model"], str(row["batch"]), str(row["seq_len"])]
+            cells = [row["model"], str(row["batch"]), str(row["seq_len"] or "-")]
             cells += [_cell(row.get(t.label)) for t in self.targets]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
@@ -68,14 +72,18 @@ def _cell(point: dict[str, Any] | None) -> str:
     if point.get("error"):
         return "error"
     roof, bandwidth = point.get("roofline_fraction"), point.get("bandwidth_fraction")
-    fraction = "-" if roof is None else f"{100 * roof:.0f} %"
-    if roof is None and bandwidth is not None:  # a decode step: the cache read is the ceiling
-        fraction = f"{100 * bandwidth:.0f} % bw"
+    fraction = "-" if roof is None else _share(roof)
+    if roof is None and bandwidth is not None:  # a decode step: what it reads is the ceiling
+        fraction = f"{_share(bandwidth)} bw"
     memory = point.get("device_bytes") if point.get("device_bytes") is not None else \
         point.get("run_rss_bytes")
-    return (f"{point['p50_ms']:.2f} ms / {point['tokens_per_s']:,.0f} / "
-            f"{fraction} / "
-            f"{'-' if memory is None else human_bytes(memory)} ({point.get('threads', '?')})")
+    tokens = point.get("tokens_per_s")
+    return (f"{point['p50_ms']:.2f} ms / {'-' if tokens is None else f'{tokens:,.0f}'} / "
+            f"{fraction} / {'-' if memory is None else human_bytes(memory)}")
+
+
+def _share(value: float) -> str:
+    return ">100%?" if value > 1.0 else f"{100 * value:.0f} %"
 
 
 def _machine(data: dict[str, Any]) -> str:
@@ -99,7 +107,7 @@ def load_profile(path: str | Path) -> dict[str, Any]:
 
 
 def merge_profiles(paths: list[str | Path]) -> MergedReport:
-    """One row per model x batch x length, one column per machine x provider."""
+    """One row per model x batch x length, one column per machine x provider x threads."""
     if not paths:
         raise InputSpecError("no profile given", hint="mha-onnx report A.json B.json -o R.md")
     targets: dict[Target, None] = {}
@@ -108,13 +116,11 @@ def merge_profiles(paths: list[str | Path]) -> MergedReport:
         data = load_profile(path)
         machine = _machine(data)
         for point in data.get("points", []):
-            target = Target(machine, point["provider"])
+            target = Target(machine, point["provider"], point.get("threads"))
             targets.setdefault(target)
             key = (Path(point["model"]).name, point["batch"], point["seq_len"])
             row = rows.setdefault(key, {"model": key[0], "batch": key[1], "seq_len": key[2]})
-            old = row.get(target.label)
-            if old is None or (not point.get("error") and point["p50_ms"] < old.get("p50_ms", 1e30)):
-                row[target.label] = point  # best thread count of that target
+            row[target.label] = point
     ordered = sorted(rows.values(), key=lambda r: (r["model"], r["batch"], r["seq_len"]))
     return MergedReport(tuple(str(p) for p in paths), tuple(targets), tuple(ordered))
 
@@ -143,7 +149,7 @@ def _plot(report: MergedReport, path: str | Path, *, force: bool) -> None:
         series: dict[tuple[str, int], list[tuple[int, dict]]] = {}
         for row in report.rows:
             point = row.get(target.label)
-            if point and not point.get("error"):
+            if point and not point.get("error") and point.get("tokens_per_s") is not None:
                 series.setdefault((row["model"], row["batch"]), []).append((row["seq_len"], point))
         for (model, batch), pts in series.items():
             pts.sort(key=lambda x: x[0])

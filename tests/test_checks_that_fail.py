@@ -111,3 +111,26 @@ def test_errors_under_json_are_json_objects(tmp_path):
     assert result.exit_code == 2
     error = json.loads(result.output)
     assert error["kind"] == "ModelFileError" and "not found" in error["error"]
+
+
+def test_forms_are_said_plainly(export_cache, tmp_path):
+    """--form's help lists what the parser takes; a --form that matches no block is said;
+    a form behind guards is one row per branch; inspect reads a fused model's blocks and
+    metadata as lines, not one JSON line."""
+    from mha_onnx.config import FORM_CHOICES
+
+    help_text = " ".join(cli("fuse", "--help").output.split())
+    for kind, forms in FORM_CHOICES.items():
+        assert f"{kind}={'|'.join(forms)}" in help_text
+    source = export_cache(MhaConfig(d_model=32, num_heads=4, mask="key-padding", name="kp"))
+    fused = tmp_path / "fused.onnx"
+    result = cli("fuse", source, "-o", fused, "--form", "causal=bias")
+    assert result.exit_code == 0, result.output
+    assert "--form causal=... matched no block (the model has no causal block)" in result.output
+    assert max(len(line) for line in result.output.splitlines()) < 200  # branches wrapped
+    assert "| If(T < 128): MHA key_padding_mask" in result.output
+    inspected = cli("inspect", fused)
+    assert inspected.exit_code == 0, inspected.output
+    assert "fused by mha-onnx" in inspected.output and "key padding" in inspected.output
+    assert "| Loop(Compress keys)" in inspected.output
+    assert not any(line.strip().startswith("fusion: {") for line in inspected.output.splitlines())

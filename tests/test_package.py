@@ -114,7 +114,8 @@ def test_report_merges_two_targets(export_cache, tmp_path):
                                        "--plot", str(plot), "--json"])
     assert result.exit_code == 0, result.output
     merged = json.loads(result.output)
-    assert len(merged["targets"]) == 2 and len(merged["rows"]) == 2
+    threads = {p["threads"] for p in data["points"]}  # every machine x thread count a column
+    assert len(merged["targets"]) == 2 * len(threads) and len(merged["rows"]) == 2
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and " ms / " in line]
     assert "Other CPU x64 / cpu" in text and len(rows) == 2
@@ -140,3 +141,51 @@ def test_a_shared_kv_cache_model_packages_its_scalar_length(export_cache, tmp_pa
     assert list(length.dims) == [1] and length.HasField("reshape")
     assert list(length.reshape.shape) == []
     assert model_config_pb2.DataType.Name(length.data_type) == "TYPE_INT64"
+
+
+def test_report_keeps_every_thread_count_of_one_machine(export_cache, tmp_path):
+    """Two profiles of one machine at 1 and 2 threads: two columns, nothing merged away."""
+    first = _profile(export_cache, tmp_path)
+    data = json.loads(first.read_text())
+    for point in data["points"]:
+        point["threads"] = 1 if point["threads"] != 1 else 2
+        point["p50_ms"] *= 3  # slower: the old merge kept only the faster column
+    second = tmp_path / "threads.json"
+    second.write_text(json.dumps(data))
+    result = CliRunner().invoke(main, ["report", str(first), str(second), "-o",
+                                       str(tmp_path / "r.md"), "--json"])
+    assert result.exit_code == 0, result.output
+    merged = json.loads(result.output)
+    assert len(merged["targets"]) == 2
+    assert {t.rsplit(" / ", 1)[1] for t in merged["targets"]} == {"1 threads", "2 threads"}
+    for row in merged["rows"]:
+        assert all(row.get(t) for t in merged["targets"])
+
+
+def test_package_says_what_a_deployment_must_know(tmp_path):
+    """An Optimum GPT-2 (256 positions), fused: TensorRT gets a warning naming the ORT-only
+    ops and a profile capped at the position table; a profile of one batch size sets no
+    batching."""
+    from pathlib import Path
+
+    from mha_onnx.rewrite import fuse_file
+
+    fused = tmp_path / "gpt2.onnx"
+    fuse_file(Path(__file__).parent / "fixtures" / "optimum" / "gpt2" / "model.onnx", fused)
+    profile = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["profile", str(fused), "--batch", "1", "--seq-lens", "16",
+                                       "--iters", "2", "--no-ops", "--json"])
+    assert result.exit_code == 0, result.output
+    profile.write_text(result.output[result.output.index("{"):])
+    result = CliRunner().invoke(main, ["package", str(fused), "-o", str(tmp_path / "repo"),
+                                       "--target", "cpu", "--target", "tensorrt",
+                                       "--from-profile", str(profile), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    notes = " ".join(report["notes"])
+    assert "TensorRT builds no engine for" in notes and "GroupQueryAttention" in notes
+    assert "lengths capped at 256" in notes and "measured one batch size" in notes
+    assert report["batching"] == {}
+    trt = (tmp_path / "repo" / "gpt2" / "configs" / "tensorrt.pbtxt").read_text()
+    assert "input_ids:8x256" in trt and "x2048" not in trt
+    assert "preferred_batch_size" not in (tmp_path / "repo" / "gpt2" / "config.pbtxt").read_text()

@@ -164,3 +164,33 @@ def test_a_failed_point_is_an_error_row_null_figures_and_exit_1(tmp_path):
     assert going.exit_code == 1
     assert [p["seq_len"] for p in json.loads(going.output[going.output.index("{"):])["points"]] \
         == [64, 100, 64]
+
+
+def test_profile_sweeps_only_the_axes_a_model_has(tmp_path):
+    """An Optimum ViT (fixed image size): batches only, no lengths or tokens/s; with
+    --inputs, the one shape the inputs have (batch 2 x 40 tokens on BERT)."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    from click.testing import CliRunner
+
+    from mha_onnx.cli import main
+
+    fixtures = Path(__file__).parent / "fixtures" / "optimum"
+
+    def run(*args):
+        result = CliRunner().invoke(main, ["profile", *map(str, args), "--iters", "2",
+                                           "--no-ops", "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output[result.output.index("{"):])["points"]
+
+    vit = run(fixtures / "vit" / "model.onnx", "--batch", "1,2", "--seq-lens", "128,512")
+    assert [(p["batch"], p["seq_len"], p["tokens_per_s"]) for p in vit] == [(1, 0, None),
+                                                                            (2, 0, None)]
+    feeds = tmp_path / "in.npz"
+    np.savez(feeds, input_ids=np.ones((2, 40), np.int64),
+             attention_mask=np.ones((2, 40), np.int64), token_type_ids=np.zeros((2, 40), np.int64))
+    bert = run(fixtures / "bert" / "model.onnx", "--inputs", feeds, "--seq-lens", "128,512")
+    assert [(p["batch"], p["seq_len"]) for p in bert] == [(2, 40)]
+    assert bert[0]["tokens_per_s"] > 0

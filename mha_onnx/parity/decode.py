@@ -14,7 +14,8 @@ PROMPT = 7
 
 
 def _step_feeds(specs: Sequence[InputSpec], pairs: Mapping[str, str], previous: Mapping | None,
-                batch: int, rng: np.random.Generator, step: int) -> dict[str, np.ndarray]:
+                batch: int, rng: np.random.Generator, step: int, padded: bool = True
+                ) -> dict[str, np.ndarray]:
     """Inputs of one step: fresh data inputs of one token (the prompt: PROMPT tokens), the
     previous presents as pasts, masks extended by a kept key."""
     past_len = 0 if previous is None else next(iter(previous[o] for o in pairs.values())).shape[2]
@@ -28,7 +29,7 @@ def _step_feeds(specs: Sequence[InputSpec], pairs: Mapping[str, str], previous: 
     for past, present in pairs.items():
         if previous is not None:
             feeds[past] = previous[present]
-    return _left_padded(specs, feeds, batch, step)
+    return _left_padded(specs, feeds, batch, step) if padded else feeds
 
 
 def _left_padded(specs: Sequence[InputSpec], feeds: dict[str, np.ndarray], batch: int,
@@ -46,17 +47,19 @@ def _left_padded(specs: Sequence[InputSpec], feeds: dict[str, np.ndarray], batch
 
 
 def decode_chains(runtimes: Mapping[str, object], specs: Sequence[InputSpec],
-                  pairs: Mapping[str, str], steps: int, batch: int = 2, seed: int = 0
+                  pairs: Mapping[str, str], steps: int, batch: int = 2, seed: int = 0,
+                  padded: bool = True
                   ) -> list[tuple[str, dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]]:
     """Run every runtime's own chain: [(step label, {runtime: outputs}, feeds of the first
     runtime)] for the prompt and ``steps`` single-token steps. The new-token inputs are the
-    same for all; the pasts are each runtime's own presents."""
+    same for all; the pasts are each runtime's own presents. ``padded``: rows left-padded
+    (batched generation) or none (the branch fused forms take when no key is padded)."""
     rng = np.random.default_rng(seed)
     previous: dict[str, Mapping | None] = dict.fromkeys(runtimes)
     out = []
     for step in range(steps + 1):
         fresh = _step_feeds(specs, pairs, None if step == 0 else next(iter(previous.values())),
-                            batch, rng, step)
+                            batch, rng, step, padded)
         results = {}
         for key, runtime in runtimes.items():
             feeds = dict(fresh)
@@ -67,3 +70,8 @@ def decode_chains(runtimes: Mapping[str, object], specs: Sequence[InputSpec],
         label = "prompt" if step == 0 else f"step {step}"
         out.append((label, results, fresh))
     return out
+
+
+def has_padding_mask(specs: Sequence[InputSpec]) -> bool:
+    """Does the model take a [B, T] padding mask (so that padded and unpadded chains differ)?"""
+    return any(spec.role == "mask" and len(spec.dims) == 2 for spec in specs)

@@ -31,7 +31,7 @@ from mha_onnx.inputs import (
 )
 from mha_onnx.metadata import CheckResult, session_options
 from mha_onnx.parity.config import ValidateConfig
-from mha_onnx.parity.decode import PROMPT, decode_chains
+from mha_onnx.parity.decode import PROMPT, decode_chains, has_padding_mask
 from mha_onnx.parity.golden import (
     GoldenReference,
     GoldenRun,
@@ -212,12 +212,17 @@ def _decode(model, specs, pairs, references, runners, config: ValidateConfig) ->
                 for o in model.graph.output}
     runtimes = {**{f"reference:{k}": r for k, r in references.items()}, **runners}
     comparisons: list[Comparison] = []
-    for label, results, _ in decode_chains(runtimes, specs, pairs, config.decode_steps,
-                                           seed=config.seed):
-        wants = {k.split(":", 1)[1]: v for k, v in results.items() if k.startswith("reference:")}
-        gots = {k: v for k, v in results.items() if not k.startswith("reference:")}
-        case = ShapeCase(f"decode {label}", {}, "given")
-        comparisons += _compare_case(case, gots, wants, None, out_dims, config)
+    chains = [("decode ", True)]  # left-padded rows, as batched generation pads prompts
+    if has_padding_mask(specs):  # and the branch a batch without padding takes
+        chains.append(("decode (no key padded) ", False))
+    for prefix, padded in chains:
+        for label, results, _ in decode_chains(runtimes, specs, pairs, config.decode_steps,
+                                               seed=config.seed, padded=padded):
+            wants = {k.split(":", 1)[1]: v for k, v in results.items()
+                     if k.startswith("reference:")}
+            gots = {k: v for k, v in results.items() if not k.startswith("reference:")}
+            case = ShapeCase(f"{prefix}{label}", {}, "given")
+            comparisons += _compare_case(case, gots, wants, None, out_dims, config)
     return comparisons
 
 

@@ -78,7 +78,7 @@ class Point:
     p99_ms: float = 0.0
     mean_ms: float = 0.0
     min_ms: float = 0.0
-    tokens_per_s: float = 0.0
+    tokens_per_s: float | None = 0.0  # None: the model has no length axis (a fixed image)
     gflop: float | None = None
     gflops: float | None = None
     roofline_fraction: float | None = None
@@ -229,9 +229,10 @@ def _decode_row(p: Point) -> tuple:
 def _cells(p: Point, work: str, roofline: str) -> tuple:
     """One table row: the point, its latencies, then ``work`` and ``roofline`` (GFLOP/s and
     % of the matmul roofline, or cache MB and % of the bandwidth roofline)."""
-    head = (Path(p.model).name, p.provider, p.batch, p.seq_len, p.threads)
+    head = (Path(p.model).name, p.provider, p.batch, p.seq_len or "-", p.threads)
     if p.error:
         return head + ("ERROR", "(below)") + ("",) * 7
     memory = "-" if p.memory is None else human_bytes(p.memory)
-    return head + (p.p50_ms, p.p90_ms, p.p99_ms, p.min_ms, f"{p.tokens_per_s:,.0f}", work,
+    tokens = "-" if p.tokens_per_s is None else f"{p.tokens_per_s:,.0f}"
+    return head + (p.p50_ms, p.p90_ms, p.p99_ms, p.min_ms, tokens, work,
                    roofline, memory, f"{p.session_s:.2f}")

@@ -51,7 +51,7 @@ def matmul_roofline(provider: str, threads: int | None, dtype: str = "float32") 
 
     from mha_onnx.runtimes import OrtRunner
 
-    sizes = (1024, 2048) if provider == "cpu" else (4096, 8192)
+    sizes = (512, 1024, 2048) if provider == "cpu" else (4096, 8192)
     elem = TensorProto.FLOAT16 if dtype == "float16" else TensorProto.FLOAT
     np_dtype = np.float16 if dtype == "float16" else np.float32
     rng = np.random.default_rng(0)
@@ -68,7 +68,7 @@ def matmul_roofline(provider: str, threads: int | None, dtype: str = "float32") 
         with OrtRunner(model.SerializeToString(), provider, threads=threads,
                        io_binding=provider != "cpu") as runner:
             runner.infer(feeds)
-            seconds = min(_timed(runner, feeds) for _ in range(5))
+            seconds = min(_timed(runner, feeds) for _ in range(10))
         best = max(best, 2.0 * n**3 / seconds / 1e9)
     return best
 
@@ -80,21 +80,33 @@ def _timed(runner: Any, feeds: dict[str, np.ndarray]) -> float:
 
 
 def memory_bandwidth(provider: str, threads: int | None) -> float:
-    """GB/s of reading a large tensor once on ``provider`` (ReduceSum over 256 MB; best of
-    several runs): the ceiling of a decode step, which reads its whole KV cache."""
+    """GB/s of reading 256 MB once on ``provider``, the way a decode step reads: a vector
+    times a [8192, 8192] matrix (what a step does with every weight; multi-threaded like the
+    layer) and a ReduceSum over the same bytes; the faster of the two, best of several runs.
+    The ceiling of a decode step, which reads its weights and its KV cache once."""
     from onnx import TensorProto, helper
 
     from mha_onnx.runtimes import OrtRunner
 
-    n = 64 * 2**20  # floats
-    graph = helper.make_graph(
-        [helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)], "bandwidth",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
-    feeds = {"x": np.ones(n, np.float32)}
-    with OrtRunner(model.SerializeToString(), provider, threads=threads,
-                   io_binding=provider != "cpu") as runner:
-        runner.infer(feeds)
-        seconds = min(_timed(runner, feeds) for _ in range(5))
-    return 4 * n / seconds / 1e9
+    side = 8192
+    probes = {
+        "gemv": ([helper.make_node("MatMul", ["v", "x"], ["y"])],
+                 [("v", [1, side]), ("x", [side, side])], [1, side]),
+        "sum": ([helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)],
+                [("x", [side * side])], []),
+    }
+    best = 0.0
+    for nodes, inputs, out in probes.values():
+        graph = helper.make_graph(
+            nodes, "bandwidth",
+            [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in inputs],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, out)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                                  ir_version=8)
+        feeds = {name: np.ones(shape, np.float32) for name, shape in inputs}
+        with OrtRunner(model.SerializeToString(), provider, threads=threads,
+                       io_binding=provider != "cpu") as runner:
+            runner.infer(feeds)
+            seconds = min(_timed(runner, feeds) for _ in range(7))
+        best = max(best, 4 * side * side / seconds / 1e9)
+    return best

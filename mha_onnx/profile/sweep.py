@@ -106,9 +106,10 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
                                              "threads": config.threads[-1]}).get("gbps", 0.0)
                   for p in config.providers} if config.decode else {})
     groups = [tuple(paths)] if config.interleave else [(p,) for p in paths]
+    batches, seq_lens = model_axes(paths[0], config)
     jobs = [(group, provider, batch, seq, threads) for group in groups
-            for provider in config.providers for batch in config.batches
-            for seq in config.seq_lens for threads in config.threads]
+            for provider in config.providers for batch in batches
+            for seq in seq_lens for threads in config.threads]
     points: list[Point] = []
     for n, (group, provider, batch, seq, threads) in enumerate(jobs):
         if on_point:
@@ -128,6 +129,24 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
         on_point(len(jobs), len(jobs), "done")
     return ProfileReport(tuple(points), roofline, machine_info(), time.perf_counter() - started,
                          tuple(paths), config.interleave, bandwidth, config.decode)
+
+
+def model_axes(path: str, config: ProfileConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The batches and lengths a sweep can vary on this model: only the axes it has (a ViT
+    with a fixed image size has no length: 0 stands for none), and with ``--inputs`` the
+    one shape those inputs have."""
+    from mha_onnx.inputs import case_of_feeds, input_specs, load_inputs, split_dims
+
+    specs = input_specs(read_model(path, load_external_data=False))
+    batch_names, seq_names = split_dims(specs)
+    if config.inputs:
+        dims = case_of_feeds(specs, load_inputs(config.inputs, specs), "given").dims
+        batch = next((dims[n] for n in batch_names if n in dims), 1)
+        length = next((dims[n] for n in seq_names if n in dims), 0)
+        return (batch,), (length,)
+    if not seq_names and not config.decode:
+        return config.batches, (0,)
+    return config.batches if batch_names else (1,), config.seq_lens
 
 
 def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConfig,
@@ -163,8 +182,8 @@ def _flop_rates(model: str, spec: PointSpec, config: ProfileConfig, roofline: di
         gflops = gflop / (p50 / 1e3)
         ceiling = roofline.get(f"{spec.provider} {cfg.dtype}")
         fraction = gflops / ceiling if ceiling else None
-    return dict(tokens_per_s=spec.batch * spec.seq_len / (p50 / 1e3), gflop=gflop,
-                gflops=gflops, roofline_fraction=fraction)
+    tokens = spec.batch * spec.seq_len / (p50 / 1e3) if spec.seq_len else None  # none: no length
+    return dict(tokens_per_s=tokens, gflop=gflop, gflops=gflops, roofline_fraction=fraction)
 
 
 def _decode_rates(spec: PointSpec, raw: dict[str, Any], p50: float,

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -34,6 +33,7 @@ from mha_onnx.rewrite.core import (
     parse_softmax_attention,
 )
 from mha_onnx.rewrite.forms import ONE_TOKEN, SHARED, Form
+from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower_cache import route_presents
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
@@ -46,90 +46,10 @@ from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from mha_onnx.rewrite.shapes import with_symbolic_shapes
 from mha_onnx.rewrite.verify import Verification, verification_cases, verify
-from mha_onnx.table import table
 
 log = logging.getLogger(__name__)
 
 TARGETS = ("ort", "onnx")
-
-
-@dataclass(frozen=True)
-class BlockResult:
-    """One attention block: fused into ``form``, or left with ``reason``."""
-
-    block: str
-    status: str  # "fused" | "left" | "already fused"
-    form: str = ""  # the chosen form's label, rendered from ``chosen``
-    chosen: Form | None = field(default=None, compare=False, repr=False)
-    mask: str = ""  # the mask family: none | causal | key_padding | bias
-    reason: str = ""
-    meaning: str = ""  # the block as understood, e.g. "causal + key padding, 8 q / 2 kv heads"
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"block": self.block, "status": self.status, "form": self.form,
-                "mask": self.mask, "meaning": self.meaning, "reason": self.reason,
-                **self.details}
-
-
-@dataclass(frozen=True)
-class FuseReport:
-    input: str
-    output: str | None
-    target: str
-    blocks: tuple[BlockResult, ...]
-    verification: Verification | None
-    seconds: float
-    written: bool
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def fused(self) -> int:
-        return sum(b.status == "fused" for b in self.blocks)
-
-    @property
-    def left(self) -> int:
-        return sum(b.status == "left" for b in self.blocks)
-
-    def __bool__(self) -> bool:
-        return self.verification is None or self.verification.passed
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "input": self.input,
-            "output": self.output,
-            "target": self.target,
-            "written": self.written,
-            "fused": self.fused,
-            "left": self.left,
-            "already_fused": sum(b.status == "already fused" for b in self.blocks),
-            "blocks": [b.to_dict() for b in self.blocks],
-            "verification": None if self.verification is None else self.verification.to_dict(),
-            "seconds": round(self.seconds, 3),
-            "notes": list(self.notes),
-        }
-
-    def render(self) -> str:
-        head = (f"fused {self.fused} of {len(self.blocks)} attention block(s) for target "
-                f"{self.target} in {self.seconds:.1f} s")
-        lines = [head]
-        if self.blocks:
-            rows = [(b.block, b.status, b.form or "-", b.meaning or b.mask or "-", b.reason or "")
-                    for b in self.blocks]
-            lines.append(table(["block", "status", "form", "understood as", "reason"], rows))
-        if self.verification is None:
-            lines.append("  verification: skipped (--no-verify)")
-        else:
-            worst = self.verification.worst
-            state = "passed" if self.verification.passed else "FAILED"
-            detail = (f"worst max abs {worst.stats.max_abs:.2e} ({worst.output}, {worst.case})"
-                      if worst else "no outputs")
-            lines.append(f"  verification vs original ({self.verification.reference}): {state}; {detail}")
-            lines.extend(f"  unchecked: {why}" for why in self.verification.skipped)
-        lines.extend(f"  note: {n}" for n in self.notes)
-        if self.output:
-            lines.append(f"  {'wrote' if self.written else 'did not write'} {self.output}")
-        return "\n".join(lines)
 
 
 def _opset(model: ir.Model) -> int:
@@ -333,6 +253,7 @@ def fuse_file(
     level = _safe_level(preflight(source), "the original model") if verify_result else "all"
     fused, results, notes = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
     _carry_metadata(original, fused, results, target, (forms or Forms()).ep)
+    notes += _unused_overrides(forms, results)
     left = [r for r in results if r.status == "left"]
     if strict and left:
         raise BlocksLeft(f"{len(left)} of {len(results)} attention block(s) left unfused "
@@ -358,6 +279,14 @@ def fuse_file(
         verification=verification, seconds=time.perf_counter() - started, written=True,
         notes=tuple(notes),
     )
+
+
+def _unused_overrides(forms: Forms | None, results: list[BlockResult]) -> list[str]:
+    """A --form for a mask kind no block has is said, not silently accepted."""
+    kinds = {r.mask for r in results if r.status == "fused"}
+    return [f"--form {kind}=... matched no block (the model has no {kind.replace('_', ' ')} "
+            "block)" for kind in (forms.given if forms else ()) if kind != "kv_cache"
+            and kind not in kinds]
 
 
 def _safe_level(checked: Preflight, what: str) -> str:

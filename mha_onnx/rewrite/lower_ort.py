@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
+from mha_onnx.config import FORM_CHOICES, form_help
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.forms import Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, same_dim
@@ -61,10 +62,8 @@ class Forms:
     ep: str = "cpu"
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "causal": ("gqa", "unidirectional", "bias"),
-        "key_padding": ("auto", "loop", "mask", "bias", "gqa"),
-        "kv_cache": ("appended", "shared"),
-        "ep": ("cpu", "cuda", "tensorrt")}
+        **FORM_CHOICES, "ep": ("cpu", "cuda", "tensorrt")}
+    given: tuple[str, ...] = field(default=(), compare=False)  # kinds set by --form
     # Bidirectional GQA holds the [B, H, S, T] probabilities: fastest up to ~1k keys, then
     # slower than the Loop form and O(L^2) in memory (docs/fusion-forms.md, key padding).
     GQA_MAX_KEYS: ClassVar[int] = 1024
@@ -101,15 +100,13 @@ class Forms:
         for item in items:
             kind, _, form = item.partition("=")
             kind = kind.strip().replace("-", "_")
-            if kind not in cls.CHOICES or not form:
-                raise ConfigError(f"malformed --form {item!r}",
-                                  hint="use causal=gqa|unidirectional|bias or "
-                                       "key_padding=auto|loop|mask|bias|gqa")
+            if kind not in FORM_CHOICES or not form:
+                raise ConfigError(f"malformed --form {item!r}", hint=f"use {form_help()}")
             values[kind] = form.strip()
         if ep not in cls.CHOICES["ep"]:
             raise ConfigError(f"unknown execution provider {ep!r} for --ep",
                               hint=f"use {' | '.join(cls.CHOICES['ep'])}")
-        return replace(cls.for_ep(ep), **values)
+        return replace(cls.for_ep(ep), **values, given=tuple(values))
 
 
 def _mha(op, q3, k, v, info: SdpaInfo, bias: ir.Value | None = None) -> ir.Value:
