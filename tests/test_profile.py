@@ -194,3 +194,21 @@ def test_profile_sweeps_only_the_axes_a_model_has(tmp_path):
     bert = run(fixtures / "bert" / "model.onnx", "--inputs", feeds, "--seq-lens", "128,512")
     assert [(p["batch"], p["seq_len"]) for p in bert] == [(2, 40)]
     assert bert[0]["tokens_per_s"] > 0
+
+
+def test_comparisons_interleave_by_default(tmp_path):
+    import json
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from mha_onnx.cli import main
+
+    vit = Path(__file__).parent / "fixtures" / "optimum" / "vit" / "model.onnx"
+    args = ["profile", str(vit), str(vit), "--iters", "2", "--no-ops", "--json"]
+    for extra, interleaved in (((), True), (("--no-interleave",), False)):
+        result = CliRunner().invoke(main, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output[result.output.index("{"):])
+        assert report["interleaved"] is interleaved
+        assert all(s["speedup"] > 0 for s in report["speedups"])
