@@ -134,3 +134,27 @@ def test_forms_are_said_plainly(export_cache, tmp_path):
     assert "fused by mha-onnx" in inspected.output and "key padding" in inspected.output
     assert "| Loop(Compress keys)" in inspected.output
     assert not any(line.strip().startswith("fusion: {") for line in inspected.output.splitlines())
+
+
+def test_a_fused_graph_ort_cannot_run_is_a_fuse_failure_not_bad_input():
+    """verify() running a fused graph that ORT refuses: exit 1, 'please report' (fuse's
+    bug), never exit 2 (the user's input)."""
+    from onnx import TensorProto, helper
+
+    from mha_onnx.errors import EXIT_MISMATCH, FusionError
+    from mha_onnx.rewrite.verify import verify
+
+    f = TensorProto.FLOAT
+    x = helper.make_tensor_value_info("x", f, ["B", 4])
+    y = helper.make_tensor_value_info("y", f, ["B", 4])
+    original = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])],
+                                                   "g", [x], [y]),
+                                 opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [3, 5])  # 15 elements: never
+    broken = helper.make_model(helper.make_graph([helper.make_node("Reshape", ["x", "shape"],
+                                                                   ["y"])], "g", [x], [y],
+                                                 initializer=[shape]),
+                               opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    with pytest.raises(FusionError, match="the fused graph does not run") as caught:
+        verify(original, broken)
+    assert caught.value.exit_code == EXIT_MISMATCH and "report" in caught.value.hint

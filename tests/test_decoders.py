@@ -186,3 +186,29 @@ def test_other_mixed_precision_is_left_with_its_reason():
     assert [r.status for r in results] == ["left"]
     assert results[0].reason == ("mixed precision: scores in FLOAT16, values in FLOAT; "
                                  "no fused kernel takes both")
+
+
+def test_keys_and_values_of_different_head_sizes_fuse():
+    """Multi-head latent attention (DeepSeek-V3: q/k heads of 32 + 16 rotary, v heads of 32)
+    took MHA with [B, H, T, D] keys and values of different sizes, which ORT refuses; K and
+    V go as [B, T, H*D] then, and the graph verifies."""
+    import torch
+    import transformers as tf
+
+    from tools.zoo import _dims, _HfWrap, export
+
+    config = tf.DeepseekV3Config(
+        vocab_size=99, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=128,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    model = tf.DeepseekV3Model(config).eval()
+    batch, seq, _ = _dims()
+    proto = export(_HfWrap(model, ["input_ids", "attention_mask"], "last_hidden_state"),
+                   (torch.randint(0, 99, (2, 6)), torch.ones(2, 6, dtype=torch.int64)),
+                   {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})},
+                   names=["input_ids", "attention_mask"])
+    _, results = fused_and_checked(proto)
+    assert [r.status for r in results] == ["fused"]

@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import MS_DOMAIN
-from mha_onnx.rewrite.sdpa import SdpaInfo, bsd_source, repeat_heads, seq_dim
+from mha_onnx.rewrite.sdpa import SdpaInfo, bsd_source, repeat_heads, seq_dim, to_bsd
 
 # A branch copies at most this many producer nodes of an outer value; beyond, it uses the
 # outer value itself (computed whichever branch runs).
@@ -177,7 +177,10 @@ def kv_operands(op, info: SdpaInfo) -> tuple[ir.Value, ir.Value, bool]:
         k3, v3 = bsd_source(info.key, info.heads), bsd_source(info.value, info.heads)
         if k3 is not None and v3 is not None:
             return k3, v3, True
-    return repeat_heads(op, info.key, rep), repeat_heads(op, info.value, rep), False
+    k, v = repeat_heads(op, info.key, rep), repeat_heads(op, info.value, rep)
+    if info.dk != info.dv:  # ORT's MHA takes K and V of different head sizes only as [B, T, H*D]
+        return to_bsd(op, k, info.heads), to_bsd(op, v, info.heads), True
+    return k, v, False
 
 
 def dense_mha(op, info: SdpaInfo, q3: ir.Value, *, lazy: bool) -> ir.Value:

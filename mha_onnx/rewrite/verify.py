@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.cache import SharedCache, cache_pairs, is_shared
-from mha_onnx.errors import MhaOnnxError, VerifyError
+from mha_onnx.errors import FusionError, MhaOnnxError, VerifyError
 from mha_onnx.inputs import (
     ShapeCase,
     case_for,
@@ -97,7 +97,13 @@ def verify(
                     raise
                 skipped.append(f"{case.describe()}: the original does not run there ({exc})")
                 continue
-            got = after.infer(feeds)
+            try:
+                got = after.infer(feeds)
+            except MhaOnnxError as exc:  # fuse wrote a graph ORT cannot run: our bug
+                raise FusionError(f"the fused graph does not run on ORT CPU at "
+                                  f"{case.describe()}: {exc}; nothing was written",
+                                  hint="please report this model (fuse --no-verify writes "
+                                       "it anyway)") from exc
             for name, expected in want.items():
                 stats = compare(got[name], expected, atol=atol, rtol=rtol)
                 results.append(CaseResult(case.describe(), name, stats))
