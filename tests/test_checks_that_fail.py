@@ -158,3 +158,18 @@ def test_a_fused_graph_ort_cannot_run_is_a_fuse_failure_not_bad_input():
     with pytest.raises(FusionError, match="the fused graph does not run") as caught:
         verify(original, broken)
     assert caught.value.exit_code == EXIT_MISMATCH and "report" in caught.value.hint
+
+
+def test_a_failure_while_reading_a_block_leaves_the_block_not_the_run(export_cache, tmp_path,
+                                                                     monkeypatch):
+    import mha_onnx.rewrite.core as core
+
+    def broken(*_, **__):
+        raise ValueError("negative dimensions are not allowed")
+
+    monkeypatch.setattr(core, "parse_softmax_attention", broken)
+    result = cli("fuse", export_cache(CFG), "-o", tmp_path / "f.onnx", "--json")
+    assert result.exit_code == 0, result.output
+    (block,) = json.loads(result.output)["blocks"]
+    assert block["status"] == "left"
+    assert "failed reading this block (ValueError: negative dimensions" in block["reason"]

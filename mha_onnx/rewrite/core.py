@@ -265,6 +265,24 @@ def _head_sizes_fit(core: Core) -> bool:
     return dk == dv and isinstance(dk, int) and dk % 8 == 0
 
 
+def _not_understood(exc: Exception) -> str:
+    return (f"mha-onnx failed reading this block ({type(exc).__name__}: {str(exc)[:160]}); "
+            "it is left as it is (please report)")
+
+
+def _softmax_of(probs: ir.Value) -> ir.Node | None:
+    """The Softmax whose probabilities reach ``probs`` through value-keeping ops."""
+    current = probs
+    for _ in range(6):
+        node = current.producer() if current is not None else None
+        if node is None:
+            return None
+        if node.op_type == "Softmax":
+            return node
+        current = node.inputs[0] if node.inputs else None
+    return None
+
+
 class SoftmaxAttention(pattern.RewriteRuleClassBase):
     """MatMul(Softmax(...), V) -> Sdpa; see parse_softmax_attention for what is accepted."""
 
@@ -286,6 +304,11 @@ class SoftmaxAttention(pattern.RewriteRuleClassBase):
             if exc.candidate:
                 self.log.reject(exc.block, exc.reason)
             return result.fail(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug here leaves the block, not the run
+            softmax = _softmax_of(probs)
+            if softmax is not None:
+                self.log.reject(softmax.name or "Softmax", _not_understood(exc))
+            return result.fail(_not_understood(exc))
         return result
 
     def rewrite(self, op, probs, value, attn, **_):
@@ -318,6 +341,9 @@ class OnnxAttention(pattern.RewriteRuleClassBase):
         except Reject as exc:
             self.log.reject(block, exc.reason)
             return result.fail(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug here leaves the block, not the run
+            self.log.reject(block, _not_understood(exc))
+            return result.fail(_not_understood(exc))
         return result
 
     def rewrite(self, op, query, key, value, attn, **_):

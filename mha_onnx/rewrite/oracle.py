@@ -108,6 +108,9 @@ class Oracle:
                 self._patterns[key] = self._evaluate(list(leaves), sd)
             except Refused as exc:
                 self._patterns[key] = SizePattern("other", reason=str(exc))
+            except (ValueError, IndexError) as exc:  # sizes a piece cannot take (negative dims)
+                self._patterns[key] = SizePattern(
+                    "other", reason=f"the mask could not be evaluated at the sizes tried ({exc})")
         return self._patterns[key]
 
     def padding_agrees(self, terms: Sequence[Term], leaves: Sequence[SizeLeaf], padding: Padding,
@@ -132,6 +135,8 @@ class Oracle:
                     return reason
         except Refused as exc:
             return str(exc)
+        except (ValueError, IndexError) as exc:  # sizes the pieces cannot take
+            return f"the mask could not be evaluated at the sizes tried ({exc})"
         return ""
 
     def value_mask(self, terms: Sequence[Term], sd: ScoreDims
@@ -143,6 +148,8 @@ class Oracle:
             found = value_masks.evaluate(self.model, self._symbols, self._lengths, terms, sd)
         except Refused as exc:
             return str(exc)
+        except (ValueError, IndexError) as exc:  # sizes the mask cannot take
+            return f"the mask could not be evaluated at the sizes tried ({exc})"
         observed = [_Observed(m, found.fill, ()) for m in found.masked]
         size = _classify(observed, [])
         if size.kind == "other":
