@@ -173,3 +173,20 @@ def test_a_failure_while_reading_a_block_leaves_the_block_not_the_run(export_cac
     (block,) = json.loads(result.output)["blocks"]
     assert block["status"] == "left"
     assert "failed reading this block (ValueError: negative dimensions" in block["reason"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_target_onnx_of_a_grouped_padded_decoder_loads_and_verifies(name, tmp_path):
+    """--target onnx on causal + padding + grouped K/V (an Optimum Llama/Qwen2 with its KV
+    cache): the fully-masked-row fix-up used V's G heads against the output's H heads, and
+    the written file did not load in ORT."""
+    from pathlib import Path
+
+    from mha_onnx.rewrite import fuse_file
+    from mha_onnx.runtimes import OrtRunner
+
+    source = Path(__file__).parent / "fixtures" / "optimum" / name / "model.onnx"
+    report = fuse_file(source, tmp_path / "onnx.onnx", target="onnx")
+    assert report.fused == len(report.blocks) and report.verification.passed
+    with OrtRunner(tmp_path / "onnx.onnx") as runner:
+        assert runner.input_names

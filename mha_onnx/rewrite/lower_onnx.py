@@ -14,7 +14,7 @@ from onnxscript.rewriter import pattern
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.lower_common import causal_bias, mean_over_keys
 from mha_onnx.rewrite.masks import ABSORBING
-from mha_onnx.rewrite.sdpa import FUSION_DOMAIN, SdpaInfo, seq_dim
+from mha_onnx.rewrite.sdpa import FUSION_DOMAIN, SdpaInfo, repeat_heads, seq_dim
 
 ONNX_ATTENTION_OPSET = 23
 
@@ -39,7 +39,7 @@ def _attention(op, info: SdpaInfo, *extra: ir.Value, **attrs) -> ir.Value:
 
 def _key_padding(op, info: SdpaInfo) -> ir.Value:
     assert info.padded is not None
-    q, v = info.query, info.value
+    q = info.query
     padded_b11t = op.Unsqueeze(info.padded, op.Constant(value_ints=[1, 2]))
     if info.fill == -math.inf:
         mask = _full_rows(op, op.Not(padded_b11t), q)  # bool, True = attend
@@ -48,7 +48,7 @@ def _key_padding(op, info: SdpaInfo) -> ir.Value:
         fill = op.Where(padded_b11t, info.const(op, info.fill), info.const(op, 0.0))
         mask = _full_rows(op, fill, q)
         uniform = info.fill_mode == "replace" or info.fill <= ABSORBING
-        special = mean_over_keys(op, v, 2) if uniform else None
+        special = _mean_of_values(op, info) if uniform else None
     out = _attention(op, info, mask)
     if special is None:
         return out
@@ -57,6 +57,15 @@ def _key_padding(op, info: SdpaInfo) -> ir.Value:
     all_padded = op.Cast(op.Reshape(all_padded, op.Constant(value_ints=[-1, 1, 1, 1])),
                          to=ir.DataType.BOOL)
     return op.Where(all_padded, special, out)
+
+
+def _mean_of_values(op, info: SdpaInfo) -> ir.Value:
+    """The mean of V over the keys, [B, H, 1, Dv]: a fully masked row's value where every key
+    got one equal finite score. Grouped K/V: the mean of each K/V head, repeated for the
+    query heads it serves (as the output has H heads, not G)."""
+    mean = mean_over_keys(op, info.value, 2)
+    rep = info.heads // info.kv_heads
+    return mean if rep == 1 else repeat_heads(op, mean, rep)
 
 
 def _dense(op, info: SdpaInfo) -> ir.Value:
@@ -68,7 +77,7 @@ def _dense(op, info: SdpaInfo) -> ir.Value:
     out = _attention(op, info, bias)
     row_max = op.ReduceMax(bias, op.Constant(value_ints=[-1]), keepdims=1)
     neg_inf = op.Equal(row_max, info.const(op, -math.inf))
-    special = op.Where(neg_inf, _nan_or_zero(op, info), mean_over_keys(op, info.value, 2))
+    special = op.Where(neg_inf, _nan_or_zero(op, info), _mean_of_values(op, info))
     out = op.Where(op.LessOrEqual(row_max, info.const(op, ABSORBING)), special, out)
     if info.nan_to_zero:
         out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)

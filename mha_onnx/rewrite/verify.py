@@ -86,8 +86,15 @@ def verify(
         runs = list(iter_feeds(specs, list(cases) if cases is not None else default_cases(specs)))
     results, skipped = [], []
     before = _Original(original, threads, levels[0])
-    with OrtRunner(fused.SerializeToString(), "cpu", threads=threads,
-                   optimization=levels[1]) as runner:
+    runner = OrtRunner(fused.SerializeToString(), "cpu", threads=threads,
+                       optimization=levels[1])
+    try:
+        runner.session  # noqa: B018 - a fused graph ORT refuses to load is fuse's bug
+    except MhaOnnxError as exc:
+        raise FusionError(f"the fused graph does not load in ORT: {exc}; nothing was written",
+                          hint="please report this model (fuse --no-verify writes it "
+                               "anyway)") from exc
+    with runner:
         after = SharedCache(runner, specs, cache_pairs(fused)) if is_shared(fused) else runner
         for case, feeds in runs:
             try:
