@@ -10,6 +10,7 @@ ONNX Runtime runs the model (batch 1). None runs: a one-line error naming ``--in
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
@@ -75,8 +76,19 @@ def pin_dims(model: onnx.ModelProto, specs: Sequence) -> list:
     return pinned
 
 
+_SIZES: dict[tuple[str, str], int] = {}  # (graph digest, input) -> size: trials run once
+
+
 def _image_size(model: onnx.ModelProto, specs: list, index: int, kernel: int) -> int:
-    """The smallest square size, of the candidates, at which ORT runs the model."""
+    """The smallest square size, of the candidates, at which ORT runs the model (found once
+    per graph: input_specs is called by every stage)."""
+    key = (hashlib.sha1(model.graph.SerializeToString()).hexdigest(), specs[index].name)
+    if key not in _SIZES:
+        _SIZES[key] = _try_sizes(model, specs, index, kernel)
+    return _SIZES[key]
+
+
+def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int) -> int:
     from mha_onnx.runtimes import OrtRunner
 
     candidates = sorted({kernel * 2**k for k in range(8)} | set(COMMON_SIZES))[:MAX_TRIALS]
