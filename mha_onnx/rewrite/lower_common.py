@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.irutil import MS_DOMAIN, dims
 from mha_onnx.rewrite.sdpa import SdpaInfo, bsd_source, repeat_heads, seq_dim, to_bsd
 
 # A branch copies at most this many producer nodes of an outer value; beyond, it uses the
@@ -178,7 +178,9 @@ def kv_operands(op, info: SdpaInfo) -> tuple[ir.Value, ir.Value, bool]:
         if k3 is not None and v3 is not None:
             return k3, v3, True
     k, v = repeat_heads(op, info.key, rep), repeat_heads(op, info.value, rep)
-    if info.dk != info.dv:  # ORT's MHA takes K and V of different head sizes only as [B, T, H*D]
+    qd, vd = dims(info.query), dims(info.value)  # Q and V are [B, H, S|T, D]; K may be K^T
+    if qd and vd and qd[-1] != vd[-1]:  # ORT's MHA takes K and V of different head sizes
+        # only as [B, T, H*D]
         return to_bsd(op, k, info.heads), to_bsd(op, v, info.heads), True
     return k, v, False
 
