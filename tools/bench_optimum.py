@@ -7,7 +7,7 @@ folder:
     .venv-optimum/bin/python -m tools.bench_optimum make DIR   # HF folder + Optimum export
     .venv-genai/bin/python -m tools.bench_optimum genai DIR    # ORT GenAI's builder
     .venv/bin/python -m tools.bench_optimum run DIR [--threads 2] [--prompt 1024]
-        [--context 4096] [--batch 1] [--min-time 1]
+        [--context 4096] [--batch 1] [--min-time 1] [--op-shares]
 
 The model: Llama, hidden 1024, 16 query / 4 K/V heads (head 64), 2 layers, fp32, random
 weights (seed 0), a vocabulary of 512 (a BPE trained on a few sentences: GenAI's builder
@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--min-time", type=float, default=1.0)
+    parser.add_argument("--op-shares", action="store_true",
+                        help="instead of timing: each graph's prompt kernel time by op type")
     args = parser.parse_args(argv)
     if args.action == "make":
         make(args.folder)

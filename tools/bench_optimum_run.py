@@ -105,10 +105,37 @@ def _time(runs: dict[str, Callable[[], None]], min_time: float) -> dict[str, flo
     return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
 
 
+def op_shares(graphs: dict[str, Path], args) -> None:
+    """Each graph's prompt under ORT's profiler: the share of kernel time per op type."""
+    import tempfile
+    from collections import Counter
+
+    from mha_onnx.runtimes import read_profile
+
+    for label, path in graphs.items():
+        with tempfile.TemporaryDirectory() as folder:
+            runner = OrtRunner(path, threads=args.threads, spinning=False, profile_dir=folder)
+            feeds, pasts = _feeds(_kind(label), runner.input_names, args.batch, args.prompt, 0,
+                                  np.random.default_rng(0))
+            step, _ = _step(runner, _kind(label), feeds, pasts)
+            for _ in range(5):
+                step()
+            times: Counter = Counter()
+            for event in read_profile(runner.end_profiling()):
+                if event.op_type != "If":  # its branches' kernels are counted themselves
+                    times[event.op_type] += event.micros
+        total = sum(times.values())
+        shares = ", ".join(f"{op} {100 * t / total:.0f} %" for op, t in times.most_common(3))
+        print(f"prompt {args.prompt} tokens, {label}: {shares}", flush=True)
+
+
 def run(args) -> None:
     logging.basicConfig(level=logging.WARNING)
     folder = Path(args.folder)
     graphs = _graphs(folder)
+    if args.op_shares:
+        op_shares(graphs, args)
+        return
     runners = {k: OrtRunner(v, threads=args.threads, spinning=False) for k, v in graphs.items()}
     rows = {}
     for phase, new, past in (("prompt", args.prompt, 0), ("decode", 1, args.context)):
