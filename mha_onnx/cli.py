@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from mha_onnx import __version__
-from mha_onnx.config import form_help
+from mha_onnx.config import EP_CHOICES, form_help
 from mha_onnx.errors import EXIT_MISMATCH, MhaOnnxError
 
 
@@ -132,7 +132,7 @@ def inspect(model, as_json):
 @click.option("-o", "--output", required=True, help="Where to write the fused model.")
 @click.option("--target", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True,
               help="ort: ONNX Runtime contrib kernels; onnx: the standard Attention op (opset 23).")
-@click.option("--ep", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu",
+@click.option("--ep", type=click.Choice(EP_CHOICES), default="cpu",
               show_default=True,
               help="Execution provider the model will run on (target ort): the forms measured "
                    "fastest there (docs/fusion-forms.md for cpu, docs/gpu/ for cuda; tensorrt "

@@ -28,6 +28,10 @@ FORM_CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Execution providers fuse has measured forms for (fuse --ep).
+EP_CHOICES = ("cpu", "cuda", "tensorrt")
+
+
 def form_help() -> str:
     return "; ".join(f"{kind}={'|'.join(forms)}" for kind, forms in FORM_CHOICES.items())
 

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.errors import InputSpecError
+from mha_onnx.input_roles import consumers
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,7 @@ MAX_TRIALS = 10
 def _conv_weights(model: onnx.ModelProto) -> dict[str, tuple[int, int, int]]:
     """Graph input -> (channels, kernel height, kernel width) of the first Conv it reaches."""
     weights = {t.name: t for t in model.graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    uses_of = consumers(model.graph)
     out = {}
     for value in model.graph.input:
         frontier, seen = [value.name], set()
@@ -42,7 +40,7 @@ def _conv_weights(model: onnx.ModelProto) -> dict[str, tuple[int, int, int]]:
             if name in seen:
                 continue
             seen.add(name)
-            for node in consumers.get(name, []):
+            for node, _ in uses_of.get(name, []):
                 if node.op_type == "Conv" and node.input[0] == name and node.input[1] in weights:
                     w = weights[node.input[1]].dims
                     group = next((a.i for a in node.attribute if a.name == "group"), 1)

@@ -19,10 +19,7 @@ _MASK_USES = {"Where", "Mul", "Sub", "Add", "Equal", "Not", "And", "Or", "Xor", 
 def integer_roles(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
     """Integer inputs by use: indices into a table (ids, bounded by its rows) or values used
     as a mask (0/1). Followed through ops that keep values, into subgraphs."""
-    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for node in all_nodes(model.graph):  # If branches too (Optimum's merged decoders)
-        for index, name in enumerate(node.input):
-            consumers.setdefault(name, []).append((node, index))
+    uses_of = consumers(model.graph)  # If branches too (Optimum's merged decoders)
     rows = {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
     roles = {}
     for value in model.graph.input:
@@ -32,7 +29,7 @@ def integer_roles(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
             if name in seen:
                 continue
             seen.add(name)
-            for node, index in consumers.get(name, []):
+            for node, index in uses_of.get(name, []):
                 if _INDEX_INPUT.get(node.op_type) == index:
                     uses.add("index")
                     if node.input[0] in rows:
@@ -47,6 +44,15 @@ def integer_roles(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
         elif uses == {"mask"}:
             roles[value.name] = ("mask", 2)
     return roles
+
+
+def consumers(graph: onnx.GraphProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+    """value name -> the (node, input index) pairs that read it, subgraphs included."""
+    out: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in all_nodes(graph):
+        for index, name in enumerate(node.input):
+            out.setdefault(name, []).append((node, index))
+    return out
 
 
 def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:

@@ -88,8 +88,12 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
     """Profile every model x provider x batch x length x threads of ``config``."""
     started = time.perf_counter()
     paths = [str(check_readable(p)) for p in paths]
+    weights: dict[str, int] = {}  # decode: what each step reads besides its cache
     for path in paths:
         model = read_model(path, load_external_data=False)  # refuse non-models before timing
+        weights[path] = weight_bytes(model)
+        if path == paths[0]:
+            batches, seq_lens = model_axes(model, config)
         if config.decode:
             from mha_onnx.profile.worker import decode_feeds
 
@@ -106,7 +110,6 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
                                              "threads": config.threads[-1]}).get("gbps", 0.0)
                   for p in config.providers} if config.decode else {})
     groups = [tuple(paths)] if config.interleave else [(p,) for p in paths]
-    batches, seq_lens = model_axes(paths[0], config)
     jobs = [(group, provider, batch, seq, threads) for group in groups
             for provider in config.providers for batch in batches
             for seq in seq_lens for threads in config.threads]
@@ -122,7 +125,8 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
                          op_breakdown=config.op_breakdown and len(group) == 1,
                          trace_dir=config.trace_dir, inputs=config.inputs, decode=config.decode)
         raw = in_child({"point": asdict(spec)})
-        points += [_point(model, spec, raw, config, roofline, bandwidth) for model in group]
+        points += [_point(model, spec, raw, config, roofline, bandwidth, weights[model])
+                   for model in group]
         if any(p.error for p in points[-len(group):]) and not config.keep_going:
             break  # the report says which point failed; --keep-going finishes the sweep
     if on_point:
@@ -131,13 +135,13 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
                          tuple(paths), config.interleave, bandwidth, config.decode)
 
 
-def model_axes(path: str, config: ProfileConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def model_axes(model, config: ProfileConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The batches and lengths a sweep can vary on this model: only the axes it has (a ViT
     with a fixed image size has no length: 0 stands for none), and with ``--inputs`` the
     one shape those inputs have."""
     from mha_onnx.inputs import case_of_feeds, input_specs, load_inputs, split_dims
 
-    specs = input_specs(read_model(path, load_external_data=False))
+    specs = input_specs(model)
     batch_names, seq_names = split_dims(specs)
     if config.inputs:
         dims = case_of_feeds(specs, load_inputs(config.inputs, specs), "given").dims
@@ -150,7 +154,7 @@ def model_axes(path: str, config: ProfileConfig) -> tuple[tuple[int, ...], tuple
 
 
 def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConfig,
-           roofline: dict[str, float], bandwidth: dict[str, float]) -> Point:
+           roofline: dict[str, float], bandwidth: dict[str, float], weights: int) -> Point:
     where = dict(model=model, provider=spec.provider, batch=spec.batch, seq_len=spec.seq_len,
                  threads=resolved_threads(spec.threads))
     if "error" in raw:
@@ -164,7 +168,7 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
         peak_rss_bytes=raw.get("peak_rss"), run_rss_bytes=raw.get("run_rss"),
         device_bytes=raw.get("device_bytes"), session_s=float(mine["session_s"]),
         top_ops=tuple(OpTime(**o) for o in raw.get("top_ops", [])), trace=raw.get("trace"))
-    rates = (_decode_rates(spec, raw, p50, bandwidth, _weight_bytes(model)) if config.decode
+    rates = (_decode_rates(spec, raw, p50, bandwidth, weights) if config.decode
              else _flop_rates(model, spec, config, roofline, p50))
     return Point(**where, **measured, **rates)
 
@@ -199,15 +203,10 @@ def _decode_rates(spec: PointSpec, raw: dict[str, Any], p50: float,
                 weight_bytes=weights, bandwidth_fraction=fraction)
 
 
-def _weight_bytes(model: str) -> int:
-    """Bytes of the model's initializers (external data included, read from their size)."""
-    from mha_onnx.graphio import read_model as read
+def weight_bytes(model) -> int:
+    """Bytes of the model's initializers, from their dims and element types (external data
+    included, nothing loaded)."""
+    from onnx.helper import tensor_dtype_to_np_dtype
 
-    proto = read(model, load_external_data=False)
-    total = 0
-    for tensor in proto.graph.initializer:
-        if tensor.data_location == 1:  # external: its length is recorded
-            total += int(next((e.value for e in tensor.external_data if e.key == "length"), 0))
-        else:
-            total += len(tensor.raw_data) or np.prod(tensor.dims, dtype=np.int64) * 4
-    return int(total)
+    return int(sum(np.prod(t.dims, dtype=np.int64) * tensor_dtype_to_np_dtype(t.data_type).itemsize
+                   for t in model.graph.initializer))

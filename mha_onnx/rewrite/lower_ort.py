@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
-from mha_onnx.config import FORM_CHOICES, form_help
+from mha_onnx.config import EP_CHOICES, FORM_CHOICES, form_help
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.forms import Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, same_dim
@@ -62,7 +62,7 @@ class Forms:
     ep: str = "cpu"
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        **FORM_CHOICES, "ep": ("cpu", "cuda", "tensorrt")}
+        **FORM_CHOICES, "ep": EP_CHOICES}
     given: tuple[str, ...] = field(default=(), compare=False)  # kinds set by --form
     # Bidirectional GQA holds the [B, H, S, T] probabilities: fastest up to ~1k keys, then
     # slower than the Loop form and O(L^2) in memory (docs/fusion-forms.md, key padding).

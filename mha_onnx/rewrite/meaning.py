@@ -129,10 +129,15 @@ def plan(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> MaskMeaning:
         disagreement = oracle.padding_agrees(masking, pieces.size, padding[0], sd)
         if disagreement:
             return _dense(terms, disagreement)
+    return _meaning(terms, size, padding[0] if padding else None, weakest, pieces.merged)
+
+
+def _meaning(terms: list[Term], size, padding: Padding | None, fill: float,
+             merged: tuple[SizeLeaf, ...] = ()) -> MaskMeaning:
+    """The meaning of proven pieces: the size pattern's causality and biases, the padding."""
     causal = Causal(size.window, size.alignment) if size.kind == "causal" else None
     mode = "replace" if all(t.mode == "replace" for t in terms) else "add"
-    meaning = MaskMeaning(causal, padding[0] if padding else None, size.biases, tuple(terms),
-                          weakest, mode, merged=pieces.merged)
+    meaning = MaskMeaning(causal, padding, size.biases, tuple(terms), fill, mode, merged=merged)
     if meaning.kind == "key_padding" and len(terms) > 1 and mode == "replace":
         return _dense(terms, "key padding spread over several masked fills")
     return meaning
@@ -147,11 +152,7 @@ def _evaluated(terms: list[Term], sd: ScoreDims, oracle: Oracle, reason: str) ->
     size, padding, fill = found
     if not fill <= REMOVES_KEY:
         return _dense(terms, f"masked keys get the score {fill:g}, which does not remove them")
-    causal = Causal(size.window, size.alignment) if size.kind == "causal" else None
-    mode = "replace" if all(t.mode == "replace" for t in terms) else "add"
-    if causal is None and len(terms) > 1 and mode == "replace":
-        return _dense(terms, "key padding spread over several masked fills")
-    return MaskMeaning(causal, padding, (), tuple(terms), fill, mode)
+    return _meaning(terms, size, padding, fill)
 
 
 def _one_padding(found: tuple[tuple[Padding, float], ...]) -> tuple[Padding] | tuple[()] | str:

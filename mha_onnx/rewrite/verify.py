@@ -91,9 +91,7 @@ def verify(
     try:
         runner.session  # noqa: B018 - a fused graph ORT refuses to load is fuse's bug
     except MhaOnnxError as exc:
-        raise FusionError(f"the fused graph does not load in ORT: {exc}; nothing was written",
-                          hint="please report this model (fuse --no-verify writes it "
-                               "anyway)") from exc
+        raise _fuse_bug("does not load in ORT", exc) from exc
     with runner:
         after = SharedCache(runner, specs, cache_pairs(fused)) if is_shared(fused) else runner
         for case, feeds in runs:
@@ -107,10 +105,7 @@ def verify(
             try:
                 got = after.infer(feeds)
             except MhaOnnxError as exc:  # fuse wrote a graph ORT cannot run: our bug
-                raise FusionError(f"the fused graph does not run on ORT CPU at "
-                                  f"{case.describe()}: {exc}; nothing was written",
-                                  hint="please report this model (fuse --no-verify writes "
-                                       "it anyway)") from exc
+                raise _fuse_bug(f"does not run on ORT CPU at {case.describe()}", exc) from exc
             for name, expected in want.items():
                 stats = compare(got[name], expected, atol=atol, rtol=rtol)
                 results.append(CaseResult(case.describe(), name, stats))
@@ -154,6 +149,12 @@ class _Original:
                 hint="--no-verify skips the check (not recommended)",
             ) from exc
         return dict(zip(names, values, strict=True))
+
+
+def _fuse_bug(what: str, exc: Exception) -> FusionError:
+    """A fused graph ORT refuses is fuse's failure (exit 1), not the user's bad input."""
+    return FusionError(f"the fused graph {what}: {exc}; nothing was written",
+                       hint="please report this model (fuse --no-verify writes it anyway)")
 
 
 def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> list[ShapeCase]:
