@@ -53,7 +53,7 @@ $(GENAI_VENV)/.installed:
 
 bench-envs: $(OPT_VENV)/.installed $(GENAI_VENV)/.installed
 
-# The loop of change-and-check: what needs no torch.export (about half a minute).
+# The loop of change-and-check: what needs no torch.export (under a minute).
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
 
