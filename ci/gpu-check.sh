@@ -9,6 +9,7 @@
 # Usage (repository root):  bash ci/gpu-check.sh [RESULTS_DIR]
 #   PYTHON=python3            interpreter to use (default python3)
 #   ORT_WHEEL_DIR=DIR         install onnxruntime-gpu from a local wheel folder (no registry)
+#   GPU_MODELS=DIR            base-preset exports for profile-base (default RESULTS_DIR/models, which the matrix step fills)
 #   GPU_ZOO=DIR               graphs from `python -m tools.gpu_zoo build DIR` (default .gpu/zoo)
 #   GPU_CHECK_BUDGET=SECONDS  stop starting steps after this long (default 480)
 #   GPU_CHECK_STEPS="zoo ..." the steps to run, in this order (default: all, as listed below)
@@ -93,7 +94,7 @@ step() {  # step NAME SECONDS CMD...: run within the budget, log, remember failu
 }
 
 CLI="$PY -m mha_onnx.cli"
-M="$RESULTS/models"
+M=${GPU_MODELS:-$RESULTS/models}  # GPU_MODELS: exports made beforehand (profile-base reads them)
 mkdir -p "$M"
 VARIANTS=${GPU_FORMS_VARIANTS:-self-none,self-key-padding,cross-key-padding,self-causal}
 VARIANTS32=${GPU_FORMS_VARIANTS_FP32:-$VARIANTS}
@@ -115,9 +116,10 @@ run_forms-fp16() { run_forms float16 "$VARIANTS"; }
 run_forms-fp32() { run_forms float32 "$VARIANTS32"; }
 run_tensorrt() { step tensorrt 60 $CLI validate "$ZOO/hf_bert.fused.onnx" --reference "$ZOO/hf_bert.onnx" --providers tensorrt; }
 run_matrix() { step matrix 180 $PY -m tools.gpu_matrix "$RESULTS" --providers "cpu,$EP" ${GPU_MATRIX_ARGS:-}; }
-run_profile-base() {
-  step profile-base 90 $CLI profile "$M/base-float16-none.onnx" "$M/base-float16-none.fused.onnx" \
-    "$M/base-float16-causal.fused.onnx" "$M/base-float16-key-padding.fused.onnx" \
+run_profile-base() {  # the `--ep cuda` fusions too, where they were made beforehand
+  local extra; extra=$(ls "$M"/base-float16-*.ep-cuda.fused.onnx 2>/dev/null)
+  step profile-base 150 $CLI profile "$M/base-float16-none.onnx" "$M/base-float16-none.fused.onnx" \
+    "$M/base-float16-causal.fused.onnx" "$M/base-float16-key-padding.fused.onnx" $extra \
     --providers "$EP" --seq-lens "$LENGTHS" --io-binding --iters 20 --pad-fraction 0.25 \
     --no-memory-check --json
 }

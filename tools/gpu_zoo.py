@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+EP_CUDA = ".ep-cuda"  # NAME.ep-cuda.fused.onnx: fused with `--ep cuda`
 SETS = {
     "torch_mha_key_padding": ("zoo", "torch_mha_key_padding"),
     "torch_mha_causal_float": ("zoo", "torch_mha_causal_float"),
@@ -49,6 +50,7 @@ def build(folder: Path, only: list[str] | None) -> int:
     import onnx
 
     from mha_onnx.rewrite import fuse_file
+    from mha_onnx.rewrite.lower_ort import Forms
     from tools import zoo
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,17 @@ def build(folder: Path, only: list[str] | None) -> int:
         report = fuse_file(folder / f"{name}.onnx", folder / f"{name}.fused.onnx", force=True,
                            kv_cache=kv_cache)
         print(name, "|", "; ".join(b.form for b in report.blocks), flush=True)
+        # the forms `fuse --ep cuda` picks, checked on CUDA beside the CPU ones
+        report = fuse_file(folder / f"{name}.onnx", folder / f"{name}{EP_CUDA}.fused.onnx",
+                           force=True, kv_cache=kv_cache, forms=Forms.for_ep("cuda"))
+        print(name, "--ep cuda |", "; ".join(b.form for b in report.blocks), flush=True)
     return 0
+
+
+def reference_of(fused: Path) -> Path:
+    """The original a fused graph of the zoo came from (NAME.onnx for NAME[.ep-cuda].fused.onnx)."""
+    name = fused.name[: -len(".fused.onnx")].removesuffix(EP_CUDA)
+    return fused.with_name(f"{name}.onnx")
 
 
 def check(folder: Path, providers: tuple[str, ...], md: str | None, out: str | None) -> int:
@@ -84,7 +96,7 @@ def check(folder: Path, providers: tuple[str, ...], md: str | None, out: str | N
             row["kernels"] = sorted({n.op_type for n in graph.graph.node
                                      if n.domain == "com.microsoft" or n.op_type in ("If", "Loop")})
             report = validate_model(fused, ValidateConfig(providers=providers,
-                                                          reference=str(folder / f"{name}.onnx")))
+                                                          reference=str(reference_of(fused))))
             row["passed"] = bool(report)
             row["providers"] = {p.provider: {"ran": p.ran, "reason": p.reason,
                                              "nodes_on_cpu": list(p.cpu_nodes)}
