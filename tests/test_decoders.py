@@ -23,6 +23,9 @@ pytestmark = pytest.mark.slow  # every test here exports a Hugging Face model
 
 GQA = "GroupQueryAttention"
 RIGHT_PADDED_GQA = "If(right padding): GroupQueryAttention"
+# Half precision: GQA only with no key padded (ORT's CUDA GQA disagreed on right-padded
+# float16 batches, docs/gpu/2026-11-30-h200.md round 3; a float16 model is a GPU model).
+UNPADDED_GQA = "If(no key padded): GroupQueryAttention"
 
 
 def _all_gqa(results, prefix: str = GQA) -> None:
@@ -87,7 +90,7 @@ def decoders():
                          ids=[f"{f}-{a}-{o}-{d}" for f, a, o, d, _ in FAMILIES])
 def test_hugging_face_decoders_fuse_onto_gqa(decoders, family, attn, opset, dtype, shows):
     _, results = fused_and_checked(decoders(family, attn, opset, dtype))
-    _all_gqa(results, RIGHT_PADDED_GQA)
+    _all_gqa(results, RIGHT_PADDED_GQA if dtype == "float32" else UNPADDED_GQA)
     assert all("causal + key padding" in r.meaning and shows in r.meaning for r in results)
 
 

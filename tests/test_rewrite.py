@@ -110,6 +110,9 @@ def test_float16_exports(export_cache, mask):
     model = onnx.load(export_cache(SMALL.replace(dtype="float16", mask=mask)))
     fused, results = fused_and_checked(model)
     assert results[0].status == "fused"
+    # half precision never takes GQA with seqlens_k on padded rows: ORT's CUDA GQA disagreed
+    # there (docs/gpu/2026-11-30-h200.md, round 3), and a float16 model is a GPU model
+    assert "right padding" not in results[0].form
 
 
 @pytest.mark.parametrize("preset", ["base", "big"])

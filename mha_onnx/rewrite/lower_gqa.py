@@ -97,18 +97,21 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
         return _top_left(op, info, q3, k3, v3), either("S <= T", label, "MHA + causal bias")
     if info.padded is None:
         return gqa_call(op, info, q3, k3, v3), Form(label)
-    if _window_fp16(info) or not right_padded:
+    if half_precision(info) or not right_padded:
         return _unpadded(op, info, q3, k3, v3), either("no key padded", label,
                                                        "MHA + attention_bias", cases=(UNPADDED,))
     return _right_padded(op, info, q3, k3, v3), either("right padding", label,
                                                        "MHA + attention_bias")
 
 
-def _window_fp16(info: SdpaInfo) -> bool:
-    """ORT 1.31's float16 CPU GQA with a window departs from its float32 one (and from the
-    original) on the padded query rows of a right-padded batch once S exceeds the window:
-    such blocks take GQA only when no key is padded."""
-    return bool(info.window) and info.query.dtype == ir.DataType.FLOAT16
+def half_precision(info: SdpaInfo) -> bool:
+    """Half-precision blocks never take GQA with seqlens_k below the total (right-padded
+    rows). Measured: ORT 1.31's CUDA GQA in float16 disagreed with the original on the
+    right-padded batches of three graphs (0.22-0.60, docs/gpu/2026-11-30-h200.md), and its
+    float16 CPU GQA with a window departs on the padded query rows once S exceeds the window.
+    A float16 model is the kind deployed on a GPU, so the forms fused for the CPU must be
+    exact there too; such blocks take GQA only when no key is padded."""
+    return info.query.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
 def if_forms(op, info: SdpaInfo, cond: ir.Value, then, otherwise, tag: str, outputs: int = 1):

@@ -35,7 +35,13 @@ from mha_onnx.rewrite.lower_common import (
     kv_operands,
     scalar_shape,
 )
-from mha_onnx.rewrite.lower_gqa import gqa_ok, gqa_shapes_ok, key_padding_gqa, lower_gqa
+from mha_onnx.rewrite.lower_gqa import (
+    gqa_ok,
+    gqa_shapes_ok,
+    half_precision,
+    key_padding_gqa,
+    lower_gqa,
+)
 from mha_onnx.rewrite.lower_loop import padding_loop
 from mha_onnx.rewrite.sdpa import (
     FUSION_DOMAIN,
@@ -157,7 +163,7 @@ def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Val
     if form == "auto":
         general = either(f"T < {forms.LOOP_MIN_KEYS}", "MHA key_padding_mask",
                          "Loop(Compress keys)", switch_at=(forms.LOOP_MIN_KEYS,))
-        if gqa_able:
+        if gqa_able and not half_precision(info):
             out = key_padding_gqa(op, info, q3, lambda ops: _by_length(ops, info, q3, forms),
                                   forms.GQA_MAX_KEYS)
             return out, either(f"right padding, T <= {forms.GQA_MAX_KEYS}",
