@@ -170,7 +170,8 @@ def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inpu
 @main.command()
 @click.argument("model")
 @click.option("--reference", default=None, help="Another ONNX model to compare with (e.g. the unfused original).")
-@click.option("--providers", default="cpu", show_default=True, help="Comma list: cpu,cuda,tensorrt.")
+@click.option("--providers", default="cpu", show_default=True,
+              help="Comma list: cpu,cuda,tensorrt,openvino,openvino-bf16 (openvino:GPU: another OpenVINO device).")
 @click.option("--shapes", default=None, help="B:S[:T],... (default: a sweep over every dynamic dim).")
 @click.option("--atol", multiple=True, help="Absolute tolerance, or OUTPUT=VALUE for one output.")
 @click.option("--rtol", multiple=True, help="Relative tolerance, or OUTPUT=VALUE for one output.")
@@ -186,10 +187,16 @@ def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inpu
 @click.option("--strict", is_flag=True,
               help="Fail --load-outputs when the golden file was saved from another model.")
 @click.option("--force", is_flag=True, help="Replace an existing --save-outputs file.")
+@click.option("--bisect", "bisect_", is_flag=True,
+              help="On a mismatch, name the first node whose output differs (against "
+                   "--reference, or the same model on another provider).")
+@click.option("--bisect-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Intermediate values exposed per run while bisecting (memory bound).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads, allow_missing,
-             no_memory_check, inputs_npz, save_outputs, load_outputs, strict, force, as_json):
+             no_memory_check, inputs_npz, save_outputs, load_outputs, strict, force, bisect_,
+             bisect_chunk, as_json):
     """Parity of MODEL across PyTorch, ORT CPU, CUDA and TensorRT. Exit 0 when everything
     passed, 1 when outputs differ, 3 when a requested provider could not run."""
     from mha_onnx.graphio import read_model
@@ -203,7 +210,7 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
         tolerances=parse_tolerances(atol, rtol), seed=seed, allow_missing=allow_missing,
         reference=reference, threads=threads, memory_check=not no_memory_check,
         inputs=inputs_npz, save_outputs=save_outputs, load_outputs=load_outputs, force=force,
-        strict=strict,
+        strict=strict, bisect=bisect_, bisect_chunk=bisect_chunk,
     )
     report = validate_model(model, config)
     _emit(report, as_json)
@@ -249,7 +256,8 @@ def _progress():
 
 @main.command()
 @click.argument("models", nargs=-1, required=True)
-@click.option("--providers", default="cpu", show_default=True, help="Comma list: cpu,cuda,tensorrt.")
+@click.option("--providers", default="cpu", show_default=True,
+              help="Comma list: cpu,cuda,tensorrt,openvino,openvino-bf16 (openvino:GPU: another OpenVINO device).")
 @click.option("--batch", "batches", default="1", show_default=True, help="Comma list of batch sizes.")
 @click.option("--seq-lens", default="128,512,2048", show_default=True, help="Comma list of sequence lengths.")
 @click.option("--warmup", type=int, default=3, show_default=True)

@@ -31,6 +31,9 @@ PROVIDERS = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 SHORT_NAMES = {v: k for k, v in PROVIDERS.items()}
+# A second runtime (mha_onnx.runtime_openvino): f32 pinned, and its reduced precision; each
+# takes an OpenVINO device after a colon (openvino:GPU).
+OPENVINO = ("openvino", "openvino-bf16")
 # Our names for ORT's graph optimisation levels, from the most to the least optimised.
 LEVELS = {"all": "ORT_ENABLE_ALL", "extended": "ORT_ENABLE_EXTENDED",
           "basic": "ORT_ENABLE_BASIC", "none": "ORT_DISABLE_ALL"}
@@ -46,10 +49,11 @@ def parse_providers(text: str) -> tuple[str, ...]:
     if not names:
         raise ConfigError("no execution provider given", hint="e.g. --providers cpu,cuda")
     for name in names:
-        if name not in PROVIDERS:
+        if name not in PROVIDERS and name.split(":", 1)[0] not in OPENVINO:
             raise ConfigError(
                 f"unknown execution provider {name!r}",
-                hint=f"known providers: {', '.join(PROVIDERS)}",
+                hint=f"known providers: {', '.join((*PROVIDERS, *OPENVINO))} "
+                     "(openvino[-bf16]:DEVICE for another OpenVINO device)",
             )
     return tuple(dict.fromkeys(names))
 
@@ -121,7 +125,24 @@ class SessionInfo:
     cpu_fallback_allowed: bool
 
 
-class OrtRunner:
+class Runner:
+    """What every runner shares: a context manager that builds its session on entry and
+    drops it on exit (``session`` and ``close`` are the runner's own)."""
+
+    session: Any
+
+    def __enter__(self):
+        self.session  # noqa: B018 (build now)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class OrtRunner(Runner):
     """One ORT session on one execution provider (plus the CPU only where ORT must place
     shape ops there, and only when ``strict=False``)."""
 
@@ -155,13 +176,6 @@ class OrtRunner:
         self._session: Any = None
         self._quiet_run: Any = None
         self.info: SessionInfo | None = None
-
-    def __enter__(self) -> OrtRunner:
-        self.session  # noqa: B018 (build now)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         self._session = None

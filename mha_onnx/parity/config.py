@@ -10,6 +10,7 @@ import numpy as np
 
 from mha_onnx.errors import InputSpecError
 from mha_onnx.inputs import ShapeCase
+from mha_onnx.runtime_openvino import reduced_precision
 from mha_onnx.stats import default_tolerance
 
 
@@ -37,8 +38,15 @@ class ValidateConfig:
     force: bool = False  # replace an existing --save-outputs file
     decode_steps: int = 16  # KV-cache models: single-token steps after the prompt
     strict: bool = False  # a golden file saved from another model fails
+    bisect: bool = False  # on a failure, name the first node whose output differs
+    bisect_chunk: int = 256  # intermediate values exposed per run while bisecting
 
-    def tolerance_for(self, output: str, dtype: np.dtype) -> tuple[float, float]:
+    def tolerance_for(self, output: str, dtype: np.dtype, provider: str = "cpu"
+                      ) -> tuple[float, float]:
+        """--atol/--rtol where given, else the defaults of the output's dtype; a provider
+        that computes float32 in bfloat16 (openvino-bf16) gets bfloat16's."""
+        if reduced_precision(provider) and np.dtype(dtype) == np.float32:
+            dtype = "bfloat16"
         default_atol, default_rtol = default_tolerance(dtype)
         chosen = self.tolerances.get(output) or self.tolerances.get("*") or Tolerance()
         return (default_atol if chosen.atol is None else chosen.atol,

@@ -45,10 +45,12 @@ class ProviderStatus:
     reason: str = ""
     cpu_nodes: tuple[str, ...] = ()
     io_binding: bool = False
+    runtime: str = ""  # what ran it, where it is not ORT's CPU (OpenVINO, its precision)
 
     def to_dict(self) -> dict[str, Any]:
         return {"provider": self.provider, "ran": self.ran, "reason": self.reason,
-                "nodes_on_cpu": list(self.cpu_nodes), "io_binding": self.io_binding}
+                "nodes_on_cpu": list(self.cpu_nodes), "io_binding": self.io_binding,
+                "runtime": self.runtime}
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class ValidationReport:
     allow_missing: bool
     seconds: float
     notes: tuple[str, ...] = ()  # warnings: attention kernels on the CPU, forms for another EP
+    bisect: Any = None  # --bisect: a BisectReport, or why nothing was bisected (str)
 
     @property
     def outputs_passed(self) -> bool:
@@ -96,6 +99,8 @@ class ValidationReport:
             "fully_masked_rows": [m.to_dict() for m in self.masked_rows],
             "checks": [c.to_dict() for c in self.checks],
             "seconds": round(self.seconds, 3),
+            **({"bisect": self.bisect if isinstance(self.bisect, str) else self.bisect.to_dict()}
+               if self.bisect is not None else {}),
             "notes": list(self.notes),
         }
 
@@ -103,7 +108,7 @@ class ValidationReport:
         lines = [f"validate {self.model}", f"  references: {'; '.join(self.references) or 'none'}"]
         for p in self.providers:
             state = "ran" if p.ran else ("MISSING (allowed)" if self.allow_missing else "COULD NOT RUN")
-            extra = f": {p.reason}" if p.reason else ""
+            extra = f": {p.reason}" if p.reason else (f" ({p.runtime})" if p.runtime else "")
             lines.append(f"  provider {p.provider}: {state}{extra}")
             if p.cpu_nodes:
                 lines.append(f"    nodes that fell back to the CPU: {', '.join(p.cpu_nodes[:12])}"
@@ -128,6 +133,10 @@ class ValidationReport:
                 f"  FAIL {c.output} on {c.provider} vs {c.against} at {c.case}: max abs error "
                 f"{c.stats.max_abs:.3g} > atol {c.stats.atol:g} (+ rtol {c.stats.rtol:g}); "
                 f"would need atol {c.stats.needed_atol:.3g}")
+        if isinstance(self.bisect, str):
+            lines.append(f"  bisect: {self.bisect}")
+        elif self.bisect is not None:
+            lines.extend(self.bisect.render())
         lines.extend(f"  warning: {n}" for n in self.notes)
         verdict = {EXIT_OK: "PASSED", EXIT_MISMATCH: "FAILED: outputs differ",
                    EXIT_PROVIDER: "FAILED: a requested provider could not run"}[self.exit_code]

@@ -30,6 +30,7 @@ from mha_onnx.inputs import (
     make_inputs,
 )
 from mha_onnx.metadata import CheckResult, session_options
+from mha_onnx.parity.bisect import after_failure
 from mha_onnx.parity.config import ValidateConfig
 from mha_onnx.parity.decode import PROMPT, decode_chains, has_padding_mask
 from mha_onnx.parity.golden import (
@@ -43,6 +44,8 @@ from mha_onnx.parity.references import references_for
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
 from mha_onnx.preflight import preflight
 from mha_onnx.profile.roofline import machine_info
+from mha_onnx.runners import make_runner
+from mha_onnx.runtime_openvino import is_openvino
 from mha_onnx.runtimes import OrtRunner, ProviderError, node_placement
 from mha_onnx.stats import compare
 
@@ -145,11 +148,16 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
             "machine": machine_info()}, force=config.force)
     if golden is not None:  # a comparison of nothing is no pass
         checks.append(golden_coverage(golden, model, comparisons))
+    bisected = None
+    if config.bisect and any(not c.stats.passed for c in comparisons):
+        bisected = after_failure(str(path), config, comparisons, runs,
+                                 [s.provider for s in statuses if s.ran],
+                                 lambda feeds: _cast_feeds(feeds, ref_specs))
     return ValidationReport(
         model=str(path), references=tuple(labels), providers=tuple(statuses),
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
-        notes=tuple(placement_notes(model, statuses)),
+        notes=tuple(placement_notes(model, statuses)), bisect=bisected,
     )
 
 
@@ -192,7 +200,7 @@ def placement_notes(model, statuses: Sequence[ProviderStatus]) -> list[str]:
     fusion = metadata.loaded(model, "fusion") or {}
     fused_for = fusion.get("ep", "cpu") if fusion.get("target", "ort") == "ort" else None
     for status in statuses:
-        if not status.ran or status.provider == "cpu":
+        if not status.ran or status.provider == "cpu" or is_openvino(status.provider):
             continue
         kernels = [n for n in status.cpu_nodes if n.endswith(ATTENTION_KERNELS)]
         if kernels:
@@ -255,24 +263,27 @@ def _start_providers(path: str, config: ValidateConfig, probe_feeds: dict[str, n
     statuses: list[ProviderStatus] = []
     runners: dict[str, OrtRunner] = {}
     for provider in config.providers:
-        checked = preflight(path, provider, level)
-        if checked.crashed:
+        ort = not is_openvino(provider)  # ORT meets the model in a child process first
+        checked = preflight(path, provider, level) if ort else None
+        if checked is not None and checked.crashed:
             statuses.append(ProviderStatus(provider, False, checked.message()))
             continue
-        runner = OrtRunner(path, provider, threads=config.threads,
-                           io_binding=provider != "cpu", strict=False, optimization=level)
+        runner = make_runner(path, provider, threads=config.threads,
+                             io_binding=provider != "cpu", strict=False, optimization=level)
         try:
             runner.session  # noqa: B018
         except ProviderError as exc:
-            statuses.append(ProviderStatus(provider, False, str(exc)))
+            hint = f" (hint: {exc.hint})" if exc.hint else ""
+            statuses.append(ProviderStatus(provider, False, str(exc) + hint))
             continue
         cpu_nodes: tuple[str, ...] = ()
-        if provider != "cpu":
+        if provider != "cpu" and ort:
             placement = node_placement(path, provider, probe_feeds)
             cpu_nodes = tuple(sorted(f"{name} ({op})" for name, (op, where) in placement.items()
                                      if where == "cpu"))
         runners[provider] = runner
-        statuses.append(ProviderStatus(provider, True, cpu_nodes=cpu_nodes,
+        runtime = "" if ort else runner.info.providers_in_session[0]
+        statuses.append(ProviderStatus(provider, True, cpu_nodes=cpu_nodes, runtime=runtime,
                                        io_binding=runner.io_binding))
     return runners, statuses
 
@@ -290,7 +301,7 @@ def _compare_case(case: ShapeCase, gots, wants, special, out_dims, config: Valid
                     axis = out_dims[output].index(special[0])
                     keep = [b for b in range(actual.shape[axis]) if b not in special[1]]
                     a, e = np.take(actual, keep, axis=axis), np.take(e, keep, axis=axis)
-                atol, rtol = config.tolerance_for(output, actual.dtype)
+                atol, rtol = config.tolerance_for(output, actual.dtype, provider)
                 out.append(Comparison(output, provider, key, case.describe(),
                                       compare(a, e, atol=atol, rtol=rtol)))
     return out
@@ -307,6 +318,6 @@ def _masked_rows(case: ShapeCase, gots, wants, special, out_dims) -> list[Masked
         seen = {key: _behaviour(np.take(want[name], rows, axis=axis))
                 for key, want in wants.items() if name in want}
         for provider, got in gots.items():
-            seen[f"ort {provider}"] = _behaviour(np.take(got[name], rows, axis=axis))
+            seen[provider if is_openvino(provider) else f"ort {provider}"] = _behaviour(np.take(got[name], rows, axis=axis))
         out.append(MaskedRows(case.describe(), name, f"batch entries {rows}", seen))
     return out

@@ -163,6 +163,8 @@ class ProfileReport:
     def render(self) -> str:
         lines = [f"profile on {self.machine.get('processor') or self.machine.get('machine')} "
                  f"({self.machine.get('cpus')} CPUs), onnxruntime {self.machine.get('onnxruntime')}"
+                 + (f", openvino {self.machine['openvino']}" if self.machine.get("openvino")
+                    and any(p.provider.startswith("openvino") for p in self.points) else "")
                  + (", models interleaved in one process" if self.interleaved else "")]
         for key, value in self.roofline_gflops.items():
             lines.append(f"  matmul roofline ({key}): {value:.1f} GFLOP/s")

@@ -38,10 +38,16 @@ def gpu_info() -> dict[str, Any] | None:
 
 def machine_info() -> dict[str, Any]:
     """What a profile needs to say about where it ran, to be compared with others."""
+    from importlib import metadata as dist
+
     import onnxruntime as ort
 
+    try:  # the second runtime, where it is installed (its version without importing it)
+        openvino = dist.version("openvino")
+    except dist.PackageNotFoundError:
+        openvino = None
     return {"machine": platform.machine(), "processor": cpu_name(), "cpus": os.cpu_count(),
-            "gpu": gpu_info(), "onnxruntime": ort.__version__,
+            "gpu": gpu_info(), "onnxruntime": ort.__version__, "openvino": openvino,
             "python": platform.python_version(), "hostname": platform.node()}
 
 
@@ -49,9 +55,11 @@ def matmul_roofline(provider: str, threads: int | None, dtype: str = "float32") 
     """GFLOP/s of large square MatMuls on ``provider`` (best of several runs and sizes)."""
     from onnx import TensorProto, helper
 
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runners import make_runner
+    from mha_onnx.runtime_openvino import device_of, is_openvino
 
-    sizes = (512, 1024, 2048) if provider == "cpu" else (4096, 8192)
+    on_cpu = provider == "cpu" or (is_openvino(provider) and device_of(provider) == "CPU")
+    sizes = (512, 1024, 2048) if on_cpu else (4096, 8192)
     elem = TensorProto.FLOAT16 if dtype == "float16" else TensorProto.FLOAT
     np_dtype = np.float16 if dtype == "float16" else np.float32
     rng = np.random.default_rng(0)
@@ -65,7 +73,7 @@ def matmul_roofline(provider: str, threads: int | None, dtype: str = "float32") 
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
         feeds = {"a": rng.standard_normal((n, n)).astype(np_dtype),
                  "b": rng.standard_normal((n, n)).astype(np_dtype)}
-        with OrtRunner(model.SerializeToString(), provider, threads=threads,
+        with make_runner(model.SerializeToString(), provider, threads=threads,
                        io_binding=provider != "cpu") as runner:
             runner.infer(feeds)
             seconds = min(_timed(runner, feeds) for _ in range(10))
@@ -86,7 +94,7 @@ def memory_bandwidth(provider: str, threads: int | None) -> float:
     The ceiling of a decode step, which reads its weights and its KV cache once."""
     from onnx import TensorProto, helper
 
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runners import make_runner
 
     side = 8192
     probes = {
@@ -104,7 +112,7 @@ def memory_bandwidth(provider: str, threads: int | None) -> float:
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
                                   ir_version=8)
         feeds = {name: np.ones(shape, np.float32) for name, shape in inputs}
-        with OrtRunner(model.SerializeToString(), provider, threads=threads,
+        with make_runner(model.SerializeToString(), provider, threads=threads,
                        io_binding=provider != "cpu") as runner:
             runner.infer(feeds)
             seconds = min(_timed(runner, feeds) for _ in range(7))

@@ -174,10 +174,10 @@ def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
     one session would steal the cores of the next one's run."""
     from mha_onnx.graphio import read_model
     from mha_onnx.metadata import session_options
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runners import make_runner
 
     needs = session_options(read_model(model, load_external_data=False))
-    return OrtRunner(model, spec.provider, threads=spec.threads, io_binding=spec.io_binding,
+    return make_runner(model, spec.provider, threads=spec.threads, io_binding=spec.io_binding,
                      strict=False, profile_dir=profile_dir,
                      optimization=needs.get("optimization", "all"),
                      spinning=len(spec.models) == 1)
@@ -189,7 +189,7 @@ def _bound_run(runner, feeds: dict[str, np.ndarray], proto) -> Callable[[], Any]
     from mha_onnx.cache import LENGTH_INPUT, bound_step, cache_pairs, device_of
     from mha_onnx.runtimes import import_ort
 
-    if LENGTH_INPUT in feeds:  # feeds made by decode_feeds: the pasts are the buffers
+    if LENGTH_INPUT in feeds and hasattr(runner.session, "io_binding"):  # ORT: in place
         pairs, device = cache_pairs(proto), device_of(runner.provider)
         ort = import_ort(for_gpu=device != "cpu")
         buffers = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n], device, 0) for n in pairs}
@@ -208,7 +208,7 @@ def _bound_run(runner, feeds: dict[str, np.ndarray], proto) -> Callable[[], Any]
 def measure(spec: PointSpec) -> dict[str, Any]:
     """Time ``spec`` in this process: per model its run times and session time; for one
     model also the peak memory of the runs and, if asked, the time per op."""
-    device0 = device_used() if spec.provider != "cpu" else None
+    device0 = device_used() if spec.provider in ("cuda", "tensorrt") else None
     runners, runs, sessions, first = [], [], {}, None
     for model in spec.models:
         start = time.perf_counter()
@@ -233,7 +233,7 @@ def measure(spec: PointSpec) -> dict[str, Any]:
     if len(spec.models) == 1:
         out.update(peak_rss=peak, run_rss=max(0, peak - rss_before),
                    device_bytes=None if device0 is None or device is None else max(0, device - device0))
-        if spec.op_breakdown or spec.trace_dir:
+        if (spec.op_breakdown or spec.trace_dir) and not spec.provider.startswith("openvino"):
             out.update(_op_times(spec))
     return out
 

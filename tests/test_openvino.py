@@ -1,0 +1,122 @@
+"""OpenVINO as a second runtime (validate, profile): f32 pinned, its bf16 labelled and
+compared at bf16 tolerances, refusals with OpenVINO's reason (exit 3), never a fallback."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from mha_onnx.cli import main
+from mha_onnx.errors import ConfigError
+from mha_onnx.parity import ValidateConfig, validate_model
+from mha_onnx.runners import make_runner
+from mha_onnx.runtime_openvino import OpenVinoRunner, device_of, reduced_precision
+from mha_onnx.runtimes import ProviderUnavailableError, parse_providers
+from tests.conftest import SMALL
+from tests.irgraphs import node, tensor
+
+pytest.importorskip("openvino")
+
+
+def _matmul_model():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [node("MatMul", ["x", "w"], "y"), node("Relu", ["y"], "z")], "mm",
+        [tensor("x", TensorProto.FLOAT, ["B", 16])], [tensor("z", TensorProto.FLOAT, ["B", 16])],
+        [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_provider_names_and_devices():
+    assert parse_providers("cpu,openvino,openvino-bf16,openvino:GPU") == (
+        "cpu", "openvino", "openvino-bf16", "openvino:gpu")
+    assert device_of("openvino") == "CPU" and device_of("openvino-bf16:npu") == "NPU"
+    assert reduced_precision("openvino-bf16") and not reduced_precision("openvino")
+    with pytest.raises(ConfigError, match="openvino"):
+        parse_providers("openvinox")
+    assert isinstance(make_runner(b"", "openvino"), OpenVinoRunner)
+
+
+def test_f32_is_pinned_and_outputs_match_ort():
+    m = _matmul_model().SerializeToString()
+    x = {"x": np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)}
+    with make_runner(m, "openvino", threads=2) as ov, make_runner(m, "cpu") as ort:
+        assert ov.precision == "f32" and ov.output_names == ["z"]
+        np.testing.assert_allclose(ov.infer(x)["z"], ort.infer(x)["z"], atol=1e-5)
+
+
+def test_absent_device_and_uncompilable_model_are_refused_with_the_reason():
+    m = _matmul_model().SerializeToString()
+    with pytest.raises(ProviderUnavailableError, match="device NPU is not on this machine"):
+        make_runner(m, "openvino:NPU").session  # noqa: B018
+    from onnx import TensorProto, helper
+
+    custom = helper.make_model(helper.make_graph(
+        [helper.make_node("NoSuchOp", ["x"], ["y"], domain="com.example")], "g",
+        [tensor("x", TensorProto.FLOAT, [2])], [tensor("y", TensorProto.FLOAT, [2])]),
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)])
+    with pytest.raises(ProviderUnavailableError, match="OpenVINO .CPU. cannot compile"):
+        make_runner(custom.SerializeToString(), "openvino").session  # noqa: B018
+
+
+def test_missing_openvino_is_exit_3_not_a_fallback(monkeypatch, tmp_path):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_openvino(name, *args, **kwargs):
+        if name == "openvino":
+            raise ImportError("No module named 'openvino'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_openvino)
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_matmul_model().SerializeToString())
+    result = CliRunner().invoke(main, ["validate", str(path), "--reference", str(path),
+                                       "--providers", "openvino", "--json"])
+    assert result.exit_code == 3, result.output
+    status = json.loads(result.output)["providers"][0]
+    assert not status["ran"] and "mha-onnx[openvino]" in status["reason"]
+
+
+def test_validate_own_export_on_both_runtimes(export_cache):
+    path = export_cache(SMALL.replace(mask="causal"))
+    report = validate_model(path, ValidateConfig(providers=("cpu", "openvino", "openvino-bf16")))
+    assert report, report.render()
+    runtimes = {p.provider: p.runtime for p in report.providers}
+    assert runtimes["openvino"].endswith("CPU f32")
+    assert runtimes["openvino-bf16"].split()[-1] in ("bf16", "f16", "f32")  # the device's own
+    worst = {p: max(c.stats.max_abs for c in report.comparisons if c.provider == p)
+             for p in ("openvino", "openvino-bf16")}
+    assert worst["openvino"] < 1e-5
+    bf16 = [c for c in report.comparisons if c.provider == "openvino-bf16"]
+    assert all(c.stats.atol == 6e-2 for c in bf16)  # bfloat16's tolerance, by its label
+
+
+def test_fused_for_ort_is_refused_by_openvino_with_its_reason(export_cache, tmp_path):
+    from mha_onnx.rewrite import fuse_file
+
+    src = export_cache(SMALL.replace(mask="causal"))
+    dst = tmp_path / "ort.onnx"
+    fuse_file(src, dst)  # GroupQueryAttention without past: OpenVINO's frontend refuses it
+    result = CliRunner().invoke(main, ["validate", str(dst), "--reference", str(src),
+                                       "--providers", "openvino"])
+    assert result.exit_code == 3, result.output
+    assert "GroupQueryAttention" in result.output and "--target onnx" in result.output
+
+
+def test_profile_times_both_runtimes_in_one_table(export_cache):
+    path = export_cache(SMALL.replace(mask="none"))
+    result = CliRunner().invoke(main, ["profile", str(path), "--providers", "cpu,openvino",
+                                       "--seq-lens", "16", "--iters", "2", "--min-time", "0.01",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{"):])
+    assert {p["provider"] for p in data["points"]} == {"cpu", "openvino"}
+    assert data["machine"]["openvino"] and "openvino float32" in data["roofline_gflops"]
