@@ -130,8 +130,10 @@ def inspect(model, as_json):
 @main.command()
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Where to write the fused model.")
-@click.option("--target", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True,
-              help="ort: ONNX Runtime contrib kernels; onnx: the standard Attention op (opset 23).")
+@click.option("--target", type=click.Choice(["ort", "onnx", "openvino"]), default="ort",
+              show_default=True,
+              help="ort: ONNX Runtime contrib kernels; onnx: the standard Attention op (opset 23); "
+                   "openvino: onnx's standard ops, verified on OpenVINO as well.")
 @click.option("--ep", type=click.Choice(EP_CHOICES), default="cpu",
               show_default=True,
               help="Execution provider the model will run on (target ort): the forms measured "
@@ -334,7 +336,8 @@ def profile(ctx, models, providers, batches, seq_lens, warmup, iters, min_time, 
 @click.option("-o", "--output", "repository", required=True, help="The model repository folder.")
 @click.option("--name", default=None, help="Model name in the repository (default: the file's stem).")
 @click.option("--max-batch-size", type=int, default=8, show_default=True)
-@click.option("--target", "targets", multiple=True, type=click.Choice(["cpu", "cuda", "tensorrt"]),
+@click.option("--target", "targets", multiple=True,
+              type=click.Choice(["cpu", "cuda", "tensorrt", "openvino"]),
               help="A config per target (repeat; the first is config.pbtxt). Default: cpu.")
 @click.option("--instances", type=int, default=1, show_default=True, help="Instances per device.")
 @click.option("--from-profile", default=None, help="A profile --json: batch sizes, queue delay, threads.")

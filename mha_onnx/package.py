@@ -30,7 +30,7 @@ from mha_onnx.inputs import InputSpec, input_specs, split_dims
 from mha_onnx.metadata import session_options
 from mha_onnx.table import table
 
-TARGETS = ("cpu", "cuda", "tensorrt")
+TARGETS = ("cpu", "cuda", "tensorrt", "openvino")  # openvino: Triton's OpenVINO backend, CPU
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "float64": "TYPE_FP64",
                 "bool": "TYPE_BOOL", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
                 "int8": "TYPE_INT8", "uint8": "TYPE_UINT8"}
@@ -165,15 +165,22 @@ def triton_config(model, cfg: PackageConfig, target: str, batching: dict[str, An
     inputs, outputs = input_specs(model), _outputs(model)
     batched = cfg.max_batch_size > 0 and _batchable(inputs, outputs)
     config: dict[str, Any] = {
-        "name": cfg.name, "backend": "onnxruntime",
+        "name": cfg.name, "backend": "openvino" if target == "openvino" else "onnxruntime",
         "max_batch_size": cfg.max_batch_size if batched else 0,
         "input": [_tensor(s, batched) for s in inputs],
         "output": [_tensor(s, batched) for s in outputs],
         "instance_group": [{"count": cfg.instances,
-                            "kind": "KIND_CPU" if target == "cpu" else "KIND_GPU"}],
+                            "kind": "KIND_GPU" if target in ("cuda", "tensorrt") else "KIND_CPU"}],
     }
     if batched:
         config["dynamic_batching"] = dict(batching)
+    if target == "openvino":  # the backend's own parameters; it reads model.onnx directly
+        config["default_model_filename"] = "model.onnx"
+        config["parameters"] = {"PERFORMANCE_HINT": {"string_value": "LATENCY"},
+                                "NUM_STREAMS": {"string_value": "1"},
+                                **({"INFERENCE_NUM_THREADS": {"string_value": str(threads)}}
+                                   if threads else {})}
+        return config
     optimization: dict[str, Any] = {}
     level = session_options(model).get("optimization", "all")
     if level in GRAPH_LEVELS:
@@ -253,10 +260,37 @@ def package_notes(model, cfg: PackageConfig, batching: dict[str, Any]
         low, opt, _ = cfg.lengths
         cfg = replace(cfg, lengths=(min(low, limit), min(opt, limit), limit))
         notes.append(f"lengths capped at {limit}, the model's position table")
+    if "openvino" in cfg.targets:
+        notes += openvino_notes(model.SerializeToString(), input_specs(model))
     if cfg.from_profile and not batching:
         notes.append(f"{cfg.from_profile} measured one batch size: dynamic batching is left "
                      "at Triton's defaults (profile --batch 1,4,8 to choose it)")
     return cfg, notes
+
+
+def openvino_notes(model: bytes, specs: list[InputSpec]) -> list[str]:
+    """The model compiled on OpenVINO here (else the target is refused with its reason), and
+    what Triton's OpenVINO backend documents that a deployment must know."""
+    from mha_onnx.runtime_openvino import OpenVinoRunner
+    from mha_onnx.runtimes import ProviderUnavailableError
+
+    notes = []
+    try:
+        with OpenVinoRunner(model, "openvino-bf16") as runner:
+            precision = runner.precision
+    except ProviderUnavailableError as exc:
+        if "not installed" in str(exc):
+            return [f"openvino: not checked here ({exc}); validate --providers openvino "
+                    "before serving"]
+        raise
+    if precision and precision != "f32":
+        notes.append(f"openvino: OpenVINO's default precision on this CPU is {precision} and "
+                     "the backend documents no f32 setting: float32 outputs change (validate "
+                     "--providers openvino-bf16 says by how much)")
+    if any(not s.dims for s in specs):
+        notes.append("openvino: the backend does not take scalar inputs (its known issues): "
+                     + ", ".join(s.name for s in specs if not s.dims))
+    return notes
 
 
 def package_model(source: str | Path, repository: str | Path, cfg: PackageConfig) -> PackageReport:
@@ -267,7 +301,8 @@ def package_model(source: str | Path, repository: str | Path, cfg: PackageConfig
     batching = batching_from_profile(cfg.from_profile, cfg.max_batch_size)
     cfg, notes = package_notes(model, cfg, batching)
     threads = _best_threads(cfg.from_profile)
-    configs = {t: to_pbtxt(triton_config(model, cfg, t, batching, threads if t == "cpu" else 0))
+    configs = {t: to_pbtxt(triton_config(model, cfg, t, batching,
+                                         threads if t in ("cpu", "openvino") else 0))
                + "\n" for t in cfg.targets}
     version = folder / "1"
     version.mkdir(exist_ok=True)
@@ -316,7 +351,9 @@ def serving_readme(model, cfg: PackageConfig, batching: dict[str, Any]) -> str:
                         for s in specs)
     gpus = "--gpus=all " if any(t != "cpu" for t in cfg.targets) else ""
     lines = [
-        f"# {cfg.name}: served by Triton Inference Server (onnxruntime backend)",
+        f"# {cfg.name}: served by Triton Inference Server ("
+        + ", ".join(f"{b} backend" for b in dict.fromkeys(
+            "openvino" if t == "openvino" else "onnxruntime" for t in cfg.targets)) + ")",
         "",
         "Written by `mha-onnx package`. Serve the repository with NVIDIA's Triton container",
         "whose onnxruntime backend is built with ONNX Runtime 1.31 (the release notes'",

@@ -115,7 +115,9 @@ class OpenVinoRunner(Runner):
                 hint="`mha-onnx fuse --target onnx` writes standard ops only") from None
         hint = compiled.get_property("INFERENCE_PRECISION_HINT") if device == "CPU" else None
         self.precision = getattr(hint, "to_string", lambda: str(hint))() if hint else ""
-        self._names = [port.get_any_name() for port in compiled.outputs]
+        # the names of the model as read: compiling may merge a tensor's names into the
+        # port (an output and the value it copies), and any_name may then pick the other one
+        self._names = [port.get_any_name() for port in read.outputs]
         self._request = compiled.create_infer_request()
         self.info = SessionInfo(self.provider, (f"OpenVINO {ov.__version__.split('-')[0]} {device}"
                                                 f"{' ' + self.precision if self.precision else ''}",),

@@ -120,3 +120,25 @@ def test_profile_times_both_runtimes_in_one_table(export_cache):
     data = json.loads(result.output[result.output.index("{"):])
     assert {p["provider"] for p in data["points"]} == {"cpu", "openvino"}
     assert data["machine"]["openvino"] and "openvino float32" in data["roofline_gflops"]
+
+
+def test_fuse_for_openvino_is_verified_on_openvino(export_cache, tmp_path):
+    """--target openvino: standard ops (no com.microsoft), verified case by case on
+    OpenVINO f32 as well as on ORT; the metadata says which target it was fused for."""
+    from mha_onnx import metadata
+    from mha_onnx.graphio import read_model
+
+    src = export_cache(SMALL.replace(mask="key-padding"))
+    dst = tmp_path / "ov.onnx"
+    result = CliRunner().invoke(main, ["fuse", str(src), "-o", str(dst), "--target", "openvino",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    cases = [r["case"] for r in report["verification"]["results"]]
+    assert any(c.endswith("on OpenVINO f32") for c in cases)
+    assert any(not c.endswith("on OpenVINO f32") for c in cases)
+    model = read_model(dst)
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    assert metadata.loaded(model, "fusion")["target"] == "openvino"
+    check = validate_model(dst, ValidateConfig(providers=("cpu", "openvino"), reference=str(src)))
+    assert check, check.render()

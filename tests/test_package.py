@@ -189,3 +189,28 @@ def test_package_says_what_a_deployment_must_know(tmp_path):
     trt = (tmp_path / "repo" / "gpt2" / "configs" / "tensorrt.pbtxt").read_text()
     assert "input_ids:8x256" in trt and "x2048" not in trt
     assert "preferred_batch_size" not in (tmp_path / "repo" / "gpt2" / "config.pbtxt").read_text()
+
+
+def test_an_openvino_target_for_tritons_openvino_backend(export_cache, tmp_path, model_config_pb2):
+    """The OpenVINO backend's entry reads the same model.onnx; the model is compiled on
+    OpenVINO first (one it cannot compile is refused with OpenVINO's reason, exit 3)."""
+    pytest.importorskip("openvino")
+    src = export_cache(CFG)
+    result = CliRunner().invoke(main, ["package", str(src), "-o", str(tmp_path / "r"), "--name",
+                                       "mha", "--target", "cpu", "--target", "openvino", "--json"])
+    assert result.exit_code == 0, result.output
+    config = _parse(model_config_pb2, tmp_path / "r" / "mha" / "configs" / "openvino.pbtxt")
+    assert config.backend == "openvino" and config.default_model_filename == "model.onnx"
+    assert model_config_pb2.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_CPU"
+    assert config.parameters["PERFORMANCE_HINT"].string_value == "LATENCY"
+    assert "intra_op_thread_count" not in config.parameters  # an ORT setting, not OpenVINO's
+    readme = (tmp_path / "r" / "mha" / "README.md").read_text()
+    assert "onnxruntime backend, openvino backend" in readme
+
+    from mha_onnx.rewrite import fuse_file
+
+    fused = tmp_path / "ort.onnx"
+    fuse_file(export_cache(CFG.replace(mask="causal")), fused)  # GQA without past
+    refused = CliRunner().invoke(main, ["package", str(fused), "-o", str(tmp_path / "r2"),
+                                        "--target", "openvino"])
+    assert refused.exit_code == 3 and "GroupQueryAttention" in refused.output

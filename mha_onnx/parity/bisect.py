@@ -308,6 +308,8 @@ def bisect(a: Side, b: Side, feeds_a: Mapping[str, np.ndarray],
         note = ("values compared where both graphs have them (a fused block's inner values "
                 "have no counterpart in its original)")
     if first is None:
-        note = "; ".join(filter(None, [note, "the disagreement is in the graph outputs only, or "
-                                             "inside a fused block (bisect it on two providers)"]))
+        note = "; ".join(filter(None, [note, (
+            "with every value exposed the two runs agree: the runtime computes differently "
+            "when it cannot fuse across them (look at its own fusions)" if model_b is None else
+            "the difference is inside a fused block (bisect it on two providers)")]))
     return BisectReport(a, b, case, search.compared, search.runs, first, note)

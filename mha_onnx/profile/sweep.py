@@ -161,6 +161,8 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
     if "error" in raw:
         return Point(**where, error=raw["error"])
     mine = raw["models"][model]
+    if "error" in mine:
+        return Point(**where, error=mine["error"])
     ms = np.array(mine["times"]) * 1e3
     p50 = float(np.percentile(ms, 50))
     measured = dict(

@@ -209,25 +209,35 @@ def measure(spec: PointSpec) -> dict[str, Any]:
     """Time ``spec`` in this process: per model its run times and session time; for one
     model also the peak memory of the runs and, if asked, the time per op."""
     device0 = device_used() if spec.provider in ("cuda", "tensorrt") else None
+    from mha_onnx.errors import ProviderError
+
     runners, runs, sessions, first = [], [], {}, None
+    refused: dict[str, dict[str, str]] = {}
     for model in spec.models:
         start = time.perf_counter()
         runner = _runner(spec, model)
-        runner.session  # noqa: B018
+        try:  # one model a runtime refuses (OpenVINO and a contrib op) leaves the others timed
+            runner.session  # noqa: B018
+        except ProviderError as exc:
+            refused[model] = {"error": str(exc)}
+            continue
         sessions[model] = time.perf_counter() - start
         runners.append(runner)
         proto = _proto(model)
         feeds = _feeds(spec, proto)
         first = first or (feeds, proto)
         runs.append(_bound_run(runner, feeds, proto))
+    if not runs:
+        return {"models": refused}
     rss_before = rss()
     reset_peak_rss()
     times = timed_loop(runs, warmup=spec.warmup, iters=spec.iters, min_time=spec.min_time)
     peak, device = peak_rss(), device_used()
     for runner in runners:
         runner.close()
-    out: dict[str, Any] = {"models": {m: {"times": t, "session_s": sessions[m]}
-                                      for m, t in zip(spec.models, times, strict=True)}}
+    timed = [m for m in spec.models if m not in refused]
+    out: dict[str, Any] = {"models": {**{m: {"times": t, "session_s": sessions[m]}
+                                         for m, t in zip(timed, times, strict=True)}, **refused}}
     if spec.decode and first is not None:
         out["cache_bytes"] = cache_bytes(*first)
     if len(spec.models) == 1:

@@ -7,6 +7,7 @@ grouped (the op takes fewer K/V heads); causal masks without padding use ``is_ca
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
@@ -84,14 +85,19 @@ def _dense(op, info: SdpaInfo) -> ir.Value:
     return out
 
 
-def lower_onnx(op, node: ir.Node) -> tuple[ir.Value, Form]:
+def lower_onnx(op, node: ir.Node, ungroup: bool = False) -> tuple[ir.Value, Form]:
     """The fused [B, H, S, Dv] output of one Sdpa node and a label of the form used.
 
     ORT's Attention gives 0 for a query whose keys are all masked (-inf or the lowest float);
     the original graph gives NaN (-inf), 0 (NaN guard) or the mean of V (one equal finite
-    fill on every key), so those rows are set explicitly.
+    fill on every key), so those rows are set explicitly. ``ungroup``: grouped K/V repeated
+    to every query head first (OpenVINO 2026.4's Attention import refuses fewer K/V heads).
     """
     info = SdpaInfo.of(node)
+    if ungroup and info.kv_heads != info.heads:
+        rep = info.heads // info.kv_heads
+        info = replace(info, key=repeat_heads(op, info.key, rep),
+                       value=repeat_heads(op, info.value, rep), kv_heads=info.heads)
     kind = info.mask_kind
     if kind == "none":
         return _attention(op, info), Form("Attention")
@@ -105,15 +111,16 @@ def lower_onnx(op, node: ir.Node) -> tuple[ir.Value, Form]:
 
 
 class LowerToOnnxAttention(pattern.RewriteRuleClassBase):
-    def __init__(self, forms: dict[str, Form]) -> None:
+    def __init__(self, forms: dict[str, Form], ungroup: bool = False) -> None:
         super().__init__("LowerToOnnxAttention")
         self.forms = forms
+        self.ungroup = ungroup
 
     def pattern(self, op, q, k, v):
         return op.Sdpa(q, k, v, _domain=FUSION_DOMAIN, _allow_other_inputs=True,
                        _allow_other_attributes=True, _outputs=["sdpa"])
 
     def rewrite(self, op, sdpa, **_):
-        out, form = lower_onnx(op, sdpa.producer())
+        out, form = lower_onnx(op, sdpa.producer(), self.ungroup)
         self.forms[SdpaInfo.of(sdpa.producer()).block] = form
         return out

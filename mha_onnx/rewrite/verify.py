@@ -185,3 +185,34 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
     if UNPADDED in kinds:  # the branch only unpadded runs take
         cases += [replace(c, label=f"{c.label}, no key padded", padding="none") for c in branches]
     return cases
+
+
+def verify_on_openvino(original: onnx.ModelProto, fused: onnx.ModelProto, on_ort: Verification,
+                       *, cases: Sequence[ShapeCase] | None = None,
+                       given: Mapping[str, np.ndarray] | None = None,
+                       atol: float | None = None, rtol: float | None = None) -> Verification:
+    """``fuse --target openvino``: the fused graph on OpenVINO (f32 pinned) against the
+    original on ORT CPU, case by case, added to ``on_ort``. Each case compiles the fused graph
+    afresh, so that what is checked is the rewrite: OpenVINO 2026.4.1 keeps shape-specialised
+    state across runs of one compiled model that can change later results (a run at one token
+    then a batch of two, docs/bench.md), which `validate --providers openvino` shows as it is."""
+    from mha_onnx.runtime_openvino import OpenVinoRunner
+
+    specs = input_specs(original)
+    if given is not None:
+        runs = [(case_of_feeds(specs, dict(given), "given inputs"), dict(given))]
+    else:
+        runs = list(iter_feeds(specs, list(cases) if cases is not None else default_cases(specs)))
+    before = _Original(original, None, "all")
+    results = list(on_ort.results)
+    for case, feeds in runs:
+        try:
+            want = before.infer(feeds, fall_back=not case.optional)
+        except MhaOnnxError:
+            continue  # said by the ORT pass already
+        with OpenVinoRunner(fused.SerializeToString(), "openvino") as runner:
+            got = runner.infer(feeds)
+        for name, expected in want.items():
+            results.append(CaseResult(f"{case.describe()} on OpenVINO f32", name,
+                                      compare(got[name], expected, atol=atol, rtol=rtol)))
+    return Verification(tuple(results), on_ort.reference, on_ort.skipped)
