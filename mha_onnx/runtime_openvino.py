@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_onnx.errors import ModelFileError, ProviderError
+from mha_onnx.errors import ConfigError, ModelFileError, ProviderError
 from mha_onnx.runtimes import OPENVINO, ProviderUnavailableError, Runner, SessionInfo
 
 FAMILY, REDUCED = OPENVINO
@@ -50,6 +50,20 @@ def import_openvino() -> Any:
             f"OpenVINO is not installed ({exc})",
             hint="pip install 'mha-onnx[openvino]' (or openvino==2026.4.1)") from None
     return openvino
+
+
+def user_properties() -> dict[str, str]:
+    """OpenVINO properties from the environment (MHA_ONNX_OPENVINO_CONFIG="K=V,K=V"): one
+    setting for validate, profile and the child processes profile measures in."""
+    text = os.environ.get("MHA_ONNX_OPENVINO_CONFIG", "")
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"malformed MHA_ONNX_OPENVINO_CONFIG item {item!r}",
+                              hint="KEY=VALUE,KEY=VALUE (OpenVINO property names)")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def _short(exc: BaseException) -> str:
@@ -84,12 +98,15 @@ class OpenVinoRunner(Runner):
         return self._compiled
 
     def _config(self) -> dict[str, str]:
+        """f32 pinned (but for openvino-bf16), the thread count, then the user's properties
+        from MHA_ONNX_OPENVINO_CONFIG="KEY=VALUE,..." (e.g. CPU_RUNTIME_CACHE_CAPACITY=0,
+        the workaround of the shape-cache bug in docs/bench.md), which win."""
         config = {}
         if not reduced_precision(self.provider):
             config["INFERENCE_PRECISION_HINT"] = "f32"
         if self.threads and device_of(self.provider) == "CPU":
             config["INFERENCE_NUM_THREADS"] = str(self.threads)
-        return config
+        return {**config, **user_properties()}
 
     def _compile(self) -> Any:
         ov = import_openvino()
@@ -119,9 +136,10 @@ class OpenVinoRunner(Runner):
         # port (an output and the value it copies), and any_name may then pick the other one
         self._names = [port.get_any_name() for port in read.outputs]
         self._request = compiled.create_infer_request()
-        self.info = SessionInfo(self.provider, (f"OpenVINO {ov.__version__.split('-')[0]} {device}"
-                                                f"{' ' + self.precision if self.precision else ''}",),
-                                time.perf_counter() - start, False)
+        given = ", ".join(f"{k}={v}" for k, v in user_properties().items())
+        label = (f"OpenVINO {ov.__version__.split('-')[0]} {device}"
+                 f"{' ' + self.precision if self.precision else ''}{f' ({given})' if given else ''}")
+        self.info = SessionInfo(self.provider, (label,), time.perf_counter() - start, False)
         return compiled
 
     @property

@@ -142,3 +142,22 @@ def test_fuse_for_openvino_is_verified_on_openvino(export_cache, tmp_path):
     assert metadata.loaded(model, "fusion")["target"] == "openvino"
     check = validate_model(dst, ValidateConfig(providers=("cpu", "openvino"), reference=str(src)))
     assert check, check.render()
+
+
+def test_the_shape_cache_bug_is_caught_and_the_workaround_is_checked(export_cache, monkeypatch):
+    """OpenVINO 2026.4.1 (CPU, f32): the base no-mask export run at one token and then at a
+    batch of two gives wrong outputs from one compiled model (docs/bench.md). validate says
+    so; MHA_ONNX_OPENVINO_CONFIG passes OpenVINO properties (here the workaround) through."""
+    from mha_onnx.config import load_preset
+
+    path = export_cache(load_preset("base").replace(mask="none"))
+    config = ValidateConfig(providers=("cpu", "openvino"), memory_check=False)
+    found = validate_model(path, config)
+    assert not found and {c.provider for c in found.failures()} == {"openvino"}
+    monkeypatch.setenv("MHA_ONNX_OPENVINO_CONFIG", "CPU_RUNTIME_CACHE_CAPACITY=0")
+    fixed = validate_model(path, config)
+    assert fixed, fixed.render()
+    assert "CPU_RUNTIME_CACHE_CAPACITY=0" in fixed.providers[1].runtime
+    monkeypatch.setenv("MHA_ONNX_OPENVINO_CONFIG", "no-equals-sign")
+    with pytest.raises(ConfigError, match="MHA_ONNX_OPENVINO_CONFIG"):
+        make_runner(b"", "openvino")._config()
