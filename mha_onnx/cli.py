@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from mha_onnx import __version__
+from mha_onnx.cli_options import int_list, progress_bar, thread_counts
 from mha_onnx.config import EP_CHOICES, form_help
 from mha_onnx.errors import EXIT_MISMATCH, MhaOnnxError
 
@@ -84,33 +85,62 @@ def main(ctx: click.Context, verbose: int) -> None:
 
 
 @main.command()
+@click.option("--model", "model_dir", default=None,
+              help="A Hugging Face folder (save_pretrained: config + safetensors) to export, "
+                   "fuse and validate instead of the reference MHA.")
+@click.option("--task", type=click.Choice(["auto", "feature-extraction", "text-generation-with-past",
+                                           "image-feature-extraction",
+                                           "text2text-generation-with-past"]),
+              default="auto", show_default=True, help="With --model: what to export.")
+@click.option("--no-fuse", is_flag=True, help="With --model: write the export as torch.export made it.")
 @click.option("--preset", default=None, help="Preset name from models/ (base, big).")
 @click.option("--config", "config_file", default=None, help="A TOML/JSON config file instead.")
 @click.option("--attention", type=click.Choice(["self", "cross"]), default=None)
 @click.option("--mask", type=click.Choice(["none", "key-padding", "causal"]), default=None)
 @click.option("--weights", default=None, help="safetensors or torch state_dict (ours or nn.MultiheadAttention).")
-@click.option("--opset", type=int, default=None, help="ONNX opset (default 20).")
+@click.option("--opset", type=int, default=None, help="ONNX opset (default 20; 18 with --model).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=None)
-@click.option("--kv-cache", is_flag=True,
-              help="Causal self-attention with past_key/past_value inputs and present outputs.")
+@click.option("--kv-cache", type=click.Choice(["appended", "shared"]), is_flag=False,
+              flag_value="appended", default=None,
+              help="Export with a KV cache (past_key/past_value in, present_* out); with --model, "
+                   "the fused cache's form: appended (default) or shared (one buffer, in place).")
 @click.option("--cache-padding", is_flag=True,
-              help="With --kv-cache: a key_padding_mask over past + new keys (left padding).")
+              help="With --kv-cache: a key padding mask over past + new keys.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of random weights.")
 @click.option("-o", "--output", required=True, help="Where to write the .onnx file.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def export(preset, config_file, attention, mask, weights, opset, dtype, kv_cache, cache_padding,
-           seed, output, force, as_json):
-    """Export the PyTorch reference to ONNX with dynamic batch and sequence axes."""
+def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weights, opset, dtype,
+           kv_cache, cache_padding, seed, output, force, as_json):
+    """Export the PyTorch reference (or, with --model, a Hugging Face model) to ONNX with
+    dynamic batch and sequence axes."""
     from mha_onnx.config import load_config_file, load_preset
     from mha_onnx.errors import ConfigError
     from mha_onnx.export import export_model
 
+    if model_dir:
+        given = [n for n, v in (("--preset", preset), ("--config", config_file),
+                                ("--attention", attention), ("--mask", mask),
+                                ("--weights", weights), ("--cache-padding", cache_padding)) if v]
+        if given:
+            raise ConfigError(f"--model excludes {', '.join(given)}",
+                              hint="the folder's config says what the model is")
+        from mha_onnx.hf_export import HfExportConfig, export_hf
+
+        cfg = HfExportConfig(task=task, dtype=dtype or "float32", opset=opset or 18,
+                             fuse=not no_fuse, kv_cache=kv_cache or "appended", force=force)
+        _emit(export_hf(model_dir, output, cfg, progress=lambda line: click.echo(
+            f"[export] {line}", err=True)), as_json)
+        return
     if preset and config_file:
         raise ConfigError("--preset and --config exclude each other")
+    if kv_cache == "shared":
+        raise ConfigError("the reference export writes the appended cache interface",
+                          hint="`mha-onnx fuse --kv-cache shared` turns it into one buffer")
     config = load_config_file(config_file) if config_file else load_preset(preset or "base")
     changes = {k: v for k, v in (("attention", attention), ("mask", mask), ("dtype", dtype),
-                                 ("kv_cache", kv_cache), ("cache_padding", cache_padding)) if v}
+                                 ("kv_cache", bool(kv_cache)), ("cache_padding", cache_padding))
+               if v}
     report = export_model(
         config.replace(**changes), output, weights=weights, opset=opset, force=force, seed=seed
     )
@@ -219,43 +249,6 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
     ctx.exit(report.exit_code)
 
 
-def _int_list(text: str, option: str) -> tuple[int, ...]:
-    from mha_onnx.errors import ConfigError
-
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ConfigError(f"malformed {option} {text!r}", hint=f"e.g. {option} 128,512") from None
-    if not values or any(v < 1 for v in values):
-        raise ConfigError(f"{option} needs positive integers, got {text!r}")
-    return values
-
-
-def _threads(text: str | None) -> tuple[int | None, ...]:
-    return (None,) if not text else _int_list(text, "--threads")
-
-
-def _progress():
-    """A progress callback that draws a bar on stderr from the first point on."""
-    state: dict = {}
-
-    def step(done, total, label):
-        if "bar" not in state:
-            state["bar"] = click.progressbar(length=total, label="profiling", file=sys.stderr)
-            state["bar"].__enter__()
-        state["bar"].label = label
-        if done > state["bar"].pos:
-            state["bar"].update(done - state["bar"].pos)
-        else:  # the first point: shown before it runs, not skipped
-            state["bar"].render_progress()
-
-    def close():
-        if "bar" in state:
-            state["bar"].__exit__(None, None, None)
-
-    return step, close
-
-
 @main.command()
 @click.argument("models", nargs=-1, required=True)
 @click.option("--providers", default="cpu", show_default=True,
@@ -311,14 +304,14 @@ def profile(ctx, models, providers, batches, seq_lens, warmup, iters, min_time, 
     if iters is None and min_time is None:
         iters, min_time = DEFAULT_ITERS, DEFAULT_MIN_TIME
     config = ProfileConfig(
-        providers=parse_providers(providers), batches=_int_list(batches, "--batch"),
-        seq_lens=_int_list(context or seq_lens, "--context" if context else "--seq-lens"),
+        providers=parse_providers(providers), batches=int_list(batches, "--batch"),
+        seq_lens=int_list(context or seq_lens, "--context" if context else "--seq-lens"),
         warmup=warmup, iters=iters, decode=decode,
-        min_time=min_time, threads=_threads(threads), io_binding=io_binding, trace_dir=trace_dir,
+        min_time=min_time, threads=thread_counts(threads), io_binding=io_binding, trace_dir=trace_dir,
         pad_fraction=pad_fraction, op_breakdown=not no_ops, memory_check=not no_memory_check,
         interleave=len(models) > 1 if interleave is None else interleave, inputs=inputs_npz,
         keep_going=keep_going)
-    step, close = _progress()
+    step, close = progress_bar()
     try:
         report = profile_models(models, config, on_point=step)
     finally:

@@ -53,7 +53,7 @@ def zoo():
     return get
 
 
-SLOW_FIXTURES = {"zoo", "export_cache"}  # torch.export behind them: seconds per model
+SLOW_FIXTURES = {"zoo", "export_cache", "hf_folder"}  # torch.export behind them: seconds per model
 
 
 def pytest_collection_modifyitems(config, items):

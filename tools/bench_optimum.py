@@ -12,7 +12,8 @@ folder:
 The model: Llama, hidden 1024, 16 query / 4 K/V heads (head 64), 2 layers, fp32, random
 weights (seed 0), a vocabulary of 512 (a BPE trained on a few sentences: GenAI's builder
 needs a tokenizer) so that the layers, not the LM head, are timed. ``run`` fuses the export
-(appended cache, and ``--kv-cache shared``), applies ORT's optimizer (model_type gpt2, the
+(appended cache, and ``--kv-cache shared``), exports the HF folder with ``mha-onnx export
+--model`` (both cache forms; transformers 5, no Optimum), applies ORT's optimizer (model_type gpt2, the
 one its Llama path uses; opt_level 1), checks every graph's outputs against the export's,
 then times each graph in turn in one process (sleeping thread pools, ``--threads``):
 

@@ -29,6 +29,14 @@ def _graphs(folder: Path) -> dict[str, Path]:
         print(fuse_file(original, shared, kv_cache="shared").render(), flush=True)
     out["mha-onnx fuse (appended cache)"] = fused
     out["mha-onnx fuse --kv-cache shared"] = shared
+    for form, name in (("appended", "export.onnx"), ("shared", "export.shared.onnx")):
+        path = folder / name  # the same folder exported by mha-onnx itself (transformers 5)
+        if not path.exists():
+            from mha_onnx.hf_export import HfExportConfig, export_hf
+
+            print(export_hf(folder / "hf", path, HfExportConfig(kv_cache=form)).render(),
+                  flush=True)
+        out[f"mha-onnx export --model ({form} cache)"] = path
     ort_opt = folder / "ort_optimizer.onnx"
     if not ort_opt.exists():
         from onnxruntime.transformers.optimizer import optimize_model

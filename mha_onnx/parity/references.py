@@ -80,6 +80,17 @@ def references_for(model: onnx.ModelProto, path: str, config: ValidateConfig, *,
         source = (ref_model, f"PyTorch reference rebuilt from {config.reference}")
     elif "config" in metadata.read(model):
         source = (model, f"PyTorch reference rebuilt from {path}")
+    hf = metadata.loaded(model, "hf_model") if "hf_model" in metadata.read(model) else None
+    if hf and source is None:  # exported by `export --model`: the folder's PyTorch model
+        from mha_onnx.hf_model import HfReference
+
+        torch_ref = HfReference(hf, f"PyTorch {hf.get('task')} model of {hf.get('folder')}")
+        references["pytorch"] = torch_ref
+        labels.append(f"pytorch = {torch_ref.label}")
+        checks.append(CheckResult("weights", torch_ref.digest_ok,
+                                  "the folder's config and weights match the sha256 recorded at "
+                                  "export" if torch_ref.digest_ok else "the folder's config or "
+                                  "weights changed since the export"))
     if source is not None:
         torch_ref = TorchReference(*source)
         references["pytorch"] = torch_ref

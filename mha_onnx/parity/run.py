@@ -224,14 +224,47 @@ def _decode(model, specs, pairs, references, runners, config: ValidateConfig) ->
     if has_padding_mask(specs):  # and the branch a batch without padding takes
         chains.append(("decode (no key padded) ", False))
     for prefix, padded in chains:
-        for label, results, _ in decode_chains(runtimes, specs, pairs, config.decode_steps,
-                                               seed=config.seed, padded=padded):
+        for label, results, fresh in decode_chains(runtimes, specs, pairs, config.decode_steps,
+                                                   seed=config.seed, padded=padded):
+            results = {k: _blank_padded(v, fresh, specs, out_dims, set(pairs.values()))
+                       for k, v in results.items()}
             wants = {k.split(":", 1)[1]: v for k, v in results.items()
                      if k.startswith("reference:")}
             gots = {k: v for k, v in results.items() if not k.startswith("reference:")}
             case = ShapeCase(f"{prefix}{label}", {}, "given")
             comparisons += _compare_case(case, gots, wants, None, out_dims, config)
     return comparisons
+
+
+def _blank_padded(outputs: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray], specs,
+                  out_dims, presents: set[str]) -> dict[str, np.ndarray]:
+    """Outputs of a decode step with the positions its [B, past + new] padding mask pads set
+    to 0: what a model computes there is never read (the mask hides those keys from every
+    later query, and no token is taken from a padded position), and runtimes differ there
+    (a padded query of a left-padded prompt has no key to attend to). Axes are matched by
+    the mask's dim name, or (a prompt, no past) by the new tokens' when the lengths agree;
+    a present's sequence axis is its third (a shared cache's buffers are named otherwise)."""
+    mask_spec = next((s for s in specs if s.role == "mask" and len(s.dims) == 2), None)
+    if mask_spec is None or mask_spec.name not in feeds:
+        return dict(outputs)
+    mask = np.asarray(feeds[mask_spec.name])
+    keep = ~mask if mask.dtype == np.bool_ else mask != 0  # bool masks here mark the padded
+    if keep.all():
+        return dict(outputs)
+    names = {mask_spec.dims[1]} | {s.dims[1] for s in specs if s.role != "mask"
+                                    and len(s.dims) == 2 and isinstance(s.dims[1], str)}
+    out = {}
+    for name, value in outputs.items():
+        dims_ = out_dims.get(name, [])
+        axes = [a for a, d in enumerate(dims_) if a > 0 and (d in names or (
+                name in presents and a == 2)) and a < value.ndim and value.shape[a] == keep.shape[1]]
+        if not axes or value.shape[0] != keep.shape[0]:
+            out[name] = value
+            continue
+        shape = [keep.shape[0]] + [1] * (value.ndim - 1)
+        shape[axes[0]] = keep.shape[1]
+        out[name] = np.where(keep.reshape(shape), value, np.zeros((), value.dtype))
+    return out
 
 
 def _compare_runs(model, specs, runs, references, ref_specs, runners, config: ValidateConfig):

@@ -1,0 +1,139 @@
+"""`export --model DIR`: Hugging Face folders written by the pinned transformers from small
+random configs (nothing downloaded) -> fused, validated ONNX with Optimum's interface, and
+`validate OUT.onnx` rebuilding the PyTorch reference from the folder."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from mha_onnx.cli import main
+from mha_onnx.parity import ValidateConfig, validate_model
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def _folders():
+    import transformers as tf
+
+    text = dict(vocab_size=99, max_position_embeddings=128, **SMALL)
+    return {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **text)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(num_key_value_heads=2, head_dim=8,
+                                                            **text)),
+        "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            num_key_value_heads=2, head_dim=8, sliding_window=64, **text)),
+        "bert": lambda: tf.BertModel(tf.BertConfig(**text)),
+        "vit": lambda: tf.ViTModel(tf.ViTConfig(image_size=32, patch_size=8, **SMALL)),
+        "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """hf_folder(name) -> a save_pretrained folder (made once per module)."""
+    import torch
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            torch.manual_seed(0)
+            folder = tmp_path_factory.mktemp(name)
+            _folders()[name]().save_pretrained(folder)
+            made[name] = folder
+        return made[name]
+
+    return get
+
+
+def _export(folder, out, *extra):
+    result = CliRunner().invoke(main, ["export", "--model", str(folder), "-o", str(out), "--json",
+                                       *extra])
+    return result
+
+
+def _ops(model: onnx.ModelProto) -> set[str]:
+    from mha_onnx.input_roles import all_nodes
+
+    return {n.op_type for n in all_nodes(model.graph)}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_decoders_export_fused_on_gqa_with_optimums_interface(hf_folder, tmp_path, name):
+    out = tmp_path / f"{name}.onnx"
+    result = _export(hf_folder(name), out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["task"] == "text-generation-with-past"
+    assert any(c["case"].startswith("decode step 16") for c in report["validation"]["comparisons"])
+    model = onnx.load(out)
+    inputs = [i.name for i in model.graph.input]
+    assert inputs == ["input_ids", "attention_mask", "position_ids", "past_key_values.0.key",
+                      "past_key_values.0.value", "past_key_values.1.key",
+                      "past_key_values.1.value"]
+    assert [o.name for o in model.graph.output] == ["logits", "present.0.key", "present.0.value",
+                                                    "present.1.key", "present.1.value"]
+    mask = [d.dim_param for d in model.graph.input[1].type.tensor_type.shape.dim]
+    assert mask == ["batch", "past_sequence_length + sequence_length"]
+    assert "GroupQueryAttention" in _ops(model)
+    # validate rebuilds the PyTorch reference from the folder: no --reference
+    again = validate_model(out, ValidateConfig())
+    assert again, again.render()
+    assert any(c.case.startswith("decode step") for c in again.comparisons)
+    assert [c.passed for c in again.checks if c.name == "weights"] == [True]
+
+
+def test_a_changed_folder_is_said(hf_folder, tmp_path):
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(hf_folder("bert"), folder)
+    out = tmp_path / "bert.onnx"
+    assert _export(folder, out).exit_code == 0
+    config = json.loads((folder / "config.json").read_text())
+    config["layer_norm_eps"] = 1e-5
+    (folder / "config.json").write_text(json.dumps(config))
+    report = validate_model(out, ValidateConfig())
+    assert [c.passed for c in report.checks if c.name == "weights"] == [False]
+
+
+@pytest.mark.parametrize("name, task, kernel", [
+    ("bert", "feature-extraction", None), ("vit", "image-feature-extraction", "MultiHeadAttention"),
+    ("gemma3", "text-generation-with-past", None)])
+def test_encoders_vision_and_windowed_decoders(hf_folder, tmp_path, name, task, kernel):
+    out = tmp_path / f"{name}.onnx"
+    result = _export(hf_folder(name), out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["task"] == task and "not fused" not in report["fused"]
+    model = onnx.load(out)
+    assert _ops(model) & {"MultiHeadAttention", "GroupQueryAttention", "If"}
+    if kernel:
+        assert kernel in _ops(model)
+
+
+def test_float16_and_no_fuse(hf_folder, tmp_path):
+    out = tmp_path / "llama16.onnx"
+    result = _export(hf_folder("llama"), out, "--dtype", "float16", "--no-fuse")
+    assert result.exit_code == 0, result.output
+    model = onnx.load(out)
+    assert model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert not _ops(model) & {"GroupQueryAttention", "MultiHeadAttention"}
+
+
+def test_what_it_cannot_export_is_refused_with_the_reason(hf_folder, tmp_path):
+    result = _export(hf_folder("t5"), tmp_path / "t5.onnx")
+    assert result.exit_code == 2 and "encoder-decoder" in result.output
+    assert not (tmp_path / "t5.onnx").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = _export(empty, tmp_path / "x.onnx")
+    assert result.exit_code == 2 and "config.json" in result.output
+    clash = CliRunner().invoke(main, ["export", "--model", str(empty), "--preset", "base",
+                                      "-o", str(tmp_path / "y.onnx")])
+    assert clash.exit_code == 2 and "--model excludes --preset" in clash.output
