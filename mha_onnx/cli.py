@@ -13,6 +13,7 @@ import click
 
 from mha_onnx import __version__
 from mha_onnx.cli_options import int_list, progress_bar, thread_counts
+from mha_onnx.cli_tune import run_tune, tune_command, tune_options
 from mha_onnx.config import EP_CHOICES, form_help
 from mha_onnx.errors import EXIT_MISMATCH, MhaOnnxError
 
@@ -184,14 +185,19 @@ def inspect(model, as_json):
               help="Verify with these inputs (.npz, one array per input) instead of generated ones.")
 @click.option("--strict", is_flag=True,
               help="Exit 1 and write nothing when any attention block is left unfused.")
+@tune_options
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inputs_npz, strict,
-         force, as_json):
+         tune, tune_batch, tune_seq_lens, tune_threads, force, as_json):
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
     from mha_onnx.rewrite import fuse_file
     from mha_onnx.rewrite.lower_ort import Forms
+
+    if tune:
+        return _emit(run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force),
+                     as_json)
 
     report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
                        atol=atol, rtol=rtol, forms=Forms.parse(forms, ep), inputs=inputs_npz,
@@ -370,6 +376,9 @@ def report(profiles, output, plot_path, force, as_json):
     merged = merge_profiles(list(profiles))
     write_report(merged, output, plot_path, force=force)
     _emit(merged, as_json)
+
+
+main.add_command(tune_command)
 
 
 def run() -> None:  # pragma: no cover - console entry point

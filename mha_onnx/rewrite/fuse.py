@@ -256,7 +256,7 @@ def fuse_file(
     given = load_inputs(inputs, input_specs(original)) if inputs is not None else None
     level = _safe_level(preflight(source), "the original model") if verify_result else "all"
     fused, results, notes = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
-    _carry_metadata(original, fused, results, target, (forms or Forms()).ep)
+    carry_metadata(original, fused, results, target, (forms or Forms()).ep)
     notes += _unused_overrides(forms, results)
     left = [r for r in results if r.status == "left"]
     if strict and left:
@@ -316,7 +316,7 @@ def _refuse_mismatch(verification: Verification) -> None:
             hint="please report this model; --no-verify writes it anyway")
 
 
-def _carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,
+def carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,
                     results: list[BlockResult], target: str, ep: str = "cpu") -> None:
     """Keep the original's metadata (mha-onnx's config among it) and record the fusion (and
     the KV-cache interface fuse_model recorded)."""

@@ -1,0 +1,51 @@
+"""The CLI of tuning: `fuse --tune` options and the `tune` command (see mha_onnx.tune)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from mha_onnx.cli_options import int_list
+
+
+def tune_options(command):
+    """--tune and its grid, for `fuse`."""
+    for option in reversed([
+        click.option("--tune", is_flag=True,
+                     help="Time every form (and the original) on this machine over a batch x "
+                          "length grid and dispatch on the length to the fastest (ORT target)."),
+        click.option("--tune-batch", default="1,8,32", show_default=True,
+                     help="Batch sizes of the tuning grid."),
+        click.option("--tune-seq-lens", default="16,64,256,1024,4096", show_default=True,
+                     help="Lengths of the tuning grid."),
+        click.option("--tune-threads", type=int, default=None,
+                     help="Intra-op threads to tune for (the deployment's; default: ORT's)."),
+    ]):
+        command = option(command)
+    return command
+
+
+def run_tune(model: str, output: str, batches: str, seq_lens: str, threads: int | None,
+             force: bool):
+    from mha_onnx.tune import TuneConfig
+    from mha_onnx.tune_run import tune_model
+
+    cfg = TuneConfig(batches=int_list(batches, "--tune-batch"),
+                     seq_lens=int_list(seq_lens, "--tune-seq-lens"), threads=threads)
+    return tune_model(model, output, cfg, force=force,
+                      progress=lambda line: click.echo(f"[tune] {line}", err=True))
+
+
+@click.command("tune")
+@click.argument("model")
+@click.option("-o", "--output", required=True, help="Where to write the tuned model.")
+@tune_options
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def tune_command(model, output, tune, tune_batch, tune_seq_lens, tune_threads, force, as_json):
+    """Fuse MODEL with every form, time them (and MODEL itself) on this machine, and write a
+    model that runs the fastest for each length (`fuse --tune`; run it on the target)."""
+    del tune  # `tune` always tunes
+    report = run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.render())

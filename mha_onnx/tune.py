@@ -1,0 +1,202 @@
+"""``fuse --tune`` and ``mha-onnx tune``: forms chosen on the machine that runs them.
+
+The candidates are the original graph and the model fused with each kernel form of its mask
+kind (``Forms``). Each candidate is timed on this machine over a grid of batch x length,
+interleaved in one process with sleeping thread pools (the profile machinery), and for each
+length the candidate whose worst ratio to the original over the batches is lowest wins (the
+original is a candidate: where it wins, it runs). Lengths with the same winner form intervals;
+the boundaries lie at the geometric mean of the grid lengths on either side. The tuned model
+dispatches at run time on the length: ``If(L < b1)`` candidate 1, else ``If(L < b2)`` ...,
+each branch one candidate's graph (weights shared from the outer graph, so none is stored
+twice). The tuning table (machine, cores, ORT version, threads, times) is in the metadata,
+so ``mha-onnx tune`` can time the same branches again on another machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+ORIGINAL = "original"
+TUNING = "tuning"
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    batches: tuple[int, ...] = (1, 8, 32)
+    seq_lens: tuple[int, ...] = (16, 64, 256, 1024, 4096)
+    threads: int | None = None
+    min_time: float = 0.05
+    pad_fraction: float = 0.25
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Candidate ``name`` runs for lengths below ``below`` (None: all the rest)."""
+
+    below: int | None
+    name: str
+
+
+@dataclass
+class TuneResult:
+    rules: list[Rule]
+    table: dict[str, dict[str, float]]  # "batch x length" -> candidate -> p50 ms
+    dim: str
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"runs": self.describe(), "dim": self.dim,
+                "rules": [{"below": r.below, "candidate": r.name}
+                                           for r in self.rules],
+                "table_ms": self.table, "machine": self.machine}
+
+    def describe(self) -> str:
+        parts = []
+        for rule in self.rules:
+            parts.append(f"{self.dim} < {rule.below}: {rule.name}" if rule.below is not None
+                         else f"else: {rule.name}")
+        return "; ".join(parts)
+
+
+# -- choosing --------------------------------------------------------------------------------
+
+def choose(table: Mapping[tuple[int, int], Mapping[str, float]],
+           original: str = ORIGINAL) -> list[Rule]:
+    """Rules from timings: per length, the candidate with the lowest worst ratio to
+    ``original`` over the batches (ties to the original, then to the name); consecutive
+    lengths with one winner merged, the boundary at the geometric mean of the lengths on
+    either side of it."""
+    lengths = sorted({length for _, length in table})
+    winners = []
+    for length in lengths:
+        rows = [times for (_, n), times in table.items() if n == length and original in times]
+        names = sorted(set.intersection(*(set(r) for r in rows))) if rows else [original]
+
+        def worst(name: str, rows=rows) -> float:
+            return max(r[name] / r[original] for r in rows) if rows else 1.0
+
+        best = min(names, key=lambda n: (round(worst(n), 6), n != original, n))
+        winners.append(best)
+    rules: list[Rule] = []
+    for i, (length, name) in enumerate(zip(lengths, winners, strict=True)):
+        if i + 1 < len(lengths) and winners[i + 1] == name:
+            continue
+        below = (None if i + 1 == len(lengths)
+                 else int(round(math.sqrt(length * lengths[i + 1]))))
+        rules.append(Rule(below, name))
+    return rules
+
+
+# -- the dispatching model --------------------------------------------------------------------
+
+def _rename_graph(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
+    """Rename values in ``graph`` and in its subgraphs' references to them, in place."""
+    for node in graph.node:
+        node.input[:] = [mapping.get(n, n) for n in node.input]
+        node.output[:] = [mapping.get(n, n) for n in node.output]
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _rename_graph(attr.g, mapping)
+            for sub in attr.graphs:
+                _rename_graph(sub, mapping)
+    for value in list(graph.output) + list(graph.value_info):
+        value.name = mapping.get(value.name, value.name)
+
+
+def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
+            shared: dict[str, onnx.TensorProto]) -> onnx.GraphProto:
+    """One candidate as an If branch: its values prefixed (a subgraph may not redefine outer
+    names), its initializers moved to the outer graph (by name where the same tensor is
+    there already, else under the prefix)."""
+    graph = onnx.GraphProto()
+    graph.CopyFrom(candidate.graph)
+    mapping: dict[str, str] = {}
+    for init in graph.initializer:
+        kept = shared.get(init.name)
+        if kept is None or kept.raw_data != init.raw_data or kept.dims != init.dims \
+                or kept.data_type != init.data_type:
+            name = init.name if kept is None else f"{prefix}{init.name}"
+            mapping[init.name] = name
+            copy = onnx.TensorProto()
+            copy.CopyFrom(init)
+            copy.name = name
+            shared[name] = copy
+    for node in graph.node:
+        for out in node.output:
+            if out and out not in outer:
+                mapping[out] = f"{prefix}{out}"
+    _rename_graph(graph, mapping)
+    del graph.initializer[:]
+    del graph.input[:]
+    graph.name = prefix.rstrip("/")
+    return graph
+
+
+def dispatch(candidates: Mapping[str, onnx.ModelProto], rules: Sequence[Rule], dim: str
+             ) -> onnx.ModelProto:
+    """A model that runs, for its length ``dim``, the candidate of the first rule whose bound
+    the length is below (one rule: that candidate itself)."""
+    base = candidates[ORIGINAL]
+    if len(rules) == 1:
+        out = onnx.ModelProto()
+        out.CopyFrom(candidates[rules[0].name])
+        return out
+    where = next(((i.name, a) for i in base.graph.input
+                  for a, d in enumerate(i.type.tensor_type.shape.dim) if d.dim_param == dim), None)
+    if where is None:
+        raise ValueError(f"no input has the dim {dim!r}")
+    shared = {init.name: _plain(init) for init in base.graph.initializer}
+    outer = {i.name for i in base.graph.input}
+    branches = [_branch(candidates[r.name], f"tune/{n}.{r.name}/", outer, shared)
+                for n, r in enumerate(rules)]
+    nodes = [helper.make_node("Shape", [where[0]], ["tune/shape"], start=where[1],
+                              end=where[1] + 1),
+             helper.make_node("Squeeze", ["tune/shape"], ["tune/length"]),
+             *_select(list(rules), branches, list(base.graph.output), 0)]
+    graph = helper.make_graph(nodes, base.graph.name, list(base.graph.input),
+                              list(base.graph.output), list(shared.values()))
+    opsets: dict[str, int] = {}
+    for model in candidates.values():
+        for imp in model.opset_import:
+            opsets[imp.domain] = max(opsets.get(imp.domain, 0), imp.version)
+    out = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v)
+                                                  for d, v in opsets.items()],
+                            ir_version=max(m.ir_version for m in candidates.values()))
+    out.producer_name, out.producer_version = base.producer_name, base.producer_version
+    out.metadata_props.extend(base.metadata_props)
+    return out
+
+
+def _plain(init: onnx.TensorProto) -> onnx.TensorProto:
+    """An initializer with its data as raw bytes (so that equal tensors compare equal)."""
+    return numpy_helper.from_array(numpy_helper.to_array(init), init.name)
+
+
+def _select(rules: list[Rule], branches: list[onnx.GraphProto],
+            outputs: list[onnx.ValueInfoProto], depth: int) -> list[onnx.NodeProto]:
+    """Nodes computing ``outputs``: If(length < the first rule's bound) its branch, else the
+    rest of the rules (one more If inside the else branch while two or more are left)."""
+    bound, cond = f"tune/bound_{depth}", f"tune/below_{depth}"
+    if len(rules) == 2:
+        other = branches[1]
+    else:
+        names = []
+        for value in outputs:
+            copy = onnx.ValueInfoProto()
+            copy.CopyFrom(value)
+            copy.name = f"tune/d{depth}/{value.name}"
+            names.append(copy)
+        other = helper.make_graph(_select(rules[1:], branches[1:], names, depth + 1),
+                                  f"tune_else_{depth}", [], names)
+    return [helper.make_node("Constant", [], [bound],
+                             value=numpy_helper.from_array(np.array(rules[0].below, np.int64))),
+            helper.make_node("Less", ["tune/length", bound], [cond]),
+            helper.make_node("If", [cond], [o.name for o in outputs],
+                             then_branch=branches[0], else_branch=other)]

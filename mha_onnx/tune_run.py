@@ -1,0 +1,163 @@
+"""The tuning run: candidates fused and verified, timed on this machine, the dispatching model
+verified over every interval and written (see :mod:`mha_onnx.tune`)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import onnx
+
+from mha_onnx import metadata
+from mha_onnx.config import FORM_CHOICES
+from mha_onnx.errors import ConfigError, InputSpecError
+from mha_onnx.graphio import prepare_output, read_model, write_model
+from mha_onnx.inputs import case_for, input_specs, split_dims
+from mha_onnx.tune import ORIGINAL, TUNING, TuneConfig, TuneResult, choose, dispatch
+
+# A point is skipped when its attention scores alone would pass this many elements (a batch
+# of 32 at 4096 keys holds 32 * H * 4096^2 floats): what the grid cannot time here.
+MAX_SCORES = 2 ** 28
+
+
+def candidates(original: onnx.ModelProto
+               ) -> tuple[dict[str, onnx.ModelProto], list[str], list]:
+    """{name: model}: the original, the default fusion and one fusion per other form of
+    each mask kind the model's blocks have, each verified against the original (a form
+    that fails verification is left out, said in the notes)."""
+    from mha_onnx.rewrite import fuse_model
+    from mha_onnx.rewrite.lower_ort import Forms
+    from mha_onnx.rewrite.verify import verification_cases, verify
+
+    fused, results, _ = fuse_model(original)
+    kinds = sorted({r.mask for r in results if r.status == "fused"} & set(FORM_CHOICES))
+    out, notes = {ORIGINAL: original, "fused": fused}, []
+    default = Forms()
+    for kind in kinds:
+        for form in FORM_CHOICES[kind]:
+            if kind == "kv_cache" or form == getattr(default, kind):
+                continue
+            model, res, _ = fuse_model(original, forms=Forms.parse([f"{kind}={form}"]))
+            out[f"{kind}={form}"] = model
+    for name in [n for n in out if n != ORIGINAL]:
+        check = verify(original, out[name], cases=verification_cases(original, results))
+        if not check.passed:
+            notes.append(f"candidate {name} left out: {check.first_failure()}")
+            del out[name]
+    return out, notes, results
+
+
+def _dim(model: onnx.ModelProto) -> str:
+    specs = input_specs(model)
+    if any(len(s.dims) == 4 and s.name.startswith("past") for s in specs):
+        raise InputSpecError("--tune: KV-cache models are not tuned yet",
+                             hint="fuse it without --tune")
+    lengths = split_dims(specs)[1]
+    if not lengths:
+        raise InputSpecError("--tune needs a model with a dynamic length to dispatch on")
+    return lengths[-1]
+
+
+def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
+          progress: Callable[[str], None]) -> dict[tuple[int, int], dict[str, float]]:
+    """p50 ms per (batch, length) per candidate, interleaved in one child process a point."""
+    import numpy as np
+
+    from mha_onnx.profile.worker import PointSpec, in_child
+
+    table: dict[tuple[int, int], dict[str, float]] = {}
+    order = list(paths)
+    for batch in cfg.batches:
+        for length in cfg.seq_lens:
+            if batch * heads * length * length > MAX_SCORES:
+                progress(f"batch {batch} x {length}: skipped (too large to time here)")
+                continue
+            spec = PointSpec(models=tuple(paths[n] for n in order), batch=batch,
+                             seq_len=length, threads=cfg.threads, warmup=2, iters=3,
+                             min_time=cfg.min_time, pad_fraction=cfg.pad_fraction)
+            raw = in_child({"point": asdict(spec)})
+            if "error" in raw:
+                raise InputSpecError(f"timing batch {batch} x {length} failed: {raw['error']}")
+            times = {n: float(np.median(raw["models"][paths[n]]["times"])) * 1e3 for n in order
+                     if "times" in raw["models"].get(paths[n], {})}
+            table[(batch, length)] = times
+            best = min(times, key=times.get)
+            progress(f"batch {batch} x {length}: {best} {times[best]:.3g} ms "
+                     f"(original {times[ORIGINAL]:.3g} ms)")
+    return table
+
+
+def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force: bool = False,
+               progress: Callable[[str], None] = lambda _: None) -> TuneReport:
+    """Fuse every candidate, time them here, write the dispatching model (verified)."""
+    from mha_onnx.profile.roofline import machine_info
+    from mha_onnx.rewrite.fuse import carry_metadata
+    from mha_onnx.rewrite.verify import verify
+
+    started = time.perf_counter()
+    output = prepare_output(output, force=force)
+    original = read_model(source)
+    done = [k for k in ("tuning", "fusion") if k in metadata.read(original)]
+    if done:
+        raise ConfigError(f"{source} is already {'tuned' if 'tuning' in done else 'fused'}",
+                          hint="tune the original (unfused) model: the forms are chosen among "
+                               "fusions of it, and fusing is quick")
+    dim = _dim(original)
+    progress("fusing and verifying the candidates")
+    models, notes, results = candidates(original)
+    if len(models) == 1:
+        raise ConfigError("--tune: no attention block was fused, nothing to choose")
+    heads = max([int(r.details.get("heads", 1)) for r in results] + [1])
+    with tempfile.TemporaryDirectory(prefix="mha_onnx_tune_") as tmp:
+        paths = {}
+        for n, (name, model) in enumerate(models.items()):
+            paths[name] = str(Path(tmp) / f"c{n}.onnx")
+            onnx.save(model, paths[name])
+        table = _time(paths, cfg, heads, progress)
+    if not table:
+        raise ConfigError("--tune: every point of the grid was skipped",
+                          hint="smaller --tune-batch / --tune-seq-lens")
+    rules = choose(table)
+    result = TuneResult(rules, {f"{b}x{n}": t for (b, n), t in table.items()}, dim,
+                        {**machine_info(), "threads": cfg.threads})
+    tuned = dispatch(models, rules, dim)
+    labelled = [replace(r, form=f"tuned: {result.describe()}") if r.status == "fused" else r
+                for r in results]
+    carry_metadata(original, tuned, labelled, "ort", "cpu")  # the original's, and the fusion
+    metadata.write(tuned, {TUNING: result.to_dict()})
+    specs = input_specs(original)
+    lengths = sorted({n for _, n in table})
+    check = verify(original, tuned, cases=[case_for(specs, f"tuned, {dim} {n}", 2, [n], "some")
+                                           for n in lengths if n <= 1024])
+    if not check.passed:
+        raise ConfigError(f"the tuned model differs from the original: {check.first_failure()}",
+                          hint="nothing was written; please report this model")
+    write_model(tuned, output, force=force)
+    return TuneReport(str(output), result, tuple(notes), time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class TuneReport:
+    output: str
+    result: TuneResult
+    notes: tuple[str, ...]
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {"output": self.output, "rules": self.result.describe(),
+                "tuning": self.result.to_dict(), "notes": list(self.notes),
+                "seconds": round(self.seconds, 1)}
+
+    def render(self) -> str:
+        lines = [f"tuned {self.output} on this machine ({self.seconds:.0f} s)",
+                 f"  runs: {self.result.describe()}"]
+        for key, times in self.result.table.items():
+            best = min(times, key=times.get)
+            lines.append(f"  batch x length {key}: {best} {times[best]:.3g} ms, original "
+                         f"{times[ORIGINAL]:.3g} ms ({times[best] / times[ORIGINAL]:.2f}x)")
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  wrote {self.output}")
+        return "\n".join(lines)

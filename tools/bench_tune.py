@@ -1,0 +1,84 @@
+"""`fuse --tune` against the untuned fusion and the original, on this machine.
+
+    .venv/bin/python -m tools.bench_tune OUT_DIR [--threads 2] [--batches 1,8,32]
+        [--seq-lens 16,32,64,128,512,2048] [--models causal,key-padding,none,bert]
+
+For each model (the base preset's causal, key-padding and no-mask exports, and a BERT-style
+Hugging Face encoder with a padding mask): tune it over the grid, then time the original,
+the default fusion and the tuned model interleaved in one process (`mha-onnx profile`,
+25 % of keys padded) and print each point's ratios to the original.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _models(folder: Path, names: list[str]) -> dict[str, Path]:
+    import onnx
+
+    from mha_onnx.config import load_preset
+    from mha_onnx.export import export_model
+
+    out = {}
+    for name in names:
+        path = folder / f"{name}.onnx"
+        if not path.exists():
+            if name == "bert":
+                from tools.zoo import hf
+
+                onnx.save(hf("bert", "eager"), path)
+            else:
+                export_model(load_preset("base").replace(mask=name), path, force=True)
+        out[name] = path
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mha_onnx.profile import ProfileConfig, profile_models
+    from mha_onnx.rewrite import fuse_file
+    from mha_onnx.tune import TuneConfig
+    from mha_onnx.tune_run import tune_model
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--seq-lens", default="16,32,64,128,512,2048")
+    parser.add_argument("--models", default="causal,key-padding,none,bert")
+    args = parser.parse_args(argv)
+    args.folder.mkdir(parents=True, exist_ok=True)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    lengths = tuple(int(n) for n in args.seq_lens.split(","))
+    rows = []
+    for name, path in _models(args.folder, args.models.split(",")).items():
+        fused, tuned = path.with_suffix(".fused.onnx"), path.with_suffix(".tuned.onnx")
+        fuse_file(path, fused, force=True)
+        report = tune_model(path, tuned, TuneConfig(batches=batches, seq_lens=lengths,
+                                                    threads=args.threads), force=True,
+                            progress=lambda line: print("  [tune]", line, file=sys.stderr))
+        print(f"{name}: tuned in {report.seconds:.0f} s: {report.result.describe()}", flush=True)
+        prof = profile_models([path, fused, tuned], ProfileConfig(
+            batches=batches, seq_lens=lengths, threads=(args.threads,), interleave=True,
+            pad_fraction=0.25, memory_check=False, op_breakdown=False, min_time=0.3))
+        times = {(p.model, p.batch, p.seq_len): p.p50_ms for p in prof.points}
+        for b in batches:
+            for n in lengths:
+                base = times.get((str(path), b, n))
+                if not base:
+                    continue
+                rows.append({"model": name, "batch": b, "length": n, "original_ms": base,
+                             "fused": times[(str(fused), b, n)] / base,
+                             "tuned": times[(str(tuned), b, n)] / base,
+                             "rules": report.result.describe()})
+                print(f"| {name} | {b} | {n} | {base:.3g} | {rows[-1]['fused']:.2f}x | "
+                      f"{rows[-1]['tuned']:.2f}x |", flush=True)
+    (args.folder / "bench_tune.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
