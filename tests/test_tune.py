@@ -35,6 +35,13 @@ def test_the_original_wins_where_nothing_beats_it_and_ties_go_to_it():
     assert choose({(1, 16): {ORIGINAL: 1.0, "a": 0.5}}) == [Rule(None, "a")]
 
 
+def test_noise_sized_gains_keep_the_original_and_the_default_fusion_is_preferred():
+    table = {(1, 16): {ORIGINAL: 1.0, "fused": 0.99, "a": 0.98},   # 2 %: noise, keep original
+             (1, 64): {ORIGINAL: 1.0, "fused": 0.90, "a": 0.88},   # a within 3 % of fused
+             (1, 256): {ORIGINAL: 1.0, "fused": 0.80, "a": 0.60}}  # a clearly ahead
+    assert choose(table) == [Rule(32, ORIGINAL), Rule(128, "fused"), Rule(None, "a")]
+
+
 def _scaled(factor: float) -> onnx.ModelProto:
     """y = x * w (w shared by name across candidates), then * factor."""
     w = helper.make_tensor("w", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0])
