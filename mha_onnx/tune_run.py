@@ -62,13 +62,15 @@ def _dim(model: onnx.ModelProto) -> str:
 
 
 def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
-          progress: Callable[[str], None]) -> dict[tuple[int, int], dict[str, float]]:
-    """p50 ms per (batch, length) per candidate, interleaved in one child process a point."""
+          progress: Callable[[str], None]):
+    """(p50 ms, median paired ratio to the original) per (batch, length) per candidate,
+    interleaved in one child process a point."""
     import numpy as np
 
     from mha_onnx.profile.worker import PointSpec, in_child
 
     table: dict[tuple[int, int], dict[str, float]] = {}
+    ratios: dict[tuple[int, int], dict[str, float]] = {}
     order = list(paths)
     for batch in cfg.batches:
         for length in cfg.seq_lens:
@@ -85,13 +87,20 @@ def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
                 progress(f"batch {batch} x {length}: skipped, the original does not run "
                          f"there ({why[:160]})")
                 continue
-            times = {n: float(np.median(mine[paths[n]]["times"])) * 1e3 for n in order
-                     if "times" in mine.get(paths[n], {})}
+            runs = {n: np.array(mine[paths[n]]["times"]) for n in order
+                    if "times" in mine.get(paths[n], {})}
+            times = {n: float(np.median(t)) * 1e3 for n, t in runs.items()}
             table[(batch, length)] = times
+            # the runs interleave, one of each candidate in turn: the median of the paired
+            # ratios to the original is what the choice reads (steadier than a ratio of
+            # medians on a shared machine)
+            ratios[(batch, length)] = {n: float(np.median(t[:len(runs[ORIGINAL])] /
+                                                          runs[ORIGINAL][:len(t)]))
+                                       for n, t in runs.items()}
             best = min(times, key=times.get)
             progress(f"batch {batch} x {length}: {best} {times[best]:.3g} ms "
                      f"(original {times[ORIGINAL]:.3g} ms)")
-    return table
+    return table, ratios
 
 
 def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force: bool = False,
@@ -120,11 +129,11 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
         for n, (name, model) in enumerate(models.items()):
             paths[name] = str(Path(tmp) / f"c{n}.onnx")
             onnx.save(model, paths[name])
-        table = _time(paths, cfg, heads, progress)
+        table, ratios = _time(paths, cfg, heads, progress)
     if not table:
         raise ConfigError("--tune: every point of the grid was skipped",
                           hint="smaller --tune-batch / --tune-seq-lens")
-    rules = choose(table)
+    rules = choose(ratios)
     result = TuneResult(rules, {f"{b}x{n}": t for (b, n), t in table.items()}, dim,
                         {**machine_info(), "threads": cfg.threads})
     tuned = dispatch(models, rules, dim)
