@@ -192,9 +192,13 @@ def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inpu
          tune, tune_batch, tune_seq_lens, tune_threads, force, as_json):
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
+    from mha_onnx.errors import ConfigError
     from mha_onnx.rewrite import fuse_file
     from mha_onnx.rewrite.lower_ort import Forms
 
+    if tune and (target != "ort" or ep != "cpu" or forms or kv_cache != "appended"):
+        raise ConfigError("--tune chooses the forms itself, on this machine's CPU",
+                          hint="drop --target/--ep/--form/--kv-cache, or drop --tune")
     if tune:
         return _emit(run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force),
                      as_json)

@@ -76,11 +76,16 @@ def load_module(folder: str | Path, task: str, dtype: str = "float32") -> Any:
     if task not in classes:
         raise ConfigError(f"task {task} is not exported yet",
                           hint=f"tasks: {', '.join(classes)}")
-    try:
-        model = classes[task].from_pretrained(folder, local_files_only=True,
-                                              attn_implementation="sdpa")
-    except (ValueError, OSError) as exc:
-        raise ModelFileError(f"transformers cannot load {folder} for {task}: {exc}") from None
+    model = None
+    for attn in ("sdpa", None):  # SDPA where the architecture has it, else its default
+        try:
+            extra = {"attn_implementation": attn} if attn else {}
+            model = classes[task].from_pretrained(folder, local_files_only=True, **extra)
+            break
+        except (ValueError, OSError) as exc:
+            if attn is None:
+                raise ModelFileError(f"transformers cannot load {folder} for {task}: "
+                                     f"{exc}") from None
     model = model.eval()
     return model.to(torch.float16) if dtype == "float16" else model.float()
 

@@ -94,3 +94,14 @@ def test_bad_grids_are_refused(tmp_path, extra):
     onnx.save(_scaled(1.0), path)
     result = CliRunner().invoke(main, ["tune", str(path), "-o", str(tmp_path / "o.onnx"), *extra])
     assert result.exit_code == 2, result.output
+
+
+@pytest.mark.parametrize("extra", [["--target", "onnx"], ["--ep", "cuda"],
+                                   ["--form", "causal=bias"], ["--kv-cache", "shared"]])
+def test_tune_refuses_options_it_would_ignore(tmp_path, extra):
+    path = tmp_path / "m.onnx"
+    onnx.save(_scaled(1.0), path)
+    result = CliRunner().invoke(main, ["fuse", str(path), "-o", str(tmp_path / "o.onnx"),
+                                       "--tune", *extra])
+    assert result.exit_code == 2 and "--tune chooses the forms itself" in result.output
+    assert not (tmp_path / "o.onnx").exists()
