@@ -143,6 +143,8 @@ class HfReference:
         self.digest_ok = fingerprint(folder) == record.get("files")
         self.task = record["task"]
         self.model = load_module(folder, self.task, "float32")
+        self.decoder = (DecoderWithPast(self.model).module
+                        if self.task == "text-generation-with-past" else None)
         self.label = label
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -155,11 +157,10 @@ class HfReference:
                     pixel_values=t["pixel_values"].float()).last_hidden_state)}
             if self.task == "feature-extraction":
                 return {"last_hidden_state": _np(self.model(**t).last_hidden_state)}
-            wrapped = DecoderWithPast(self.model).module
             pasts = [t[f"past_key_values.{n}.{kind}"].float()
                      for n in range(int(self.model.config.num_hidden_layers))
                      for kind in ("key", "value")]
-            outs = wrapped(t["input_ids"], t["attention_mask"], t["position_ids"], *pasts)
+            outs = self.decoder(t["input_ids"], t["attention_mask"], t["position_ids"], *pasts)
         names = ["logits"] + [f"present.{n}.{kind}" for n in range(len(pasts) // 2)
                               for kind in ("key", "value")]
         return {name: _np(value) for name, value in zip(names, outs, strict=True)}

@@ -210,6 +210,7 @@ def measure(spec: PointSpec) -> dict[str, Any]:
     model also the peak memory of the runs and, if asked, the time per op."""
     device0 = device_used() if spec.provider in ("cuda", "tensorrt") else None
     from mha_onnx.errors import ProviderError
+    from mha_onnx.runtime_openvino import is_openvino
 
     runners, runs, sessions, first = [], [], {}, None
     refused: dict[str, dict[str, str]] = {}
@@ -243,7 +244,7 @@ def measure(spec: PointSpec) -> dict[str, Any]:
     if len(spec.models) == 1:
         out.update(peak_rss=peak, run_rss=max(0, peak - rss_before),
                    device_bytes=None if device0 is None or device is None else max(0, device - device0))
-        if (spec.op_breakdown or spec.trace_dir) and not spec.provider.startswith("openvino"):
+        if (spec.op_breakdown or spec.trace_dir) and not is_openvino(spec.provider):
             out.update(_op_times(spec))
     return out
 
