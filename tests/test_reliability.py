@@ -209,3 +209,22 @@ def test_lengths_the_model_refuses_are_left_unchecked_and_said(zoo, tmp_path):
         "past a form threshold (128)", "past a form threshold (1025)"]
     assert all("the original does not run there" in why for why in skipped)
     assert report["verification"]["passed"]
+
+
+def test_an_original_ort_refuses_is_the_inputs_fault_not_fuses():
+    """A float16 TorchScript export that mixes float32 and float16 inputs of one op does not
+    load in ORT; its fused graph keeps that op, so verify says the original is what is
+    broken (exit 2), not that fuse wrote an invalid graph (seen on Starcoder2 in float16)."""
+    from onnx import TensorProto, helper
+
+    from mha_onnx.errors import ModelFileError
+    from mha_onnx.rewrite.verify import verify
+
+    graph = helper.make_graph(
+        [helper.make_node("LayerNormalization", ["x", "scale"], ["y"], axis=-1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", 4])],
+        [helper.make_tensor("scale", TensorProto.FLOAT, [4], [1.0] * 4)])
+    broken = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(ModelFileError, match="refuses the original model"):
+        verify(broken, broken)

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.cache import SharedCache, cache_pairs, is_shared
-from mha_onnx.errors import FusionError, MhaOnnxError, VerifyError
+from mha_onnx.errors import FusionError, MhaOnnxError, ModelFileError, VerifyError
 from mha_onnx.inputs import (
     ShapeCase,
     case_for,
@@ -80,10 +80,7 @@ def verify(
     model with a shared KV cache runs on its own buffers behind the original's (appended)
     interface."""
     specs = input_specs(original)
-    if given is not None:
-        runs = [(case_of_feeds(specs, dict(given), "given inputs"), dict(given))]
-    else:
-        runs = list(iter_feeds(specs, list(cases) if cases is not None else default_cases(specs)))
+    runs = _runs(specs, cases, given)
     results, skipped = [], []
     before = _Original(original, threads, levels[0])
     runner = OrtRunner(fused.SerializeToString(), "cpu", threads=threads,
@@ -91,6 +88,15 @@ def verify(
     try:
         runner.session  # noqa: B018 - a fused graph ORT refuses to load is fuse's bug
     except MhaOnnxError as exc:
+        if before.runner is not None:
+            try:  # unless ORT refuses the original too: then the input is what is broken
+                before.runner.session  # noqa: B018
+            except MhaOnnxError as original:
+                raise ModelFileError(
+                    f"onnxruntime refuses the original model, so the fused one (which keeps "
+                    f"its other nodes) cannot load either: {original}",
+                    hint="re-export it (a float16 TorchScript export may mix float32 and "
+                         "float16 inputs of one op); nothing was written") from exc
         raise _fuse_bug("does not load in ORT", exc) from exc
     with runner:
         after = SharedCache(runner, specs, cache_pairs(fused)) if is_shared(fused) else runner
@@ -110,6 +116,14 @@ def verify(
                 stats = compare(got[name], expected, atol=atol, rtol=rtol)
                 results.append(CaseResult(case.describe(), name, stats))
     return Verification(tuple(results), before.label, tuple(skipped))
+
+
+def _runs(specs, cases: Sequence[ShapeCase] | None, given: Mapping[str, np.ndarray] | None):
+    """(case, feeds) to verify with: the ``given`` inputs, else generated ``cases`` (default:
+    the default cases of ``specs``)."""
+    if given is not None:
+        return [(case_of_feeds(specs, dict(given), "given inputs"), dict(given))]
+    return list(iter_feeds(specs, list(cases) if cases is not None else default_cases(specs)))
 
 
 class _Original:
@@ -198,11 +212,7 @@ def verify_on_openvino(original: onnx.ModelProto, fused: onnx.ModelProto, on_ort
     then a batch of two, docs/bench.md), which `validate --providers openvino` shows as it is."""
     from mha_onnx.runtime_openvino import OpenVinoRunner
 
-    specs = input_specs(original)
-    if given is not None:
-        runs = [(case_of_feeds(specs, dict(given), "given inputs"), dict(given))]
-    else:
-        runs = list(iter_feeds(specs, list(cases) if cases is not None else default_cases(specs)))
+    runs = _runs(input_specs(original), cases, given)
     before = _Original(original, None, "all")
     results = list(on_ort.results)
     for case, feeds in runs:
