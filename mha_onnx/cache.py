@@ -94,14 +94,59 @@ def new_tokens(specs: Sequence[InputSpec], pairs: Mapping[str, str],
     raise ValueError("no input carries the new tokens")
 
 
+def row_layout(model: onnx.ModelProto) -> dict | None:
+    """A shared-buffer model whose buffer rows hold each row's kept keys first (per-row
+    lengths, lower_rows): {"input": the padding mask, "zero_is_padded": its polarity}."""
+    from mha_onnx import metadata
+
+    recorded = metadata.loaded(model, "kv_cache") or {}
+    rows = recorded.get("rows")
+    return dict(rows) if isinstance(rows, dict) else None
+
+
+def kept_keys(feeds: Mapping[str, np.ndarray], rows: Mapping[str, Any]) -> np.ndarray:
+    """bool [B, T]: the keys the padding input keeps."""
+    mask = np.asarray(feeds[rows["input"]])
+    zero = mask == 0
+    return ~zero if rows["zero_is_padded"] else zero
+
+
+def kept_first(past: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """[B, G, P, D] with each row's kept positions first, then its padded ones (in order):
+    how a buffer with per-row lengths holds a cache."""
+    order = np.argsort(~keep, axis=1, kind="stable")  # [B, P]
+    return np.take_along_axis(past, order[:, None, :, None], axis=2)
+
+
+def logical_present(buffer: np.ndarray, past: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """A per-row buffer after a step, as the appended interface's present [B, G, T, D]:
+    cached kept positions from the buffer, cached padded ones as the past had them (the
+    appended graph passes the past through), new positions from where the step wrote them
+    (after the row's kept ones, kept-first)."""
+    cached = past.shape[2]
+    out = np.empty((*buffer.shape[:2], keep.shape[1], *buffer.shape[3:]), buffer.dtype)
+    for b in range(keep.shape[0]):
+        old, new, row = keep[b, :cached], keep[b, cached:], out[b]
+        row[:, :cached][:, old] = buffer[b][:, :old.sum()]
+        row[:, :cached][:, ~old] = past[b][:, ~old]
+        placed = np.argsort(~new, kind="stable")  # the new positions in written order
+        row[:, cached + placed] = buffer[b][:, old.sum() + np.arange(new.size)]
+    return out
+
+
 def to_shared(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec],
-              pairs: Mapping[str, str], headroom: int = 3) -> dict[str, np.ndarray]:
+              pairs: Mapping[str, str], headroom: int = 3,
+              rows: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
     """Appended-interface feeds (``specs``: :func:`appended_specs`) as a shared-buffer model
     takes them: each past in a buffer ``headroom`` positions longer than the run needs (NaN
-    after the past) and the cached length as ``past_sequence_length``."""
+    after the past; ``rows``: each row's kept positions first) and the cached length as
+    ``past_sequence_length``."""
     pasts = {name: feeds[name] for name in pairs}
     past_len = next(iter(pasts.values())).shape[2]
     capacity = past_len + new_tokens(specs, pairs, feeds) + headroom
+    if rows is not None:
+        keep = kept_keys(feeds, rows)[:, :past_len]
+        pasts = {name: kept_first(past, keep) for name, past in pasts.items()}
     out = {k: v for k, v in feeds.items() if k not in pasts}
     out[LENGTH_INPUT] = np.array(past_len, np.int64)
     out.update({name: _buffer(past, capacity) for name, past in pasts.items()})
@@ -159,8 +204,10 @@ class SharedCache:
     the run's total) positions from the given pasts."""
 
     def __init__(self, runner: Any, specs: Sequence[InputSpec], pairs: Mapping[str, str],
-                 max_length: int = 0, headroom: int = 3) -> None:
+                 max_length: int = 0, headroom: int = 3,
+                 rows: Mapping[str, Any] | None = None) -> None:
         self.runner, self.specs, self.pairs = runner, list(specs), dict(pairs)
+        self.rows = rows  # per-row lengths: buffers hold each row's kept keys first
         self.max_length, self.headroom = max_length, headroom
         self.device = device_of(runner.provider)
         self.io_binding = True
@@ -181,9 +228,12 @@ class SharedCache:
         continuing = self._buffers and all(pasts[n] is self._returned.get(self.pairs[n])
                                            for n in pasts) \
             and next(iter(self._buffers.values())).shape()[2] >= total
+        keep = kept_keys(feeds, self.rows) if self.rows is not None else None
         if not continuing:
             capacity = max(self.max_length, total + self.headroom)
-            self._buffers = shared_buffers(pasts, capacity, self.device)
+            start = pasts if keep is None else {
+                name: kept_first(past, keep[:, :past_len]) for name, past in pasts.items()}
+            self._buffers = shared_buffers(start, capacity, self.device)
         step = {k: v for k, v in feeds.items() if k not in pasts}
         step[LENGTH_INPUT] = np.array(past_len, np.int64)
         binding, run = bound_step(self.runner.session, {**step, **pasts}, self._buffers,
@@ -199,7 +249,10 @@ class SharedCache:
         names = [o.name for o in self.runner.session.get_outputs()]
         values = dict(zip(names, binding.copy_outputs_to_cpu(), strict=True))
         presents = set(self.pairs.values())
-        out = {name: values[name][:, :, :total].copy() if name in presents else values[name]
+        past_of = {present: past for past, present in self.pairs.items()}
+        out = {name: values[name] if name not in presents
+               else values[name][:, :, :total].copy() if keep is None
+               else logical_present(values[name], pasts[past_of[name]], keep)
                for name in names}
         self._returned = {q: out[q] for q in self.pairs.values()}
         return out

@@ -52,7 +52,8 @@ class InputSpec:
 @dataclass(frozen=True)
 class ShapeCase:
     """Values for the symbolic dims and the padding to use in mask inputs: "none", "some"
-    (every row keeps >= 1 key; right padding, holes, all but one), "full" (the last batch
+    (every row keeps >= 1 key; right padding, holes, all but one), "left" (row b's first
+    (b % 4) quarters padded, >= 1 key kept), "full" (the last batch
     entry fully padded), "tail" (the last ``pad_fraction`` of keys of every row).
     ``optional``: sizes the model itself may refuse (past a length threshold, where a position
     table may end): skipped, and said so, when the original cannot run them."""
@@ -225,6 +226,10 @@ def padding_pattern(batch: int, length: int, case: ShapeCase, rng: np.random.Gen
         padded[:, length - int(round(length * case.pad_fraction)):] = True
         return padded
     if case.padding == "none":
+        return padded
+    if case.padding == "left":  # a batched prompt as generation pads it: row b loses b/4
+        for b in range(batch):
+            padded[b, :min(length - 1, (b % 4) * length // 4)] = True
         return padded
     for b in range(batch):
         kind = b % 3

@@ -163,15 +163,20 @@ def test_shared_cache_is_a_max_length_buffer_with_a_length_input(export_cache, t
                                                                   padding):
     """The pasts become buffers of max_sequence_length positions, the cached length a new
     input; verified against the appended original at every case (a prompt, one new token,
-    new tokens after a past with a batch, padded keys: the general branch)."""
+    new tokens after a past with a batch, padded keys: the general branch). With a padding
+    mask input the buffers hold per-row lengths (its padded rows stay on GQA), verified on
+    left-padded prompts and steps too."""
     src = export_cache(CFG.replace(cache_padding=padding))
     out, report = _shared(tmp_path, src)
     (block,) = report["blocks"]
     assert "GroupQueryAttention on a shared cache buffer" in block["form"]
-    assert ("no key padded" in block["form"]) == padding
+    assert ("per-row lengths" in block["form"]) == padding
     assert report["verification"]["passed"]
     cases = {r["case"] for r in report["verification"]["results"]}
-    for label in ("no past (prompt)", "one new token (decode)", "odd"):  # odd: S > 1 after a past
+    labels = ["no past (prompt)", "one new token (decode)", "odd"]  # odd: S > 1 after a past
+    labels += ["no past (prompt), left-padded rows",
+               "one new token (decode), left-padded rows"] if padding else []
+    for label in labels:
         assert any(c.startswith(label) for c in cases), (label, cases)
     model = onnx.load(out)
     dims = _dims(model)
@@ -181,7 +186,8 @@ def test_shared_cache_is_a_max_length_buffer_with_a_length_input(export_cache, t
                             if any(o in ("present_key", "present_value") for o in n.output)}
     recorded = json.loads(next(p.value for p in model.metadata_props
                                if p.key == "mha_onnx.kv_cache"))
-    assert recorded == {"form": "shared", "past_dim": "past_seq",
+    rows = {"rows": {"input": "key_padding_mask", "zero_is_padded": False}} if padding else {}
+    assert recorded == {"form": "shared", "past_dim": "past_seq", **rows,
                         "pairs": {"past_key": "present_key", "past_value": "present_value"}}
 
 

@@ -49,6 +49,9 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
     if path in DECODERS and path.parent.name != "bloom":
         assert all(m.startswith("causal (bottom-right) + key padding") for m in meanings), meanings
         assert all("If(one new token" in f for f in forms), forms
+        # a step on the kernel's own past (MHA, or GQA for grouped K/V), never the cache
+        # repeated and re-read: GPT-2's and Falcon's K^T and shape-computed scales included
+        assert all("with past (presents from it)" in f for f in forms), forms
     if path.parent.name in ("bert", "roberta", "distilbert", "electra"):
         assert all(m == "key padding" for m in meanings), meanings
     if path.name == "decoder_model_merged.onnx":  # both branches fused, both verified
@@ -56,6 +59,19 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
         cases = {r.case for r in report.verification.results}
         assert any("use_cache_branch=True" in c for c in cases)
         assert any("use_cache_branch=False" in c for c in cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in DECODERS if p.parent.name != "bloom"], ids=_id)
+def test_optimum_decoders_share_their_cache_with_per_row_lengths(path, tmp_path):
+    """--kv-cache shared on every Optimum decoder but BLOOM (whose cache is [B*H, D, T]):
+    per-row lengths read from attention_mask, verified on left-padded prompts and steps."""
+    report = fuse_file(path, tmp_path / "shared.onnx", kv_cache="shared")
+    assert report.verification is not None and report.verification.passed
+    assert all("(per-row lengths)" in b.form for b in report.blocks), report.render()
+    cases = {r.case for r in report.verification.results}
+    assert any("one new token (decode), left-padded rows" in c for c in cases), cases
+    assert any("no past (prompt), left-padded rows" in c for c in cases), cases
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ folder:
     .venv-optimum/bin/python -m tools.bench_optimum make DIR   # HF folder + Optimum export
     .venv-genai/bin/python -m tools.bench_optimum genai DIR    # ORT GenAI's builder
     .venv/bin/python -m tools.bench_optimum run DIR [--threads 2] [--prompt 1024]
-        [--context 4096] [--batch 1] [--min-time 1] [--op-shares]
+        [--context 4096] [--batch 1] [--left-pad 0.5] [--min-time 1] [--op-shares]
 
 The model: Llama, hidden 1024, 16 query / 4 K/V heads (head 64), 2 layers, fp32, random
 weights (seed 0), a vocabulary of 512 (a BPE trained on a few sentences: GenAI's builder
@@ -19,7 +19,10 @@ then times each graph in turn in one process (sleeping thread pools, ``--threads
 
 - prompt: ``--prompt`` tokens, empty cache;
 - decode: one token after ``--context`` cached positions (GenAI's graph and the shared form
-  with their cache buffers bound as past and present, the others with an appended cache).
+  with their cache buffers bound as past and present, the others with an appended cache);
+- ``--left-pad F``: row b's first F*b/batch positions padded (attention_mask 0, position_ids
+  counted over kept positions; GenAI's and the shared buffers hold each row's kept keys
+  first, its per-row lengths), logits compared where the mask keeps.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--min-time", type=float, default=1.0)
+    parser.add_argument("--left-pad", type=float, default=0.0,
+                        help="row b's first left_pad*b/batch of positions padded (0: none)")
     parser.add_argument("--op-shares", action="store_true",
                         help="instead of timing: each graph's prompt kernel time by op type")
     args = parser.parse_args(argv)

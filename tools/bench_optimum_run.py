@@ -48,20 +48,38 @@ def _graphs(folder: Path) -> dict[str, Path]:
     return out
 
 
+def left_padding(batch: int, total: int, fraction: float) -> np.ndarray:
+    """int64 [batch, total] attention_mask: row b's first ``fraction * b / batch`` of the
+    positions padded (row 0 none), as a generation loop left-pads a batch of prompts."""
+    mask = np.ones((batch, total), np.int64)
+    for b in range(batch):
+        mask[b, :int(fraction * total * b / batch)] = 0
+    return mask
+
+
 def _feeds(kind: str, names: list[str], batch: int, new: int, past: int,
-           rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+           rng: np.random.Generator, left_pad: float = 0.0
+           ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(plain inputs, cache buffers) for one step of ``new`` tokens after ``past`` cached
-    positions; every row unpadded. kinds: appended | shared (ours) | genai."""
+    positions, rows left-padded by up to ``left_pad`` of their length. kinds: appended |
+    shared (ours) | genai; the last two hold each row's kept positions first (per-row
+    lengths, seqlens_k = kept - 1), the appended cache holds them where the mask has them."""
+    from mha_onnx.cache import kept_first
+
     total = past + new
+    mask = left_padding(batch, total, left_pad)
     feeds = {"input_ids": rng.integers(3, 500, (batch, new)).astype(np.int64),
-             "attention_mask": np.ones((batch, total), np.int64)}
-    if "position_ids" in names:
-        feeds["position_ids"] = np.broadcast_to(np.arange(past, total), (batch, new)).copy()
+             "attention_mask": mask}
+    if "position_ids" in names:  # as Hugging Face counts them: kept positions before
+        feeds["position_ids"] = np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, past:]
     pasts = {}
     length = past if kind == "appended" else total + HEADROOM
     for name in sorted(n for n in names if n.startswith("past_key_values")):  # same per name
+        logical = (rng.standard_normal((batch, KV, past, D)) * 0.5).astype(np.float32)
+        if kind != "appended":
+            logical = kept_first(logical, mask[:, :past] != 0)
         buf = np.zeros((batch, KV, length, D), np.float32)
-        buf[:, :, :past] = rng.standard_normal((batch, KV, past, D)) * 0.5
+        buf[:, :, :past] = logical
         pasts[name] = buf
     if kind == "shared":
         feeds[LENGTH_INPUT] = np.array(past, np.int64)
@@ -90,9 +108,11 @@ def _step(runner: OrtRunner, kind: str, feeds, pasts) -> tuple[Callable[[], None
         else:
             binding.bind_output(output.name, "cpu")
 
-    def logits() -> np.ndarray:
+    def logits() -> np.ndarray:  # at the positions the mask keeps (others are never read)
         names = [o.name for o in session.get_outputs()]
-        return binding.copy_outputs_to_cpu()[names.index("logits")]
+        out = binding.copy_outputs_to_cpu()[names.index("logits")]
+        kept = feeds["attention_mask"][:, -out.shape[1]:, None] != 0
+        return np.where(kept, out, 0.0)
 
     return (lambda: session.run_with_iobinding(binding)), logits
 
@@ -124,7 +144,7 @@ def op_shares(graphs: dict[str, Path], args) -> None:
         with tempfile.TemporaryDirectory() as folder:
             runner = OrtRunner(path, threads=args.threads, spinning=False, profile_dir=folder)
             feeds, pasts = _feeds(_kind(label), runner.input_names, args.batch, args.prompt, 0,
-                                  np.random.default_rng(0))
+                                  np.random.default_rng(0), args.left_pad)
             step, _ = _step(runner, _kind(label), feeds, pasts)
             for _ in range(5):
                 step()
@@ -151,7 +171,7 @@ def run(args) -> None:
         for label, runner in runners.items():
             names = runner.input_names
             feeds, pasts = _feeds(_kind(label), names, args.batch, new, past,
-                                  np.random.default_rng(0))
+                                  np.random.default_rng(0), args.left_pad)
             runs[label], logits[label] = _step(runner, _kind(label), feeds, pasts)
         base = "Optimum export"
         runs[base]()
@@ -161,6 +181,8 @@ def run(args) -> None:
             err = float(np.abs(logits[label]() - want).max())
             print(f"{phase}: {label}: logits max abs vs the export {err:.2e}", flush=True)
         rows[phase] = _time(runs, args.min_time)
+    padded = f", rows left-padded by up to {args.left_pad:.0%}" if args.left_pad else ""
+    print(f"\nbatch {args.batch}{padded}, {args.threads} threads")
     print(f"\n| graph | prompt {args.prompt} tokens ms | ratio | decode step, context "
           f"{args.context} ms | ratio |\n|---|---|---|---|---|")
     for label in graphs:

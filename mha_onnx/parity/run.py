@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mha_onnx import metadata
-from mha_onnx.cache import SharedCache, is_shared, shared_view, to_shared
+from mha_onnx.cache import SharedCache, is_shared, row_layout, shared_view, to_shared
 from mha_onnx.graphio import prepare_output, read_model
 from mha_onnx.inputs import (
     InputSpec,
@@ -128,11 +128,13 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         labels.append(golden.label)
         checks += golden_provenance(golden, path, config.strict)
     level = session_options(model).get("optimization", "all")
-    probe = to_shared(runs[0][1], specs, pairs) if shared else runs[0][1]
+    rows = row_layout(model)  # per-row lengths: buffers hold each row's kept keys first
+    probe = to_shared(runs[0][1], specs, pairs, rows=rows) if shared else runs[0][1]
     runners, statuses = _start_providers(str(path), config, probe, level)
     if shared:
         steps = PROMPT + config.decode_steps + 1
-        runners = {p: SharedCache(r, specs, pairs, steps) for p, r in runners.items()}
+        runners = {p: SharedCache(r, specs, pairs, steps, rows=rows)
+                   for p, r in runners.items()}
     try:
         comparisons, masked, saved = _compare_runs(model, specs, runs, references, ref_specs,
                                                    runners, config)

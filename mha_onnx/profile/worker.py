@@ -141,7 +141,7 @@ def _feeds(spec: PointSpec, proto) -> dict[str, np.ndarray]:
 def decode_feeds(proto, batch: int, context: int) -> dict[str, np.ndarray]:
     """One new token after ``context`` cached positions (every cache input's length dim; a
     shared buffer: one position longer, ``context`` of them cached)."""
-    from mha_onnx.cache import is_shared, shared_view, to_shared
+    from mha_onnx.cache import is_shared, row_layout, shared_view, to_shared
     from mha_onnx.inputs import ShapeCase, case_for, make_inputs
 
     specs, pairs = shared_view(proto)  # a shared buffer's as the appended interface has them
@@ -154,7 +154,8 @@ def decode_feeds(proto, batch: int, context: int) -> dict[str, np.ndarray]:
                              "present_* outputs it returns)")
     dims = {**case_for(specs, "decode", batch, [1]).dims, **dict.fromkeys(past, context)}
     feeds = make_inputs(specs, ShapeCase("decode", dims, "none"))
-    return to_shared(feeds, specs, pairs, headroom=0) if shared else feeds
+    return to_shared(feeds, specs, pairs, headroom=0, rows=row_layout(proto)) if shared \
+        else feeds
 
 
 def cache_bytes(feeds: dict[str, np.ndarray], proto) -> int:

@@ -38,13 +38,13 @@ from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower_cache import route_presents
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower_ort import Forms, LowerMergedOutput, LowerSdpa
-from mha_onnx.rewrite.lower_shared import share_interface
+from mha_onnx.rewrite.lower_shared import share_interface, shared_rows
 from mha_onnx.rewrite.norms import fuse_norms
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
-from mha_onnx.rewrite.shapes import with_symbolic_shapes
+from mha_onnx.rewrite.shapes import fold_static_dims, with_symbolic_shapes
 from mha_onnx.rewrite.verify import Verification, verification_cases, verify, verify_on_openvino
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ def _prepare(model: ir.Model, target: str) -> list[str]:
         common_passes.ShapeInferencePass()(model)
     except Exception as exc:  # noqa: BLE001 - shapes only help; rules fail without them
         log.warning("shape inference failed (%s); fusing with the shapes in the file", exc)
+    fold_static_dims(model)  # static dims read by Shape chains: constants to fold further
     try:  # constant folding: masks that are constant (e.g. all-keep) become visible as such
         optimize(model, num_iterations=2)
     except Exception as exc:  # noqa: BLE001 - optional clean-up
@@ -134,13 +135,14 @@ def fuse_model(
         RewriteRuleSet([LowerMergedOutput.rule(chosen, policy)]).apply_to_model(model)
         RewriteRuleSet([LowerSdpa.rule(chosen, policy)]).apply_to_model(model)
         pairs = route_presents(model.graph)
+        rows = shared_rows(model.graph)
         shared = share_interface(model.graph)
         normed = fuse_norms(model)
         if normed:
             notes.append(f"{normed} RMS normalisation(s) (with the residual Add where there is "
                          "one) onto ORT's SimplifiedLayerNormalization kernels")
         if policy.kv_cache == "shared":
-            notes.append(_shared_note(shared, chosen))
+            notes.append(_shared_note(shared, chosen, rows))
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     else:
         RewriteRuleSet([LowerToOnnxAttention.rule(chosen, ungroup)]).apply_to_model(model)
@@ -150,9 +152,11 @@ def fuse_model(
     results = _results(before, blog, chosen)
     fused = ir.to_proto(model)
     if target == "ort" and pairs:  # which outputs are which past's present, by any names
-        metadata.write(fused, {"kv_cache": {"form": "shared" if shared else "appended",
-                                            "pairs": pairs,
-                                            "past_dim": _past_dim(model_proto, pairs)}})
+        cache = {"form": "shared" if shared else "appended", "pairs": pairs,
+                 "past_dim": _past_dim(model_proto, pairs)}
+        if shared and rows is not None:  # each buffer row holds that row's kept keys first
+            cache["rows"] = rows.to_dict()
+        metadata.write(fused, {"kv_cache": cache})
     if fused.ir_version > 10 and model_proto.ir_version <= 10:
         fused.ir_version = model_proto.ir_version
     return fused, results, notes
@@ -166,7 +170,7 @@ def _past_dim(model: onnx.ModelProto, pairs: dict[str, str]) -> str:
     return LENGTH_INPUT
 
 
-def _shared_note(shared: int, chosen: dict[str, Form]) -> str:
+def _shared_note(shared: int, chosen: dict[str, Form], rows) -> str:
     """Refuses a shared cache that is not every cached layer's; the note on the interface."""
     appended = [block for block, form in chosen.items()
                 if ONE_TOKEN in form.all_cases() and SHARED not in form.all_cases()]
@@ -178,10 +182,15 @@ def _shared_note(shared: int, chosen: dict[str, Form]) -> str:
                                      "the model has no KV-cache attention (a past input "
                                      "appended to and returned as a present)"),
             hint="fuse without --kv-cache shared keeps the appended cache")
-    return (f"KV cache shared by {shared} layer(s): every past_* input is now a buffer of "
-            f"{MAX_LENGTH} positions whose first {LENGTH_INPUT} (new int64 input) are cached; "
-            "bind each past and its present to the same buffer (IO binding) to update it in "
-            "place")
+    head = (f"KV cache shared by {shared} layer(s): every past_* input is now a buffer of "
+            f"{MAX_LENGTH} positions; {LENGTH_INPUT} (new int64 input) is the cached length "
+            "the padding mask spans")
+    layout = (f"; per-row lengths: row b holds the keys {rows.input!r} keeps first (as many as "
+              "it keeps), and a step writes after them, so left- or right-padded batches stay "
+              "on GroupQueryAttention" if rows is not None else
+              f"; its first {LENGTH_INPUT} positions are cached, the same for every row")
+    return (head + layout + "; bind each past and its present to the same buffer (IO "
+            "binding) to update it in place")
 
 
 def understand(model_proto: onnx.ModelProto) -> dict[str, str]:

@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, Form, either
-from mha_onnx.rewrite.irutil import MS_DOMAIN, onehot_dim, replace_shape
+from mha_onnx.rewrite.irutil import MS_DOMAIN, ints_attr, onehot_dim, replace_shape
 from mha_onnx.rewrite.lower_common import (
     TapeOps,
     dense_mha,
@@ -62,7 +62,23 @@ class Appended:
         return made
 
 
+def _undo_transposes(x: ir.Value) -> ir.Value:
+    """``x`` = Transpose(Transpose(y)) whose perms cancel (K^T transposed back, as a K^T
+    export such as GPT-2's reaches stage 2) -> y."""
+    outer = x.producer()
+    if outer is None or outer.op_type != "Transpose" or outer.domain not in ("", "ai.onnx"):
+        return x
+    inner = outer.inputs[0].producer() if outer.inputs[0] is not None else None
+    if inner is None or inner.op_type != "Transpose" or inner.domain not in ("", "ai.onnx"):
+        return x
+    first, second = ints_attr(inner, "perm"), ints_attr(outer, "perm")
+    if first is None or second is None or len(first) != len(second):
+        return x
+    return inner.inputs[0] if [first[i] for i in second] == list(range(len(first))) else x
+
+
 def appended(x: ir.Value) -> Appended | None:
+    x = _undo_transposes(x)
     node = x.producer()
     if node is None or node.op_type != "Concat" or node.domain not in ("", "ai.onnx") \
             or len(node.inputs) != 2 or any(v is None for v in node.inputs):

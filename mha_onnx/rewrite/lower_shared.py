@@ -41,9 +41,11 @@ from mha_onnx.rewrite.lower_common import (
     scalar_shape,
 )
 from mha_onnx.rewrite.lower_gqa import if_forms
+from mha_onnx.rewrite.lower_rows import RowSource, lower_rows, row_source
 from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
 
 SHARED = "mha_onnx.shared"  # node.meta key: this If's presents are the shared buffers
+ROWS = "mha_onnx.rows"  # node.meta key: its buffers hold each row's kept keys first
 
 
 def shareable(key, value) -> bool:
@@ -65,8 +67,15 @@ def length_input(graph: ir.Graph) -> ir.Value:
 
 
 def lower_shared(op, info: SdpaInfo, q3: ir.Value, key, value) -> tuple[list[ir.Value], Form]:
-    """(out, present_key, present_value) and the form."""
+    """(out, present_key, present_value) and the form: with per-row lengths (lower_rows)
+    where the key padding is read from a model input, else one length for every row."""
     past = length_input(key.past.graph)
+    rows = row_source(info.padded)
+    if rows is not None:
+        outs, form = lower_rows(op, info, q3, key, value, past)
+        outs[0].producer().meta[SHARED] = (key, value)
+        outs[0].producer().meta[ROWS] = rows
+        return outs, form
     past32 = op.Cast(past, to=ir.DataType.INT32)
     new32 = op.Cast(op.Reshape(seq_dim(op, q3, 1), scalar_shape(op)), to=ir.DataType.INT32)
     total = op.Add(past32, new32)
@@ -135,6 +144,18 @@ def share_interface(graph: ir.Graph) -> int:
                                   f"node {user.name!r}, not only by attention",
                                   hint="use the default appended cache for this model")
     return shared
+
+
+def shared_rows(graph: ir.Graph) -> RowSource | None:
+    """The padding input every shared layer's buffers are laid out by (per-row lengths), or
+    None (one length for every row); refuses layers that disagree, which one interface
+    cannot serve."""
+    layouts = {node.meta.get(ROWS) for node in graph if node.meta.get(SHARED) is not None}
+    if len(layouts) > 1:
+        raise ConfigError("--kv-cache shared: the layers read their key padding from "
+                          "different inputs, so their buffers cannot share one layout",
+                          hint="use the default appended cache for this model")
+    return next(iter(layouts), None)
 
 
 def _live(node: ir.Node) -> bool:

@@ -91,3 +91,60 @@ def _infer_branch(model: onnx.ModelProto, branch: onnx.GraphProto) -> int:
                 "shape"):
             output.type.CopyFrom(found[output.name].type)
     return 1
+
+
+
+def fold_static_dims(model) -> int:
+    """``Slice(Shape(x))`` and ``Gather(Shape(x), i)`` whose selected dims are static become
+    constants, so that what is computed from them folds too (GPT-2's and Falcon's
+    TorchScript exports scale Q and K by ``sqrt(1 / sqrt(Shape(k)[-1]))``: once constant, the
+    scale is read as one). Returns how many were folded."""
+    import onnx_ir as ir
+
+    from mha_onnx.rewrite.blocks import all_graphs
+
+    folded = 0
+    for graph in all_graphs(model.graph):
+        for node in list(graph):
+            picked = _picked_dims(node)
+            if picked is None or node.outputs[0].is_graph_output():
+                continue
+            constant = ir.node("Constant", [], {"value": ir.tensor(picked)})
+            graph.insert_before(node, constant)
+            ir.convenience.replace_all_uses_with(node.outputs[0], constant.outputs[0])
+            folded += 1
+    return folded
+
+
+def _picked_dims(node):
+    """What ``Slice|Gather(Shape(x), ...)`` gives when every dim it selects is static (an
+    int64 array), else None."""
+    import numpy as np
+
+    from mha_onnx.rewrite.irutil import const_array, producer
+
+    if node.op_type not in ("Slice", "Gather") or node.domain not in ("", "ai.onnx"):
+        return None
+    shape_node = producer(node.inputs[0], "Shape")
+    if shape_node is None or shape_node.inputs[0] is None or shape_node.inputs[0].shape is None:
+        return None
+    dims = [d if isinstance(d, int) else -1 for d in shape_node.inputs[0].shape]
+    start, end = shape_node.attributes.get("start"), shape_node.attributes.get("end")
+    dims = np.array(dims[slice(start.as_int() if start else None, end.as_int() if end else None)],
+                    np.int64)
+    args = [const_array(v) if v is not None else None for v in node.inputs[1:]]
+    if any(a is None for a, v in zip(args, node.inputs[1:], strict=True) if v is not None):
+        return None
+    try:
+        if node.op_type == "Gather":
+            picked = np.take(dims, args[0].astype(np.int64), axis=0)
+        else:
+            starts, ends = args[0], args[1]
+            axes = args[2] if len(args) > 2 and args[2] is not None else np.array([0])
+            steps = args[3] if len(args) > 3 and args[3] is not None else np.ones_like(starts)
+            if starts.size != 1 or list(axes.reshape(-1)) not in ([0], [-1]):
+                return None
+            picked = dims[int(starts[0]):int(min(ends[0], 2 ** 62)):int(steps[0])]
+    except (IndexError, ValueError):
+        return None
+    return None if (picked < 0).any() else np.asarray(picked, np.int64)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mha_onnx.cache import SharedCache, cache_pairs, is_shared
+from mha_onnx.cache import SharedCache, cache_pairs, is_shared, row_layout
 from mha_onnx.errors import FusionError, MhaOnnxError, ModelFileError, VerifyError
 from mha_onnx.inputs import (
     ShapeCase,
@@ -21,8 +21,9 @@ from mha_onnx.inputs import (
     default_cases,
     input_specs,
     iter_feeds,
+    split_dims,
 )
-from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED
+from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED
 from mha_onnx.runtimes import OrtRunner
 from mha_onnx.stats import ErrorStats, compare
 
@@ -99,7 +100,8 @@ def verify(
                          "float16 inputs of one op); nothing was written") from exc
         raise _fuse_bug("does not load in ORT", exc) from exc
     with runner:
-        after = SharedCache(runner, specs, cache_pairs(fused)) if is_shared(fused) else runner
+        after = SharedCache(runner, specs, cache_pairs(fused), rows=row_layout(fused)) \
+            if is_shared(fused) else runner
         for case, feeds in runs:
             try:
                 want = before.infer(feeds, fall_back=not case.optional)
@@ -186,18 +188,25 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
         cases.append(replace(case, optional=True))
     odd = cases[1]
     branches = [odd]
+    steps = []  # a prompt, and one step after a past
     if NO_PAST in kinds:  # a KV-cache model's prompt
         cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}
         cases.append(ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)},
                                "some"))
+        steps.append(cases[-1])
     if ONE_TOKEN in kinds:  # its decode steps
         new = {s.dims[1] for s in specs if len(s.dims) in (2, 3) and s.role != "mask"
                and isinstance(s.dims[1], str)}  # the query's seq_q, a decoder's input_ids
         cases.append(ShapeCase("one new token (decode)", {**odd.dims, **dict.fromkeys(new, 1)},
                                "some"))
         branches.append(cases[-1])
+        steps.append(cases[-1])
     if UNPADDED in kinds:  # the branch only unpadded runs take
         cases += [replace(c, label=f"{c.label}, no key padded", padding="none") for c in branches]
+    if LEFT_PADDED in kinds:  # per-row lengths: rows padded before their first key, batch 4
+        batch = {n: 4 for n in split_dims(specs)[0]}
+        cases += [replace(c, label=f"{c.label}, left-padded rows", padding="left",
+                          dims={**c.dims, **batch}) for c in steps]
     return cases
 
 
