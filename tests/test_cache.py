@@ -297,19 +297,21 @@ def test_the_readme_shared_cache_example_runs_and_matches_the_export(export_cach
 
 
 def test_grouped_heads_with_a_padding_mask_step_on_gqa_with_past(zoo):
-    """A Llama layer with DynamicCache (grouped K/V, an attention_mask): a step with no key
-    padded runs on GQA with past (no heads repeated), a padded one on MHA over the repeated
-    cache; verification covers both, at one new token after a past."""
+    """A Llama layer with DynamicCache (grouped K/V, an attention_mask): a step whose new
+    token every row keeps runs on GQA with past (no heads repeated) and the padding as a
+    bias, left-padded rows included; other steps on MHA over the repeated cache;
+    verification covers both, at one new token after a past."""
     from mha_onnx.rewrite.verify import verification_cases
 
     original = zoo("hf_cached_llama")
     fused, results = fused_and_checked(original)
     (block,) = results
-    assert block.form.startswith("If(one new token, no key padded): GroupQueryAttention with "
-                                 "past (presents from it) | If(one new token): MHA key_padding")
+    assert block.form.startswith("If(one new token, kept in every row): GroupQueryAttention "
+                                 "with past + padding bias (presents from it) | If(one new "
+                                 "token): MHA key_padding")
     cases = {c.label: c for c in verification_cases(original, results)}
-    for label in ("one new token (decode)", "one new token (decode), no key padded"):
+    for label in ("one new token (decode)", "one new token (decode), left-padded rows"):
         assert cases[label].dims["seq"] == 1 and cases[label].dims["past"] > 1
-    assert cases["one new token (decode), no key padded"].padding == "none"
+    assert cases["one new token (decode), left-padded rows"].padding == "left"
     graph = ir.from_proto(fused).graph
     assert all(o.producer().op_type == "If" for o in graph.outputs[1:])

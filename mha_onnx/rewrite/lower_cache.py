@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, Form, either
+from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED, Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN, ints_attr, onehot_dim, replace_shape
 from mha_onnx.rewrite.lower_common import (
     TapeOps,
@@ -34,7 +34,7 @@ from mha_onnx.rewrite.lower_common import (
     none_padded,
     scalar_shape,
 )
-from mha_onnx.rewrite.lower_gqa import gqa_ok, if_forms, lower_gqa
+from mha_onnx.rewrite.lower_gqa import gqa_ok, half_precision, if_forms, lower_gqa
 from mha_onnx.rewrite.lower_shared import lower_shared, shareable
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
@@ -121,20 +121,42 @@ def _mha(ops: TapeOps, info: SdpaInfo, q3, k, v, past_k=None, past_v=None) -> li
     return outs
 
 
-def _decode_with_past(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Appended):
-    """The step on the kernel's own past/present: (out, present_key, present_value)."""
+def _decode_with_past(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Appended,
+                      bias: ir.Value | None = None):
+    """The step on the kernel's own past/present: (out, present_key, present_value);
+    ``bias`` [B, 1, 1, T] (GQA only): the padded keys' additive mask."""
     k3, v3 = to_bsd(ops, key.new, info.kv_heads), to_bsd(ops, value.new, info.kv_heads)
-    if info.kv_heads == info.heads:
+    if info.kv_heads == info.heads and bias is None:
         return tuple(_mha(ops, info, q3, k3, v3, key.past, value.past))
     past = ops.Cast(ops.Reshape(seq_dim(ops, key.past, 2), scalar_shape(ops)),
                     to=ir.DataType.INT32)
     total = ops.Add(past, ops.Cast(ops.Reshape(seq_dim(ops, k3, 1), scalar_shape(ops)),
                                    to=ir.DataType.INT32))
     seqlens = ops.Expand(ops.Sub(total, int_const(ops, 1, np.int32)), seq_dim(ops, q3, 0))
-    outs = ops.GroupQueryAttention(q3, k3, v3, key.past, value.past, seqlens, total,
-                                   num_heads=info.heads, kv_num_heads=info.kv_heads,
+    inputs = [q3, k3, v3, key.past, value.past, seqlens, total]
+    if bias is not None:
+        inputs += [None, None, None, bias]
+    outs = ops.GroupQueryAttention(*inputs, num_heads=info.heads, kv_num_heads=info.kv_heads,
                                    scale=info.scale, _domain=MS_DOMAIN, _outputs=3)
     return tuple(outs)
+
+
+def padding_bias(ops, info: SdpaInfo) -> ir.Value:
+    """[B, 1, 1, T]: 0 for a kept key, the dtype's lowest finite value for a padded one (its
+    weight exactly 0 wherever the row keeps a key)."""
+    assert info.padded is not None
+    lowest = info.const(ops, float(np.finfo(info.np_dtype).min))
+    bias = ops.Where(info.padded, lowest, info.const(ops, 0.0))
+    return ops.Unsqueeze(bias, int_const(ops, [1, 2]))
+
+
+def new_key_kept(ops, info: SdpaInfo) -> ir.Value:
+    """bool scalar: every row keeps its last key (a step's new token), so no query of a
+    decode step has all its keys masked."""
+    assert info.padded is not None
+    last = ops.Slice(ops.Cast(info.padded, to=ir.DataType.INT32), int_const(ops, [-1]),
+                     int_const(ops, [2 ** 31]), int_const(ops, [1]))
+    return ops.Equal(ops.ReduceMax(last, keepdims=0), int_const(ops, 0, np.int32))
 
 
 def _prefill(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
@@ -184,10 +206,12 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
 
 def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: Form
                     ) -> tuple[ir.Value, Form]:
-    """Grouped K/V with a key padding mask: GQA with past takes no padding and MHA with past
-    no grouped K/V, so a step takes GQA with past when no key is padded (a batch of one, or
-    of equal lengths) and MHA over the cache's heads repeated otherwise."""
-    fast = op.And(decoding, none_padded(op, info))
+    """Grouped K/V with a key padding mask: MHA with past takes no grouped K/V, so a step
+    whose new token every row keeps runs GQA with past and the padding as an additive bias
+    (no key padded: a zero bias); other runs take MHA over the cache's heads repeated.
+    Half precision: GQA only when no key is padded (lower_gqa.half_precision)."""
+    half = half_precision(info)
+    fast = op.And(decoding, none_padded(op, info) if half else new_key_kept(op, info))
 
     def padded(ops: TapeOps):
         k, v = (c.rebuilt(ops) for c in cache)
@@ -196,14 +220,21 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: Form
                        lambda o: _prefill(o, wide, q3), "padded")
         return out, k, v
 
-    outs = if_forms(op, info, fast, lambda o: _decode_with_past(o, info, q3, *cache), padded,
-                    "decode", outputs=3)
+    def step(ops: TapeOps):
+        return _decode_with_past(ops, info, q3, *cache,
+                                 bias=None if half else padding_bias(ops, info))
+
+    outs = if_forms(op, info, fast, step, padded, "decode", outputs=3)
     outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
     padded = either("one new token", "MHA key_padding_mask over the cache", rest,
                     cases=(ONE_TOKEN,))
-    return outs[0], either("one new token, no key padded",
-                           "GroupQueryAttention with past (presents from it)", padded,
-                           cases=(ONE_TOKEN, UNPADDED))
+    if half:
+        return outs[0], either("one new token, no key padded",
+                               "GroupQueryAttention with past (presents from it)", padded,
+                               cases=(ONE_TOKEN, UNPADDED))
+    return outs[0], either("one new token, kept in every row",
+                           "GroupQueryAttention with past + padding bias (presents from it)",
+                           padded, cases=(ONE_TOKEN, LEFT_PADDED))
 
 
 def route_presents(graph: ir.Graph) -> dict[str, str]:
