@@ -99,8 +99,13 @@ class DecoderWithPast:
 
         class Wrapped(torch.nn.Module):
             def __init__(self, inner):
+                import inspect
+
                 super().__init__()
-                self.inner = inner
+                self.inner = inner  # transformers 5.24 names the cache `cache`; before, and
+                # deprecated since, `past_key_values`
+                params = inspect.signature(inner.forward).parameters
+                self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
             def forward(self, input_ids, attention_mask, position_ids, *pasts):
                 from transformers.cache_utils import DynamicCache
@@ -111,10 +116,11 @@ class DecoderWithPast:
                 for layer in range(len(pasts) // 2):
                     cache.update(pasts[2 * layer], pasts[2 * layer + 1], layer)
                 out = self.inner(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids, past_key_values=cache,
-                                 use_cache=True)
+                                 position_ids=position_ids, use_cache=True,
+                                 **{self.cache_arg: cache})
+                made = getattr(out, "cache", None)
                 presents = []
-                for layer in out.past_key_values.layers:
+                for layer in (made if made is not None else out.past_key_values).layers:
                     presents += [layer.keys, layer.values]
                 return (out.logits, *presents)
 

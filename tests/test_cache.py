@@ -315,3 +315,21 @@ def test_grouped_heads_with_a_padding_mask_step_on_gqa_with_past(zoo):
     assert cases["one new token (decode), left-padded rows"].padding == "left"
     graph = ir.from_proto(fused).graph
     assert all(o.producer().op_type == "If" for o in graph.outputs[1:])
+
+
+def test_verification_runs_past_a_sliding_window(zoo):
+    """A form with a window (reach) is verified with a prompt longer than it and a step after
+    more cached positions than it (optional: a position table may end first)."""
+    from types import SimpleNamespace
+
+    from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, either
+    from mha_onnx.rewrite.verify import verification_cases
+
+    form = either("one new token", "GroupQueryAttention with past, window 5", "MHA + bias",
+                  cases=(ONE_TOKEN, NO_PAST), reach=5)
+    cases = {c.label: c for c in verification_cases(zoo("hf_cached_llama"),
+                                                    [SimpleNamespace(chosen=form)])}
+    prompt = cases["no past (prompt), past the window (5)"]
+    step = cases["one new token (decode), past the window (5)"]
+    assert prompt.dims["seq"] == 8 and prompt.dims["past"] == 0 and prompt.optional
+    assert step.dims["seq"] == 1 and step.dims["past"] == 8 and step.optional

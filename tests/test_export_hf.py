@@ -104,7 +104,7 @@ def test_a_changed_folder_is_said(hf_folder, tmp_path):
 
 @pytest.mark.parametrize("name, task, kernel", [
     ("bert", "feature-extraction", None), ("vit", "image-feature-extraction", "MultiHeadAttention"),
-    ("gemma3", "text-generation-with-past", None)])
+    ("gemma3", "text-generation-with-past", "GroupQueryAttention")])
 def test_encoders_vision_and_windowed_decoders(hf_folder, tmp_path, name, task, kernel):
     out = tmp_path / f"{name}.onnx"
     result = _export(hf_folder(name), out)
@@ -115,6 +115,8 @@ def test_encoders_vision_and_windowed_decoders(hf_folder, tmp_path, name, task, 
     assert _ops(model) & {"MultiHeadAttention", "GroupQueryAttention", "If"}
     if kernel:
         assert kernel in _ops(model)
+    if name == "gemma3":  # sliding-window layers with a cache: GQA's local_window_size
+        assert all("window 64" in form for form in report["fused"].split("; ")), report["fused"]
 
 
 def test_float16_and_no_fuse(hf_folder, tmp_path):

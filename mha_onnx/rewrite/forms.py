@@ -4,7 +4,8 @@ read is rendered and which verification reads (never the label itself).
 A form is one kernel call (``kernel``), possibly behind a run-time ``guard`` (an ``If``)
 whose other branch is another form (``otherwise``). ``switch_at`` holds the key lengths at
 which a guard on the length first picks the other branch (verification runs past each), and
-``cases`` the kinds of run only a branch takes (verification runs each kind).
+``cases`` the kinds of run only a branch takes (verification runs each kind), ``reach`` a
+sliding window the kernel applies (verification runs with more keys than that).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Form:
     otherwise: Form | None = None
     switch_at: tuple[int, ...] = ()
     cases: frozenset[str] = field(default_factory=frozenset)
+    reach: int = 0  # a sliding window: verification runs with more keys than this
 
     @property
     def label(self) -> str:
@@ -44,6 +46,9 @@ class Form:
     def switches(self) -> set[int]:
         return {n for form in self.chain() for n in form.switch_at}
 
+    def reaches(self) -> set[int]:
+        return {form.reach for form in self.chain() if form.reach}
+
     def all_cases(self) -> set[str]:
         return {c for form in self.chain() for c in form.cases}
 
@@ -52,7 +57,7 @@ class Form:
 
 
 def either(guard: str, kernel: str, otherwise: Form | str, *, switch_at: tuple[int, ...] = (),
-           cases: tuple[str, ...] = ()) -> Form:
+           cases: tuple[str, ...] = (), reach: int = 0) -> Form:
     """``If(guard): kernel | otherwise``."""
     other = otherwise if isinstance(otherwise, Form) else Form(otherwise)
-    return Form(kernel, guard, other, switch_at, frozenset(cases))
+    return Form(kernel, guard, other, switch_at, frozenset(cases), reach)

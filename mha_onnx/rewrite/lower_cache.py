@@ -42,8 +42,12 @@ PRESENTS = "mha_onnx.presents"  # node.meta key: the If's present outputs replac
 
 
 def cached_ok(info: SdpaInfo) -> bool:
-    return info.causal and info.alignment == "bottom-right" and not info.window \
-        and info.bias is None and not info.softcap
+    return info.causal and info.alignment == "bottom-right" and info.bias is None
+
+
+def _gqa_only(info: SdpaInfo) -> bool:
+    """A sliding window or a soft-cap: only GQA computes it (MHA with past does not)."""
+    return bool(info.window or info.softcap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +104,10 @@ def _cache(info: SdpaInfo) -> tuple[Appended, Appended] | None:
 
 
 def _decode(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
-    """One query over the whole (concatenated) cache: nothing of the causal mask applies."""
+    """One query over the whole (concatenated) cache: nothing of the causal mask applies
+    (but a window or a soft-cap: then the original mask as a bias)."""
+    if _gqa_only(info):
+        return dense_mha(ops, info, q3, lazy=True)
     rep = info.heads // info.kv_heads
     k, v = repeat_heads(ops, info.key, rep), repeat_heads(ops, info.value, rep)
     return _mha(ops, info, q3, k, v)[0]
@@ -126,7 +133,7 @@ def _decode_with_past(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Ap
     """The step on the kernel's own past/present: (out, present_key, present_value);
     ``bias`` [B, 1, 1, T] (GQA only): the padded keys' additive mask."""
     k3, v3 = to_bsd(ops, key.new, info.kv_heads), to_bsd(ops, value.new, info.kv_heads)
-    if info.kv_heads == info.heads and bias is None:
+    if info.kv_heads == info.heads and bias is None and not _gqa_only(info):
         return tuple(_mha(ops, info, q3, k3, v3, key.past, value.past))
     past = ops.Cast(ops.Reshape(seq_dim(ops, key.past, 2), scalar_shape(ops)),
                     to=ir.DataType.INT32)
@@ -137,7 +144,8 @@ def _decode_with_past(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Ap
     if bias is not None:
         inputs += [None, None, None, bias]
     outs = ops.GroupQueryAttention(*inputs, num_heads=info.heads, kv_num_heads=info.kv_heads,
-                                   scale=info.scale, _domain=MS_DOMAIN, _outputs=3)
+                                   scale=info.scale, local_window_size=info.window or None,
+                                   softcap=info.softcap or None, _domain=MS_DOMAIN, _outputs=3)
     return tuple(outs)
 
 
@@ -182,20 +190,23 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
     shared (max-length buffers, see lower_shared; where a layer's caches are not plain model
     inputs and outputs it stays appended, which fuse then refuses)."""
     cache = _cache(info)
-    if kv_cache == "shared" and cache is not None and shareable(*cache):
+    # a window counts logical positions, which per-row buffers do not keep: appended only
+    if kv_cache == "shared" and cache is not None and shareable(*cache) and not _gqa_only(info):
         outs, label = lower_shared(op, info, q3, *cache)
         outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
         return outs[0], label
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
     rest = either("no past", "GroupQueryAttention (causal)", "MHA + attention_bias",
-                  cases=(NO_PAST,))
-    if cache is not None and info.kv_heads != info.heads and info.padded is not None:
+                  cases=(NO_PAST,), reach=info.window)
+    if cache is not None and info.padded is not None \
+            and (info.kv_heads != info.heads or _gqa_only(info)):
         return _grouped_padded(op, info, q3, cache, decoding, rest)
     if cache is not None:
         outs = if_forms(op, info, decoding, lambda o: _decode_with_past(o, info, q3, *cache),
                         lambda o: _prefill_appending(o, info, q3, *cache), "decode", outputs=3)
         outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
-        kernel = "MultiHeadAttention" if info.kv_heads == info.heads else "GroupQueryAttention"
+        kernel = "MultiHeadAttention" if info.kv_heads == info.heads and not _gqa_only(info) \
+            else "GroupQueryAttention"
         return outs[0], either("one new token", f"{kernel} with past (presents from it)", rest,
                                cases=(ONE_TOKEN,))
     out = if_forms(op, info, decoding, lambda o: _decode(o, info, q3),
@@ -226,15 +237,18 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: Form
 
     outs = if_forms(op, info, fast, step, padded, "decode", outputs=3)
     outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
-    padded = either("one new token", "MHA key_padding_mask over the cache", rest,
-                    cases=(ONE_TOKEN,))
+    over = "MHA + attention_bias" if _gqa_only(info) else "MHA key_padding_mask"
+    padded = either("one new token", f"{over} over the cache", rest, cases=(ONE_TOKEN,),
+                    reach=info.window)
+    extra = f", window {info.window}" if info.window else ""
+    extra += f", softcap {info.softcap:g}" if info.softcap else ""
     if half:
         return outs[0], either("one new token, no key padded",
-                               "GroupQueryAttention with past (presents from it)", padded,
-                               cases=(ONE_TOKEN, UNPADDED))
+                               f"GroupQueryAttention with past{extra} (presents from it)",
+                               padded, cases=(ONE_TOKEN, UNPADDED))
     return outs[0], either("one new token, kept in every row",
-                           "GroupQueryAttention with past + padding bias (presents from it)",
-                           padded, cases=(ONE_TOKEN, LEFT_PADDED))
+                           f"GroupQueryAttention with past + padding bias{extra} (presents "
+                           "from it)", padded, cases=(ONE_TOKEN, LEFT_PADDED))
 
 
 def route_presents(graph: ir.Graph) -> dict[str, str]:

@@ -53,11 +53,20 @@ def branch(name: str, build: Callable[[TapeOps], Any], dtype: ir.DataType) -> ir
 
 
 def _cheap(value: ir.Value) -> bool:
-    """Values a branch may read from outside: inputs, constants, shapes (rank <= 1)."""
+    """Values a branch may read from outside: inputs, constants, scalars and short vectors,
+    the shape of a tensor that is computed anyway. A vector of a symbolic length is not one:
+    TorchScript exports build their 4-D masks as a flattened [B*S*T] gather (and index grids
+    whose shape they read), which must run only where they are used."""
     if value.producer() is None or value.const_value is not None:
         return True
     shape = value.shape
-    return shape is not None and len(shape) <= 1
+    if shape is None or len(shape) > 1:
+        return False
+    node = value.producer()
+    if node.op_type in ("Shape", "Size"):  # unless what it measures is made only for it
+        source = node.inputs[0]
+        return source is not None and (_cheap(source) or len(source.uses()) > 1)
+    return len(shape) == 0 or (isinstance(shape[0], int) and shape[0] <= 8)
 
 
 def clone_into(ops: TapeOps, value: ir.Value) -> ir.Value:

@@ -15,6 +15,8 @@ window (``local_window_size``: each query keeps its last ``window`` keys), logit
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 
@@ -94,14 +96,16 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
     label += ", bias" if info.bias is not None else ""
     label += ")"
     if info.alignment == "top-left":
-        return _top_left(op, info, q3, k3, v3), either("S <= T", label, "MHA + causal bias")
-    if info.padded is None:
-        return gqa_call(op, info, q3, k3, v3), Form(label)
-    if half_precision(info) or not right_padded:
-        return _unpadded(op, info, q3, k3, v3), either("no key padded", label,
-                                                       "MHA + attention_bias", cases=(UNPADDED,))
-    return _right_padded(op, info, q3, k3, v3), either("right padding", label,
-                                                       "MHA + attention_bias")
+        out, form = _top_left(op, info, q3, k3, v3), either("S <= T", label, "MHA + causal bias")
+    elif info.padded is None:
+        out, form = gqa_call(op, info, q3, k3, v3), Form(label)
+    elif half_precision(info) or not right_padded:
+        out, form = _unpadded(op, info, q3, k3, v3), either(
+            "no key padded", label, "MHA + attention_bias", cases=(UNPADDED,))
+    else:
+        out, form = _right_padded(op, info, q3, k3, v3), either("right padding", label,
+                                                                "MHA + attention_bias")
+    return out, dataclasses.replace(form, reach=info.window)
 
 
 def half_precision(info: SdpaInfo) -> bool:
@@ -146,10 +150,13 @@ def right_padding(op, info: SdpaInfo, q3, k3) -> tuple[ir.Value, ir.Value, ir.Va
     total = _total_length(op, k3)
     lens = op.Sub(total, op.ReduceSum(m, axis, keepdims=0))  # kept keys per row, [B]
     cond = op.Less(worst, int_const(op, 1, np.int32))
-    if info.causal and info.window:  # a padded query further than the window from every key
+    if info.causal and info.window:  # GQA slides a padded query's window from the row's
+        # last kept key, the original from the query's own position: they agree while the
+        # window covers every query (S <= window) or when no row is padded
         seq_q = op.Cast(op.Reshape(seq_dim(op, q3, 1), scalar_shape(op)), to=ir.DataType.INT32)
-        enough = op.Sub(seq_q, int_const(op, info.window - 1, np.int32))
-        cond = op.And(cond, op.GreaterOrEqual(op.ReduceMin(lens, keepdims=0), enough))
+        unpadded = op.Equal(op.ReduceMin(lens, keepdims=0), total)
+        cond = op.And(cond, op.Or(op.LessOrEqual(seq_q, int_const(op, info.window, np.int32)),
+                                  unpadded))
     return cond, op.Sub(lens, int_const(op, 1, np.int32)), total
 
 

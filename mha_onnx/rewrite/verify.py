@@ -189,20 +189,29 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
     odd = cases[1]
     branches = [odd]
     steps = []  # a prompt, and one step after a past
+    cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}
+    new = {s.dims[1] for s in specs if len(s.dims) in (2, 3) and s.role != "mask"
+           and isinstance(s.dims[1], str)}  # the query's seq_q, a decoder's input_ids
+    prompt = None
     if NO_PAST in kinds:  # a KV-cache model's prompt
-        cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}
-        cases.append(ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)},
-                               "some"))
-        steps.append(cases[-1])
+        prompt = ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)}, "some")
+        cases.append(prompt)
+        steps.append(prompt)
     if ONE_TOKEN in kinds:  # its decode steps
-        new = {s.dims[1] for s in specs if len(s.dims) in (2, 3) and s.role != "mask"
-               and isinstance(s.dims[1], str)}  # the query's seq_q, a decoder's input_ids
         cases.append(ShapeCase("one new token (decode)", {**odd.dims, **dict.fromkeys(new, 1)},
                                "some"))
         branches.append(cases[-1])
         steps.append(cases[-1])
     if UNPADDED in kinds:  # the branch only unpadded runs take
         cases += [replace(c, label=f"{c.label}, no key padded", padding="none") for c in branches]
+    for window in sorted({w for form in forms for w in form.reaches()} & set(range(513))):
+        longer, label = window + 3, f"past the window ({window})"  # (sizes a position table
+        if not steps:  # may refuse: optional)
+            cases.append(replace(case_for(specs, label, 2, [longer]), optional=True))
+        for case in steps:  # the prompt: more new positions; a step: more cached ones
+            axes = new if case is prompt else cache
+            cases.append(replace(case, label=f"{case.label}, {label}", optional=True,
+                                 dims={**case.dims, **dict.fromkeys(axes, longer)}))
     if LEFT_PADDED in kinds:  # per-row lengths: rows padded before their first key, batch 4
         batch = {n: 4 for n in split_dims(specs)[0]}
         cases += [replace(c, label=f"{c.label}, left-padded rows", padding="left",
