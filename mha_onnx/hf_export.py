@@ -28,7 +28,9 @@ from mha_onnx.graphio import prepare_output, write_model
 from mha_onnx.hf_model import (
     TASKS,
     DecoderWithPast,
+    Seq2SeqParts,
     cache_shape,
+    decoder_layers,
     describe,
     fingerprint,
     infer_task,
@@ -111,11 +113,44 @@ def _examples(task: str, config: Any, module: Any, dtype: str):
     return args, dynamic, ["input_ids", "attention_mask", "position_ids", *cache], outputs
 
 
-def _torch_export(task: str, config: Any, model: Any, dtype: str, opset: int):
+def _seq2seq_examples(part: str, config: Any, dtype: str):
+    """torch.export's (args, dynamic shapes, input names, output names) of an
+    encoder-decoder's ``part`` (hf_model.Seq2SeqParts)."""
     import torch
 
-    module = DecoderWithPast(model).module if task == "text-generation-with-past" else model
-    args, dynamic, inputs, outputs = _examples(task, config, model, dtype)
+    batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim(NEW, min=1)
+    ids = torch.randint(0, int(config.vocab_size), (2, 3))
+    if part == "encoder":
+        return ((ids, torch.ones(2, 3, dtype=torch.int64)), ({0: batch, 1: seq},) * 2,
+                ["input_ids", "attention_mask"], ["last_hidden_state"])
+    encoded = torch.export.Dim("encoder_sequence_length", min=1)
+    past = torch.export.Dim("past", min=1)
+    kv, head = cache_shape(config)
+    layers = decoder_layers(config)
+    pasts = [torch.randn(2, kv, 5, head, dtype=getattr(torch, dtype)) for _ in range(2 * layers)]
+    hidden = torch.randn(2, 4, int(config.d_model), dtype=getattr(torch, dtype))
+    args = (ids, torch.ones(2, 4, dtype=torch.int64), hidden, *pasts)
+    dynamic = ({0: batch, 1: seq}, {0: batch, 1: encoded}, {0: batch, 1: encoded},
+               tuple({0: batch, 2: past} for _ in pasts))
+    cache = [f"past_key_values.{n}.decoder.{kind}" for n in range(layers)
+             for kind in ("key", "value")]
+    outputs = ["logits"] + [f"present.{n}.decoder.{kind}" for n in range(layers)
+                            for kind in ("key", "value")]
+    return (args, dynamic, ["input_ids", "encoder_attention_mask", "encoder_hidden_states",
+                            *cache], outputs)
+
+
+def _torch_export(task: str, config: Any, model: Any, dtype: str, opset: int,
+                  part: str | None = None):
+    import torch
+
+    if part is not None:  # an encoder-decoder's encoder or decoder
+        parts = Seq2SeqParts(model)
+        module = parts.encoder if part == "encoder" else parts.decoder
+        args, dynamic, inputs, outputs = _seq2seq_examples(part, config, dtype)
+    else:
+        module = DecoderWithPast(model).module if task == "text-generation-with-past" else model
+        args, dynamic, inputs, outputs = _examples(task, config, model, dtype)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
@@ -125,7 +160,8 @@ def _torch_export(task: str, config: Any, model: Any, dtype: str, opset: int):
                                         output_names=outputs, optimize=True, verbose=False)
     except Exception as exc:  # torch.export's own errors, whatever their class
         text = " ".join(str(exc).split())
-        raise ExportError(f"torch.export cannot export {config.model_type} for {task}: "
+        raise ExportError(f"torch.export cannot export {config.model_type} for {task}"
+                          f"{f' ({part})' if part else ''}: "
                           f"{text[:700]}", hint="nothing was written") from None
     proto = program.model_proto
     for value in list(proto.graph.input) + list(proto.graph.output):
@@ -140,43 +176,84 @@ def _torch_export(task: str, config: Any, model: Any, dtype: str, opset: int):
 
 def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
               progress: Callable[[str], None] = lambda _: None) -> HfExportReport:
-    """Export, fuse and validate; write ``output`` only when everything passed."""
-    from mha_onnx.parity import ValidateConfig, validate_model
-    from mha_onnx.rewrite import fuse_file
-
+    """Export, fuse and validate; write ``output`` (and, for an encoder-decoder, its encoder
+    beside it as ``OUT.encoder.onnx``) only when everything passed."""
     started = time.perf_counter()
     folder = Path(folder).resolve()
     output = prepare_output(output, force=cfg.force)
     config = read_config(folder)
     task = infer_task(config) if cfg.task == "auto" else cfg.task
-    if task == "text2text-generation-with-past":
-        raise ConfigError(f"{config.model_type}: encoder-decoder export is not supported yet",
-                          hint="export its encoder as feature-extraction, or use Optimum "
-                               "(transformers < 4.58) for the decoder files")
+    seq2seq = task == "text2text-generation-with-past"
+    targets = {None: output}
+    if seq2seq:  # the decoder (the generation step) at OUT, its encoder beside it
+        encoder = prepare_output(output.with_name(f"{output.stem}.encoder{output.suffix}"),
+                                 force=cfg.force)
+        targets = {"encoder": encoder, "decoder": output}
     progress(f"loading {folder.name} ({config.model_type}, {task}, {cfg.dtype})")
     model = load_module(folder, task, cfg.dtype)
-    progress("torch.export")
-    proto = _torch_export(task, config, model, cfg.dtype, cfg.opset)
-    metadata.write(proto, {"version": __version__, "hf_model": {
-        "folder": str(folder), "task": task, "dtype": cfg.dtype, "files": fingerprint(folder),
-        "config": describe(config)}})
-    proto.producer_name, proto.producer_version = "mha-onnx", __version__
+    notes, fused, validations = [], [], []
     with tempfile.TemporaryDirectory(prefix="mha_onnx_hf_") as tmp:
-        exported = Path(tmp) / "exported.onnx"
-        write_model(proto, exported, force=True)
-        final, fused = exported, "not fused (--no-fuse)"
-        if cfg.fuse:
-            progress("fuse (verified against the export on ORT CPU)")
-            final = Path(tmp) / "fused.onnx"
-            report = fuse_file(exported, final, force=True,
-                               kv_cache="shared" if cfg.kv_cache == "shared" else None)
-            fused = "; ".join(f"{b.form}" for b in report.blocks) or "no attention block"
-        progress("validate against PyTorch" + (" (16 decode steps)" if "with-past" in task else ""))
-        validation = validate_model(final, ValidateConfig(memory_check=False))
-        if not validation:
-            raise VerifyError("the exported model differs from the PyTorch model: "
-                              + "; ".join(f"{c.output} at {c.case}: {c.stats.max_abs:.3g}"
-                                          for c in validation.failures()[:3]),
-                              hint="nothing was written; --no-fuse tells the export from fuse")
-        shutil.copyfile(final, output)
-    return HfExportReport(str(output), task, fused, validation, time.perf_counter() - started)
+        made = {}
+        for part, target in targets.items():
+            final, what, validation = _export_part(folder, config, model, task, part, cfg,
+                                                   Path(tmp), progress)
+            made[final] = target
+            fused.append(f"{part}: {what}" if part else what)
+            validations.append(validation)
+        for final, target in made.items():  # every part passed: now written
+            shutil.copyfile(final, target)
+    if seq2seq:
+        notes.append(f"encoder written to {targets['encoder']} (input_ids, attention_mask -> "
+                     "last_hidden_state); the decoder takes its last_hidden_state as "
+                     "encoder_hidden_states")
+    return HfExportReport(str(output), task, "; ".join(fused), validations[-1],
+                          time.perf_counter() - started, tuple(notes))
+
+
+def _learned_positions(model: Any) -> bool:
+    """Does the model look positions up in a learned table (GPT-2, BART, BERT), which ends at
+    max_position_embeddings (rotary and relative positions do not end)?"""
+    import torch
+
+    return any(isinstance(m, torch.nn.Embedding) and "relative" not in name.lower()
+               and ("position" in name.lower() or name.endswith("wpe"))
+               for name, m in model.named_modules())
+
+
+def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | None,
+                 cfg: HfExportConfig, tmp: Path, progress: Callable[[str], None]):
+    """One file: torch.export, fuse, validate against PyTorch; (path in ``tmp``, what fuse
+    made of its blocks, the validation report)."""
+    from mha_onnx.parity import ValidateConfig, validate_model
+    from mha_onnx.rewrite import fuse_file
+
+    name = part or "model"
+    progress(f"torch.export{f' ({part})' if part else ''}")
+    proto = _torch_export(task, config, model, cfg.dtype, cfg.opset, part)
+    record = {"folder": str(folder), "task": task, "dtype": cfg.dtype,
+              "files": fingerprint(folder), "config": describe(config)}
+    if part:
+        record["part"] = part
+    if _learned_positions(model):  # validate stays within the table
+        record["positions"] = int(config.max_position_embeddings)
+    metadata.write(proto, {"version": __version__, "hf_model": record})
+    proto.producer_name, proto.producer_version = "mha-onnx", __version__
+    exported = tmp / f"{name}.exported.onnx"
+    write_model(proto, exported, force=True)
+    final, fused = exported, "not fused (--no-fuse)"
+    if cfg.fuse:
+        progress("fuse (verified against the export on ORT CPU)")
+        final = tmp / f"{name}.fused.onnx"
+        report = fuse_file(exported, final, force=True,
+                           kv_cache="shared" if cfg.kv_cache == "shared" and part != "encoder"
+                           else None)
+        fused = "; ".join(f"{b.form}" for b in report.blocks) or "no attention block"
+    cached = "with-past" in task and part != "encoder"
+    progress("validate against PyTorch" + (" (16 decode steps)" if cached else ""))
+    validation = validate_model(final, ValidateConfig(memory_check=False))
+    if not validation:
+        raise VerifyError("the exported model differs from the PyTorch model: "
+                          + "; ".join(f"{c.output} at {c.case}: {c.stats.max_abs:.3g}"
+                                      for c in validation.failures()[:3]),
+                          hint="nothing was written; --no-fuse tells the export from fuse")
+    return final, fused, validation

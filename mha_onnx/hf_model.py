@@ -11,6 +11,13 @@ Interfaces (Optimum's, so that ORT's tools and this project's validate/profile r
 - ``feature-extraction``: ``input_ids``, ``attention_mask`` (and ``token_type_ids`` where
   the model has them) -> ``last_hidden_state``.
 - ``image-feature-extraction``: ``pixel_values`` -> ``last_hidden_state``.
+- ``text2text-generation-with-past`` (T5-style encoder-decoders), two files: the encoder
+  (``input_ids``, ``attention_mask`` -> ``last_hidden_state``) and the decoder with its
+  self-attention cache (``input_ids`` [batch, sequence_length], ``encoder_attention_mask``
+  and ``encoder_hidden_states`` [batch, encoder_sequence_length(, d_model)],
+  ``past_key_values.N.decoder.key/value`` -> ``logits``, ``present.N.decoder.key/value``;
+  the cross-attention keys and values are computed from ``encoder_hidden_states`` at each
+  step, an empty past is the first step).
 """
 
 from __future__ import annotations
@@ -72,12 +79,16 @@ def load_module(folder: str | Path, task: str, dtype: str = "float32") -> Any:
     import transformers as tf
 
     classes = {"text-generation-with-past": tf.AutoModelForCausalLM,
-               "feature-extraction": tf.AutoModel, "image-feature-extraction": tf.AutoModel}
+               "feature-extraction": tf.AutoModel, "image-feature-extraction": tf.AutoModel,
+               "text2text-generation-with-past": tf.AutoModelForSeq2SeqLM}
     if task not in classes:
         raise ConfigError(f"task {task} is not exported yet",
                           hint=f"tasks: {', '.join(classes)}")
     model = None
-    for attn in ("sdpa", None):  # SDPA where the architecture has it, else its default
+    # SDPA where the architecture has it, else its default; T5's SDPA path views a transposed
+    # tensor that torch.export cannot decompose, so encoder-decoders load eager
+    order = ("eager", None) if task == "text2text-generation-with-past" else ("sdpa", None)
+    for attn in order:
         try:
             extra = {"attn_implementation": attn} if attn else {}
             model = classes[task].from_pretrained(folder, local_files_only=True, **extra)
@@ -99,37 +110,103 @@ class DecoderWithPast:
 
         class Wrapped(torch.nn.Module):
             def __init__(self, inner):
-                import inspect
-
                 super().__init__()
-                self.inner = inner  # transformers 5.24 names the cache `cache`; before, and
-                # deprecated since, `past_key_values`
-                params = inspect.signature(inner.forward).parameters
-                self.cache_arg = "cache" if "cache" in params else "past_key_values"
+                self.inner = inner
+                self.cache_arg = _cache_argument(inner)
 
             def forward(self, input_ids, attention_mask, position_ids, *pasts):
-                from transformers.cache_utils import DynamicCache
-
                 # every layer a full (append-only) cache, also those with a sliding window
                 # (their masks apply the window): the presents keep the appended interface
-                cache = DynamicCache()
-                for layer in range(len(pasts) // 2):
-                    cache.update(pasts[2 * layer], pasts[2 * layer + 1], layer)
                 out = self.inner(input_ids=input_ids, attention_mask=attention_mask,
                                  position_ids=position_ids, use_cache=True,
-                                 **{self.cache_arg: cache})
-                made = getattr(out, "cache", None)
-                presents = []
-                for layer in (made if made is not None else out.past_key_values).layers:
-                    presents += [layer.keys, layer.values]
-                return (out.logits, *presents)
+                                 **{self.cache_arg: _cache_of(pasts)})
+                return (out.logits, *_presents(_returned_cache(out)))
 
         self.module = Wrapped(model).eval()
         self.layers = int(model.config.num_hidden_layers)
 
 
+class Seq2SeqParts:
+    """An encoder-decoder's two exported parts as modules: ``encoder(input_ids,
+    attention_mask)`` -> last_hidden_state; ``decoder(input_ids, encoder_attention_mask,
+    encoder_hidden_states, *pasts)`` -> (logits, *presents) of the self-attention cache."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        class Encoder(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, input_ids, attention_mask):
+                return self.inner(input_ids=input_ids,
+                                  attention_mask=attention_mask).last_hidden_state
+
+        class Decoder(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+                self.cache_arg = _cache_argument(inner)
+
+            def forward(self, input_ids, encoder_attention_mask, encoder_hidden_states, *pasts):
+                from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+                cache = EncoderDecoderCache(_cache_of(pasts), DynamicCache())  # cross K/V:
+                out = self.inner(decoder_input_ids=input_ids,  # computed at every step
+                                 attention_mask=encoder_attention_mask,
+                                 encoder_outputs=(encoder_hidden_states,), use_cache=True,
+                                 **{self.cache_arg: cache})
+                return (out.logits, *_presents(_returned_cache(out).self_attention_cache))
+
+        self.encoder = Encoder(model.get_encoder()).eval()
+        self.decoder = Decoder(model).eval()
+        config = model.config
+        self.layers = decoder_layers(config)
+
+
+def _cache_argument(model: Any) -> str:
+    """transformers 5.24 names the cache ``cache``; before (and deprecated since),
+    ``past_key_values``."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_of(pasts) -> Any:
+    """A DynamicCache holding (key, value) per layer from the flat ``pasts``."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    for layer in range(len(pasts) // 2):
+        cache.update(pasts[2 * layer], pasts[2 * layer + 1], layer)
+    return cache
+
+
+def _returned_cache(out: Any) -> Any:
+    made = getattr(out, "cache", None)
+    return made if made is not None else out.past_key_values
+
+
+def _presents(cache: Any) -> list:
+    """[key, value] per layer of a DynamicCache, flat."""
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def decoder_layers(config: Any) -> int:
+    """How many layers an encoder-decoder's decoder has (T5's or BART's names)."""
+    for name in ("decoder_layers", "num_decoder_layers", "num_layers"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise ConfigError(f"{config.model_type}: cannot tell how many decoder layers it has")
+
+
 def cache_shape(config: Any) -> tuple[int, int]:
     """(kv heads, head size) of a decoder's cache."""
+    if getattr(config, "is_encoder_decoder", False):  # T5's and BART's names
+        heads = int(getattr(config, "decoder_attention_heads", None) or config.num_heads)
+        return heads, int(getattr(config, "d_kv", None) or config.d_model // heads)
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     head = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -151,6 +228,10 @@ class HfReference:
         self.model = load_module(folder, self.task, "float32")
         self.decoder = (DecoderWithPast(self.model).module
                         if self.task == "text-generation-with-past" else None)
+        self.part = record.get("part")  # an encoder-decoder's "encoder" or "decoder"
+        if self.task == "text2text-generation-with-past":
+            parts = Seq2SeqParts(self.model)
+            self.decoder = parts.encoder if self.part == "encoder" else parts.decoder
         self.label = label
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -163,11 +244,19 @@ class HfReference:
                     pixel_values=t["pixel_values"].float()).last_hidden_state)}
             if self.task == "feature-extraction":
                 return {"last_hidden_state": _np(self.model(**t).last_hidden_state)}
-            pasts = [t[f"past_key_values.{n}.{kind}"].float()
-                     for n in range(int(self.model.config.num_hidden_layers))
+            if self.part == "encoder":
+                return {"last_hidden_state": _np(self.decoder(t["input_ids"],
+                                                              t["attention_mask"]))}
+            seq2seq = self.part == "decoder"
+            infix = ".decoder" if seq2seq else ""
+            layers = sum(1 for k in t if k.startswith("past_key_values.")) // 2
+            pasts = [t[f"past_key_values.{n}{infix}.{kind}"].float() for n in range(layers)
                      for kind in ("key", "value")]
-            outs = self.decoder(t["input_ids"], t["attention_mask"], t["position_ids"], *pasts)
-        names = ["logits"] + [f"present.{n}.{kind}" for n in range(len(pasts) // 2)
+            head = (t["input_ids"], t["encoder_attention_mask"],
+                    t["encoder_hidden_states"].float()) if seq2seq else (
+                t["input_ids"], t["attention_mask"], t["position_ids"])
+            outs = self.decoder(*head, *pasts)
+        names = ["logits"] + [f"present.{n}{infix}.{kind}" for n in range(layers)
                               for kind in ("key", "value")]
         return {name: _np(value) for name, value in zip(names, outs, strict=True)}
 

@@ -30,6 +30,10 @@ def _folders():
         "vit": lambda: tf.ViTModel(tf.ViTConfig(image_size=32, patch_size=8, **SMALL)),
         "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
             vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),
+        "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(  # learned positions
+            vocab_size=99, d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
+            max_position_embeddings=128)),
     }
 
 
@@ -128,10 +132,37 @@ def test_float16_and_no_fuse(hf_folder, tmp_path):
     assert not _ops(model) & {"GroupQueryAttention", "MultiHeadAttention"}
 
 
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoders_export_an_encoder_and_a_decoder_with_a_cache(hf_folder, tmp_path,
+                                                                        name):
+    """An encoder-decoder: OUT.onnx is the decoder with its self-attention cache (cross K/V
+    from encoder_hidden_states), OUT.encoder.onnx its encoder; both fused and validated
+    against PyTorch (the decoder over a prompt and 16 steps), again without --reference
+    (BART's position table bounds the lengths validate tries)."""
+    out = tmp_path / "t5.onnx"
+    result = _export(hf_folder(name), out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["task"] == "text2text-generation-with-past"
+    assert "not fused" not in report["fused"] and "encoder:" in report["fused"]
+    decoder, encoder = onnx.load(out), onnx.load(tmp_path / "t5.encoder.onnx")
+    assert [i.name for i in decoder.graph.input] == [
+        "input_ids", "encoder_attention_mask", "encoder_hidden_states",
+        "past_key_values.0.decoder.key", "past_key_values.0.decoder.value"]
+    assert [o.name for o in decoder.graph.output] == [
+        "logits", "present.0.decoder.key", "present.0.decoder.value"]
+    assert [i.name for i in encoder.graph.input] == ["input_ids", "attention_mask"]
+    assert "MultiHeadAttention" in _ops(decoder) and "MultiHeadAttention" in _ops(encoder)
+    again = validate_model(out, ValidateConfig())
+    assert again and any(c.case.startswith("decode step 16") for c in again.comparisons)
+    assert validate_model(tmp_path / "t5.encoder.onnx", ValidateConfig())
+
+
 def test_what_it_cannot_export_is_refused_with_the_reason(hf_folder, tmp_path):
-    result = _export(hf_folder("t5"), tmp_path / "t5.onnx")
-    assert result.exit_code == 2 and "encoder-decoder" in result.output
-    assert not (tmp_path / "t5.onnx").exists()
+    result = _export(hf_folder("llama"), tmp_path / "x.onnx", "--task",
+                     "text2text-generation-with-past")
+    assert result.exit_code == 2 and "cannot load" in result.output, result.output
+    assert not (tmp_path / "x.onnx").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     result = _export(empty, tmp_path / "x.onnx")

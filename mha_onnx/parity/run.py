@@ -52,15 +52,19 @@ from mha_onnx.stats import compare
 log = logging.getLogger(__name__)
 
 
-def validation_cases(specs: Sequence[InputSpec]) -> list[ShapeCase]:
+def validation_cases(specs: Sequence[InputSpec], positions: int | None = None
+                     ) -> list[ShapeCase]:
     """The default sweep: seq 1, odd lengths, powers of two, seq_q != seq_kv, batch 1 and > 1;
-    padding patterns include all-but-one key masked and a fully masked batch entry."""
+    padding patterns include all-but-one key masked and a fully masked batch entry.
+    ``positions``: a position table's size (a model with learned positions), which no two
+    lengths together may pass."""
+    cap = (lambda n: min(n, positions // 2)) if positions else (lambda n: n)  # noqa: E731
     return [
         case_for(specs, "seq 1", 1, [1], "none"),
         case_for(specs, "odd", 1, [7, 5], "some"),
-        case_for(specs, "pow2", 2, [16, 32], "some"),
-        case_for(specs, "odd, padded", 3, [33, 17], "full"),
-        case_for(specs, "pow2, long", 2, [128, 64], "full"),
+        case_for(specs, "pow2", 2, [cap(16), cap(32)], "some"),
+        case_for(specs, "odd, padded", 3, [cap(33), cap(17)], "full"),
+        case_for(specs, "pow2, long", 2, [cap(128), cap(64)], "full"),
     ]
 
 
@@ -94,7 +98,7 @@ def _cast_feeds(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec] | No
     return {k: v.astype(by_name[k].dtype) if k in by_name else v for k, v in feeds.items()}
 
 
-def _runs(specs: Sequence[InputSpec], config: ValidateConfig
+def _runs(specs: Sequence[InputSpec], config: ValidateConfig, positions: int | None = None
           ) -> tuple[list[tuple[ShapeCase, dict[str, np.ndarray]]], GoldenReference | None]:
     """What to feed: a golden file's stored inputs, the user's inputs, or generated cases."""
     if config.load_outputs:
@@ -104,7 +108,7 @@ def _runs(specs: Sequence[InputSpec], config: ValidateConfig
     if config.inputs:
         feeds = load_inputs(config.inputs, specs)
         return [(case_of_feeds(specs, feeds, f"inputs from {config.inputs}"), feeds)], None
-    cases = list(config.shapes) if config.shapes else validation_cases(specs)
+    cases = list(config.shapes) if config.shapes else validation_cases(specs, positions)
     return [(case, make_inputs(specs, case, seed=config.seed + n))
             for n, case in enumerate(cases)], None
 
@@ -117,7 +121,8 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     model = read_model(path)
     shared = is_shared(model)  # then fed and compared through the appended interface
     specs, pairs = shared_view(model)
-    runs, golden = _runs(specs, config)
+    hf = metadata.loaded(model, "hf_model") or {}  # export --model: its position table
+    runs, golden = _runs(specs, config, hf.get("positions"))
     if config.memory_check:  # the model, PyTorch and the reference run at once
         ensure_fits(model, [c for c, _ in runs], copies=3,
                     hint="use smaller --shapes or pass --no-memory-check")
