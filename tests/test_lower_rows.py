@@ -152,3 +152,6 @@ def test_an_optimum_llama_left_padded_batch_stays_on_gqa(tmp_path):
             == gqa, (past, new, padding)
     result = CliRunner().invoke(main, ["validate", str(out), "--reference", str(src)])
     assert result.exit_code == 0 and "decode step 16" in result.output, result.output
+    # validate says which kernels the steps ran: left-padded or not, GQA in both layers
+    for step in ("decode prompt", "decode step 1", "decode (no key padded) step 16"):
+        assert f"kernels run on ORT CPU at {step}: GroupQueryAttention x2" in result.output

@@ -84,6 +84,9 @@ def test_optimum_decoders_decode_like_the_export(path, tmp_path):
     report = validate_model(tmp_path / "fused.onnx", ValidateConfig(reference=str(path)))
     assert report, report.render()
     assert sum(c.case.startswith("decode step") for c in report.comparisons) >= 16
+    # which kernels ran: prompt, first and last step of both chains, each on a fused kernel
+    assert len(report.decode_kernels) == 6, report.decode_kernels
+    assert all("Attention x2" in k for k in report.decode_kernels), report.decode_kernels
 
 
 def test_image_dims_come_from_the_graph():

@@ -65,6 +65,7 @@ class ValidationReport:
     seconds: float
     notes: tuple[str, ...] = ()  # warnings: attention kernels on the CPU, forms for another EP
     bisect: Any = None  # --bisect: a BisectReport, or why nothing was bisected (str)
+    decode_kernels: tuple[str, ...] = ()  # "decode step 1: GroupQueryAttention x2", ...
 
     @property
     def outputs_passed(self) -> bool:
@@ -102,6 +103,7 @@ class ValidationReport:
             **({"bisect": self.bisect if isinstance(self.bisect, str) else self.bisect.to_dict()}
                if self.bisect is not None else {}),
             "notes": list(self.notes),
+            "decode_kernels": list(self.decode_kernels),
         }
 
     def render(self) -> str:
@@ -115,6 +117,7 @@ class ValidationReport:
                              + (" ..." if len(p.cpu_nodes) > 12 else ""))
         for c in self.checks:
             lines.append(f"  check {c.name}: {'pass' if c.passed else 'FAIL'}: {c.detail}")
+        lines += [f"  kernels run on ORT CPU at {step}" for step in self.decode_kernels]
         rows = [
             (c.output, c.provider, c.against, c.case, c.stats.max_abs, c.stats.max_rel,
              c.stats.mean_abs, c.stats.p99_abs, c.stats.mismatch_fraction, c.stats.cosine,

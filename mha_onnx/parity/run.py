@@ -40,6 +40,7 @@ from mha_onnx.parity.golden import (
     load_golden,
     save_golden,
 )
+from mha_onnx.parity.kernels import attention_kernels, describe
 from mha_onnx.parity.references import references_for
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
 from mha_onnx.preflight import preflight
@@ -143,8 +144,11 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     try:
         comparisons, masked, saved = _compare_runs(model, specs, runs, references, ref_specs,
                                                    runners, config)
+        kernels: list[str] = []
         if pairs and golden is None and not config.inputs and config.decode_steps > 0:
-            comparisons += _decode(model, specs, pairs, references, runners, config)
+            decoded, kernels = _decode(str(path), model, specs, pairs, references, runners,
+                                       config)
+            comparisons += decoded
     finally:
         for runner in runners.values():
             runner.close()
@@ -165,6 +169,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
         notes=tuple(placement_notes(model, statuses)), bisect=bisected,
+        decode_kernels=tuple(kernels),
     )
 
 
@@ -221,8 +226,10 @@ def placement_notes(model, statuses: Sequence[ProviderStatus]) -> list[str]:
     return notes
 
 
-def _decode(model, specs, pairs, references, runners, config: ValidateConfig) -> list[Comparison]:
-    """A prompt and ``decode_steps`` single-token steps, every runtime on its own chain."""
+def _decode(path, model, specs, pairs, references, runners, config: ValidateConfig
+            ) -> tuple[list[Comparison], list[str]]:
+    """A prompt and ``decode_steps`` single-token steps, every runtime on its own chain; and
+    which attention kernels ORT CPU ran at the prompt, the first and the last step."""
     out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
                 for o in model.graph.output}
     runtimes = {**{f"reference:{k}": r for k, r in references.items()}, **runners}
@@ -230,9 +237,13 @@ def _decode(model, specs, pairs, references, runners, config: ValidateConfig) ->
     chains = [("decode ", True)]  # left-padded rows, as batched generation pads prompts
     if has_padding_mask(specs):  # and the branch a batch without padding takes
         chains.append(("decode (no key padded) ", False))
+    probes: list[tuple[str, dict]] = []  # (step, its feeds on ORT CPU): kernels said
     for prefix, padded in chains:
-        for label, results, fresh in decode_chains(runtimes, specs, pairs, config.decode_steps,
-                                                   seed=config.seed, padded=padded):
+        steps = decode_chains(runtimes, specs, pairs, config.decode_steps, seed=config.seed,
+                              padded=padded)
+        if "cpu" in runners:
+            probes += _probe_feeds(prefix, steps, pairs)
+        for label, results, fresh in steps:
             results = {k: _blank_padded(v, fresh, specs, out_dims, set(pairs.values()))
                        for k, v in results.items()}
             wants = {k.split(":", 1)[1]: v for k, v in results.items()
@@ -240,7 +251,25 @@ def _decode(model, specs, pairs, references, runners, config: ValidateConfig) ->
             gots = {k: v for k, v in results.items() if not k.startswith("reference:")}
             case = ShapeCase(f"{prefix}{label}", {}, "given")
             comparisons += _compare_case(case, gots, wants, None, out_dims, config)
-    return comparisons
+    rows, shared = row_layout(model), is_shared(model)
+    said = [f"{step}: {describe(attention_kernels(path, feeds, specs, pairs, shared, rows))}"
+            for step, feeds in probes]
+    return comparisons, said
+
+
+def _probe_feeds(prefix: str, steps, pairs) -> list[tuple[str, dict]]:
+    """The prompt, the first and the last step of a chain as ORT CPU ran them (its pasts:
+    the presents it returned the step before)."""
+    out, previous = [], None
+    picked = {0, 1, len(steps) - 1}
+    for n, (label, results, fresh) in enumerate(steps):
+        feeds = dict(fresh)
+        if previous is not None:
+            feeds.update({past: previous[present] for past, present in pairs.items()})
+        if n in picked:
+            out.append((f"{prefix}{label}", feeds))
+        previous = results["cpu"]
+    return out
 
 
 def _blank_padded(outputs: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray], specs,
