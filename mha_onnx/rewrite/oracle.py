@@ -256,6 +256,8 @@ def _causal_fit(masked: np.ndarray, offset: int) -> int | None:
         return 0
     kept = (~masked).sum(axis=1)
     window = int(kept.max())
+    if window == 0:  # every key masked: no causal pattern (a "window" of none is 0 = none)
+        return None
     expected = causal | (j <= i + offset - window)
     return window if np.array_equal(masked, expected) else None
 
