@@ -215,3 +215,16 @@ def test_keys_and_values_of_different_head_sizes_fuse():
                    names=["input_ids", "attention_mask"])
     _, results = fused_and_checked(proto)
     assert [r.status for r in results] == ["fused"]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_differential_attention_is_one_attention_over_both_value_halves(decoders, attn):
+    """DiffLlama applies one Softmax to two halves of V (P @ V1, P @ V2): the weights' two
+    users made the block 'used elsewhere'; as P @ [V1, V2] it is one attention, verified."""
+    from mha_onnx.rewrite import fuse_model
+
+    original = decoders("diffllama", attn, 18, "float32")
+    _, _, notes = fuse_model(original)
+    assert any("differential attention" in n for n in notes), notes
+    _, results = fused_and_checked(original)  # every block fused, checked, verified
+    assert [r.status for r in results] == ["fused"]

@@ -489,6 +489,8 @@ DECODERS: dict[str, tuple[str, str, dict]] = {
     # ALiBi as a [H, 1, max_seq_len] table sliced to the keys; a float mask cast to bool
     "mpt": ("MptConfig", "MptModel", {"d_model": D, "n_layers": 1, "n_heads": H,
                                       "max_seq_len": 128}),
+    # differential attention: one Softmax applied to two halves of V, O1 - lambda * O2
+    "diffllama": ("DiffLlamaConfig", "DiffLlamaModel", {"num_key_value_heads": 2}),
 }
 
 

@@ -45,6 +45,7 @@ from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from mha_onnx.rewrite.shapes import fold_static_dims, with_symbolic_shapes
+from mha_onnx.rewrite.shared_probs import distribute_combinations, merge_value_matmuls
 from mha_onnx.rewrite.verify import Verification, verification_cases, verify, verify_on_openvino
 
 log = logging.getLogger(__name__)
@@ -118,11 +119,7 @@ def fuse_model(
         raise ConfigError("--kv-cache shared is an ONNX Runtime form", hint="use --target ort")
     model = to_ir(with_symbolic_shapes(model_proto))
     notes = _prepare(model, target)
-    repaired: list[str] = []
-    RewriteRuleSet([RotaryCachesOverBatch.rule(repaired)]).apply_to_model(model)
-    if repaired:
-        notes.append(f"repaired {len(repaired)} RotaryEmbedding node(s) that onnxruntime 1.31 "
-                     "refuses (cos/sin caches broadcast over the batch, now expanded)")
+    notes += _normalise(model)
     before = find_blocks(model.graph)
     blog = BlockLog()
     chosen: dict[str, Form] = {}
@@ -160,6 +157,22 @@ def fuse_model(
     if fused.ir_version > 10 and model_proto.ir_version <= 10:
         fused.ir_version = model_proto.ir_version
     return fused, results, notes
+
+
+def _normalise(model: ir.Model) -> list[str]:
+    """Repairs ORT needs, and attention spelt so that each Softmax is one block; notes."""
+    notes = []
+    repaired: list[str] = []
+    RewriteRuleSet([RotaryCachesOverBatch.rule(repaired)]).apply_to_model(model)
+    if repaired:
+        notes.append(f"repaired {len(repaired)} RotaryEmbedding node(s) that onnxruntime 1.31 "
+                     "refuses (cos/sin caches broadcast over the batch, now expanded)")
+    merged = merge_value_matmuls(model) + distribute_combinations(model)
+    if merged:
+        remove_unused_nodes(model)  # the scaled weights now read by nothing
+        notes.append(f"{merged} differential attention(s) (Softmax weights applied to several "
+                     "value tensors, or combined before V) made one attention per Softmax")
+    return notes
 
 
 def _past_dim(model: onnx.ModelProto, pairs: dict[str, str]) -> str:
