@@ -6,6 +6,13 @@ a 1x1x1x1 image, nothing runs. An image input (one that reaches a Conv's data in
 channels from the Conv weight (``C = W.shape[1] * group``) and, where height and width are
 symbolic, the smallest size among the kernel's multiples and the usual image sizes at which
 ONNX Runtime runs the model (batch 1). None runs: a one-line error naming ``--inputs``.
+
+torch.export with ``Dim.DYNAMIC`` names one axis anew on every input (batch ``s33`` on
+input_ids, ``s6`` on attention_mask; a KV export's mask length unrelated to past + new), and
+inputs generated at independent sizes make the original fail. Where the graph does not run
+at distinct sizes for such names but runs once they are related (one batch; ids and masks of
+one length, a mask over past + new when there are pasts), they are related; where it runs
+at neither, a one-line error names the dims and ``--shapes``/``--inputs``.
 """
 
 from __future__ import annotations
@@ -109,12 +116,104 @@ def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int) -> 
         hint="pass real inputs with --inputs FILE.npz")
 
 
+def _size(dim: str, sizes: dict) -> int:
+    """A symbolic dim's trial size: ``a + b`` summed, an unknown name 1."""
+    return sum(sizes.get(term.strip(), 1) for term in dim.split("+"))
+
+
 def _trial_array(spec, sizes: dict) -> np.ndarray:
     """An input for one trial run: other symbolic dims 1, integers 1 (a kept token of id
     1), booleans False (nothing padded), floats random."""
-    shape = [d if isinstance(d, int) else sizes.get(d, 1) for d in spec.dims]
+    shape = [d if isinstance(d, int) else _size(d, sizes) for d in spec.dims]
     if spec.dtype.kind in "iu":
         return np.ones(shape, dtype=spec.dtype)
     if spec.dtype == np.bool_:
         return np.zeros(shape, dtype=bool)
     return np.random.default_rng(0).standard_normal(shape).astype(spec.dtype)
+
+
+_RELATED: dict[str, bool] = {}  # graph digest -> relate its dims (trials run once)
+
+
+def relate_dims(model: onnx.ModelProto, specs: Sequence) -> list:
+    """``specs`` with the dims the graph relates named alike where they are named apart
+    (see the module docstring); else as they are."""
+    related = _related(specs)
+    if related == list(specs):
+        return list(specs)
+    key = hashlib.sha1(model.graph.SerializeToString()).hexdigest()
+    if key not in _RELATED:
+        _RELATED[key] = _needs_relating(model, specs, related)
+    return related if _RELATED[key] else list(specs)
+
+
+def _related(specs: Sequence) -> list:
+    """One batch name on every first axis; ids and masks [B, L] of the ids' length (a mask
+    over past + new when 4-D pasts have a symbolic length, all pasts of one length)."""
+    first = [s.dims[0] for s in specs if s.dims and isinstance(s.dims[0], str)]
+    seq = next((s.dims[1] for s in specs if len(s.dims) == 2 and s.role == "ids"
+                and isinstance(s.dims[1], str)), None)
+    past = next((s.dims[2] for s in specs if len(s.dims) == 4 and s.role == "data"
+                 and isinstance(s.dims[2], str)), None)
+    out = []
+    for spec in specs:
+        dims = list(spec.dims)
+        if dims and isinstance(dims[0], str):
+            dims[0] = first[0]
+        if seq and len(dims) == 2 and spec.role in ("ids", "mask") and isinstance(dims[1], str):
+            dims[1] = f"{past} + {seq}" if spec.role == "mask" and past else seq
+        if seq and past and len(dims) == 4 and spec.role == "data" and isinstance(dims[2], str):
+            dims[2] = past  # a decoder's caches: one cached length
+        out.append(replace(spec, dims=tuple(dims)))
+    return out
+
+
+def _needs_relating(model: onnx.ModelProto, specs: Sequence, related: list) -> bool:
+    """Does the model fail at distinct sizes for its dims but run with them related?"""
+    from mha_onnx.runtimes import OrtRunner
+
+    names = sorted({d for s in specs for d in s.dims if isinstance(d, str) and "+" not in d})
+    rising = {name: 2 + n for n, name in enumerate(names)}  # distinct small sizes, both ways
+    falling = {name: 2 + len(names) - n for n, name in enumerate(names)}
+    reasons = []
+    with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
+        for sizes in (rising, falling):
+            try:
+                runner.infer({s.name: _trial_array(s, sizes) for s in specs})
+            except Exception as exc:  # noqa: BLE001 - sizes the graph does not take
+                reasons.append(str(exc)[:160])
+        if not reasons:
+            return False  # it runs at distinct sizes: the dims are free
+        try:
+            runner.infer({s.name: _trial_array(s, rising) for s in related})
+            log.info("dims named apart related (the graph runs only so): %s", names)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            reasons.append(str(exc)[:160])
+    raise InputSpecError(
+        f"the model runs neither at distinct sizes for its dims {names} nor with them "
+        f"related ({reasons[0]})",
+        hint="give their sizes with --shapes, or real inputs with --inputs FILE.npz")
+
+
+def with_related_dims(model: onnx.ModelProto, specs: Sequence) -> onnx.ModelProto:
+    """``model`` (a copy) whose inputs' symbolic dims are named as ``specs`` name them, so
+    that shape inference carries one name per axis through the graph."""
+    by_name = {s.name: s for s in specs}
+    out = None
+    for n, value in enumerate(model.graph.input):
+        spec = by_name.get(value.name)
+        dims = value.type.tensor_type.shape.dim
+        if spec is None or len(spec.dims) != len(dims):
+            continue
+        for k, (dim, want) in enumerate(zip(dims, spec.dims, strict=True)):
+            if isinstance(want, str) and dim.dim_param and dim.dim_param != want:
+                out = out or _copy(model)
+                out.graph.input[n].type.tensor_type.shape.dim[k].dim_param = want
+    return out or model
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.errors import InputSpecError, ResourceError
-from mha_onnx.graphdims import pin_dims
+from mha_onnx.graphdims import pin_dims, relate_dims
 from mha_onnx.input_roles import all_nodes, integer_roles
 from mha_onnx.table import human_bytes
 
@@ -96,7 +96,7 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
         if dtype.kind in "iu":
             role, bound = roles.get(value.name, ("ids", 16))
         specs.append(InputSpec(value.name, dtype, dims, role, bound))
-    return pin_dims(model, specs)
+    return relate_dims(model, pin_dims(model, specs))
 
 
 def contract_specs(config) -> list[InputSpec]:

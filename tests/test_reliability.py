@@ -228,3 +228,22 @@ def test_an_original_ort_refuses_is_the_inputs_fault_not_fuses():
     broken = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     with pytest.raises(ModelFileError, match="refuses the original model"):
         verify(broken, broken)
+
+
+def test_a_mismatch_where_the_original_gives_nan_says_so():
+    """The original NaN where the fused graph is finite (and nowhere the other way): the
+    error says the original gives NaN there and points at real inputs."""
+    import numpy as np
+
+    from mha_onnx.errors import FusionError
+    from mha_onnx.rewrite.fuse import _refuse_mismatch
+    from mha_onnx.rewrite.verify import CaseResult, Verification
+    from mha_onnx.stats import compare
+
+    expected = np.array([[np.nan, 1.0], [2.0, 3.0]], np.float32)
+    got = np.array([[0.5, 1.0], [2.0, 3.0]], np.float32)
+    verification = Verification((CaseResult("odd", "y", compare(got, expected)),))
+    with pytest.raises(FusionError) as raised:
+        _refuse_mismatch(verification)
+    assert "the original itself gives NaN in 1 values there" in str(raised.value)
+    assert "--inputs" in raised.value.hint

@@ -21,6 +21,7 @@ from onnxscript.rewriter import RewriteRuleSet
 from mha_onnx import __version__, metadata
 from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import BlocksLeft, ConfigError, FusionError, RuntimeCrash
+from mha_onnx.graphdims import with_related_dims
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.inputs import input_specs, load_inputs
 from mha_onnx.preflight import Preflight, preflight
@@ -117,7 +118,8 @@ def fuse_model(
         policy = replace(policy, kv_cache=kv_cache)
     if policy.kv_cache == "shared" and target != "ort":
         raise ConfigError("--kv-cache shared is an ONNX Runtime form", hint="use --target ort")
-    model = to_ir(with_symbolic_shapes(model_proto))
+    related = with_related_dims(model_proto, input_specs(model_proto))  # one name per axis
+    model = to_ir(with_symbolic_shapes(related))
     notes = _prepare(model, target)
     notes += _normalise(model)
     before = find_blocks(model.graph)
@@ -211,7 +213,8 @@ def _shared_note(shared: int, chosen: dict[str, Form], rows) -> str:
 def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
     """What fuse would make of each unfused attention block, without rewriting anything:
     block name -> its meaning (e.g. "causal + key padding, window 4") or "not fused: why"."""
-    model = to_ir(with_symbolic_shapes(model_proto))
+    related = with_related_dims(model_proto, input_specs(model_proto))  # one name per axis
+    model = to_ir(with_symbolic_shapes(related))
     _prepare(model, "ort")
     oracle = Oracle(model)
     out: dict[str, str] = {}
@@ -333,11 +336,19 @@ def _safe_level(checked: Preflight, what: str) -> str:
 def _refuse_mismatch(verification: Verification) -> None:
     failure = verification.first_failure()
     if failure is not None:
+        stats = failure.stats
+        why = ""
+        if stats.nan_expected and not stats.nan_where_expected_finite:
+            why = (f"; the original itself gives NaN in {stats.nan_expected} values there (the"
+                   " fused graph nowhere else): the generated inputs may be outside what the"
+                   " model is defined for")
         raise FusionError(
             f"fused graph differs from the original: output {failure.output!r} at "
-            f"{failure.case}: max abs error {failure.stats.max_abs:.3g} "
-            f"(atol {failure.stats.atol:g}); nothing was written",
-            hint="please report this model; --no-verify writes it anyway")
+            f"{failure.case}: max abs error {stats.max_abs:.3g} (atol {stats.atol:g})"
+            f"{why}; nothing was written",
+            hint="verify with real inputs (--inputs FILE.npz); else please report this model; "
+                 "--no-verify writes it anyway" if why else
+                 "please report this model; --no-verify writes it anyway")
 
 
 def carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,
