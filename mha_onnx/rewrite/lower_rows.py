@@ -28,7 +28,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, Form, either
+from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED, Form, either
 from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
 from mha_onnx.rewrite.irutil import MS_DOMAIN, const_scalar
 from mha_onnx.rewrite.lower_common import (
@@ -114,9 +114,11 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
                         "rows_prompt", outputs=3)
 
     outs = if_forms(op, info, decoding, gqa, prompt_or_general, "rows", outputs=3)
-    prompt = either("no past, one run of kept keys per row",
-                    "GroupQueryAttention on rows gathered kept-first",
-                    "MHA + attention_bias over the cache's kept keys", cases=(NO_PAST,))
+    guard = "no past, no key padded" if half_precision(info) else \
+        "no past, one run of kept keys per row"
+    prompt = either(guard, "GroupQueryAttention on rows gathered kept-first",
+                    "MHA + attention_bias over the cache's kept keys",
+                    cases=(NO_PAST, UNPADDED) if half_precision(info) else (NO_PAST,))
     return list(outs), either("one new token, kept in every row",
                               "GroupQueryAttention on a shared cache buffer (per-row lengths)",
                               prompt, cases=(SHARED_RUN, ONE_TOKEN, LEFT_PADDED))

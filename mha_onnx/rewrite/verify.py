@@ -202,8 +202,9 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
                                "some"))
         branches.append(cases[-1])
         steps.append(cases[-1])
-    if UNPADDED in kinds:  # the branch only unpadded runs take
-        cases += [replace(c, label=f"{c.label}, no key padded", padding="none") for c in branches]
+    if UNPADDED in kinds:  # the branch only unpadded runs take (a prompt's too)
+        cases += [replace(c, label=f"{c.label}, no key padded", padding="none")
+                  for c in branches + ([prompt] if prompt is not None else [])]
     for window in sorted({w for form in forms for w in form.reaches()} & set(range(513))):
         longer, label = window + 3, f"past the window ({window})"  # (sizes a position table
         if not steps:  # may refuse: optional)
