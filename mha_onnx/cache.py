@@ -134,6 +134,17 @@ def logical_present(buffer: np.ndarray, past: np.ndarray, keep: np.ndarray) -> n
     return out
 
 
+def _packed(pasts: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray],
+            rows: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    """Appended pasts as a shared buffer starts from them: as they are, or (``rows``) each
+    row's kept positions first."""
+    if rows is None:
+        return dict(pasts)
+    cached = next(iter(pasts.values())).shape[2]
+    keep = kept_keys(feeds, rows)[:, :cached]
+    return {name: kept_first(past, keep) for name, past in pasts.items()}
+
+
 def to_shared(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec],
               pairs: Mapping[str, str], headroom: int = 3,
               rows: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
@@ -144,10 +155,8 @@ def to_shared(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec],
     pasts = {name: feeds[name] for name in pairs}
     past_len = next(iter(pasts.values())).shape[2]
     capacity = past_len + new_tokens(specs, pairs, feeds) + headroom
-    if rows is not None:
-        keep = kept_keys(feeds, rows)[:, :past_len]
-        pasts = {name: kept_first(past, keep) for name, past in pasts.items()}
     out = {k: v for k, v in feeds.items() if k not in pasts}
+    pasts = _packed(pasts, feeds, rows)
     out[LENGTH_INPUT] = np.array(past_len, np.int64)
     out.update({name: _buffer(past, capacity) for name, past in pasts.items()})
     return out
@@ -231,9 +240,8 @@ class SharedCache:
         keep = kept_keys(feeds, self.rows) if self.rows is not None else None
         if not continuing:
             capacity = max(self.max_length, total + self.headroom)
-            start = pasts if keep is None else {
-                name: kept_first(past, keep[:, :past_len]) for name, past in pasts.items()}
-            self._buffers = shared_buffers(start, capacity, self.device)
+            self._buffers = shared_buffers(_packed(pasts, feeds, self.rows), capacity,
+                                           self.device)
         step = {k: v for k, v in feeds.items() if k not in pasts}
         step[LENGTH_INPUT] = np.array(past_len, np.int64)
         binding, run = bound_step(self.runner.session, {**step, **pasts}, self._buffers,

@@ -31,10 +31,18 @@ from mha_onnx.rewrite.lower_common import (
     dense_mha,
     fix_all_padded,
     int_const,
+    new_key_kept,
     none_padded,
+    padding_bias,
     scalar_shape,
 )
-from mha_onnx.rewrite.lower_gqa import gqa_ok, half_precision, if_forms, lower_gqa
+from mha_onnx.rewrite.lower_gqa import (
+    gqa_ok,
+    gqa_with_past,
+    half_precision,
+    if_forms,
+    lower_gqa,
+)
 from mha_onnx.rewrite.lower_shared import lower_shared, shareable
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
@@ -140,31 +148,7 @@ def _decode_with_past(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Ap
     total = ops.Add(past, ops.Cast(ops.Reshape(seq_dim(ops, k3, 1), scalar_shape(ops)),
                                    to=ir.DataType.INT32))
     seqlens = ops.Expand(ops.Sub(total, int_const(ops, 1, np.int32)), seq_dim(ops, q3, 0))
-    inputs = [q3, k3, v3, key.past, value.past, seqlens, total]
-    if bias is not None:
-        inputs += [None, None, None, bias]
-    outs = ops.GroupQueryAttention(*inputs, num_heads=info.heads, kv_num_heads=info.kv_heads,
-                                   scale=info.scale, local_window_size=info.window or None,
-                                   softcap=info.softcap or None, _domain=MS_DOMAIN, _outputs=3)
-    return tuple(outs)
-
-
-def padding_bias(ops, info: SdpaInfo) -> ir.Value:
-    """[B, 1, 1, T]: 0 for a kept key, the dtype's lowest finite value for a padded one (its
-    weight exactly 0 wherever the row keeps a key)."""
-    assert info.padded is not None
-    lowest = info.const(ops, float(np.finfo(info.np_dtype).min))
-    bias = ops.Where(info.padded, lowest, info.const(ops, 0.0))
-    return ops.Unsqueeze(bias, int_const(ops, [1, 2]))
-
-
-def new_key_kept(ops, info: SdpaInfo) -> ir.Value:
-    """bool scalar: every row keeps its last key (a step's new token), so no query of a
-    decode step has all its keys masked."""
-    assert info.padded is not None
-    last = ops.Slice(ops.Cast(info.padded, to=ir.DataType.INT32), int_const(ops, [-1]),
-                     int_const(ops, [2 ** 31]), int_const(ops, [1]))
-    return ops.Equal(ops.ReduceMax(last, keepdims=0), int_const(ops, 0, np.int32))
+    return gqa_with_past(ops, info, q3, k3, v3, key.past, value.past, seqlens, total, bias)
 
 
 def _prefill(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:

@@ -152,6 +152,24 @@ def none_padded(op, info: SdpaInfo) -> ir.Value:
     return op.Equal(most, int_const(op, 0, np.int32))
 
 
+def new_key_kept(op, info: SdpaInfo) -> ir.Value:
+    """A bool scalar: every row keeps its last key (a step's new token), so no query of a
+    decode step has all its keys masked."""
+    assert info.padded is not None
+    last = op.Slice(op.Cast(info.padded, to=ir.DataType.INT32), int_const(op, [-1]),
+                    int_const(op, [2 ** 31]), int_const(op, [1]))
+    return op.Equal(op.ReduceMax(last, keepdims=0), int_const(op, 0, np.int32))
+
+
+def padding_bias(op, info: SdpaInfo) -> ir.Value:
+    """[B, 1, 1, T]: 0 for a kept key, the dtype's lowest finite value for a padded one (its
+    weight exactly 0 wherever the row keeps a key)."""
+    assert info.padded is not None
+    lowest = info.const(op, float(np.finfo(info.np_dtype).min))
+    return op.Unsqueeze(op.Where(info.padded, lowest, info.const(op, 0.0)),
+                        int_const(op, [1, 2]))
+
+
 def mean_over_keys(op, v: ir.Value, axis: int) -> ir.Value:
     """The mean of V over its key axis (uniform attention weights), keeping that axis."""
     total = op.ReduceSum(v, op.Constant(value_ints=[axis]), keepdims=1)

@@ -83,6 +83,20 @@ def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None, *,
     return op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _outputs=3, **attrs)[0]
 
 
+def gqa_with_past(op, info: SdpaInfo, q3, k3, v3, past_key, past_value, seqlens, total,
+                  bias: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """One GroupQueryAttention node with a past (appended, or a shared buffer): (out,
+    present_key, present_value); the block's window and soft-cap, ``bias`` [B, 1, 1, T]
+    the padded keys' additive mask."""
+    inputs = [q3, k3, v3, past_key, past_value, seqlens, total]
+    if bias is not None:
+        inputs += [None, None, None, bias]
+    return tuple(op.GroupQueryAttention(
+        *inputs, num_heads=info.heads, kv_num_heads=info.kv_heads, scale=info.scale,
+        local_window_size=info.window or None, softcap=info.softcap or None,
+        _domain=MS_DOMAIN, _outputs=3))
+
+
 def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
               ) -> tuple[ir.Value, Form]:
     """The causal block on GQA (behind a run-time check where GQA's exactness needs one).

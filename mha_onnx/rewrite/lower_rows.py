@@ -30,16 +30,17 @@ import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED, Form, either
 from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
-from mha_onnx.rewrite.irutil import MS_DOMAIN, const_scalar
+from mha_onnx.rewrite.irutil import const_scalar
 from mha_onnx.rewrite.lower_common import (
     TapeOps,
     dense_mha,
     fully_masked_value,
     int_const,
+    new_key_kept,
     none_padded,
     scalar_shape,
 )
-from mha_onnx.rewrite.lower_gqa import half_precision, if_forms
+from mha_onnx.rewrite.lower_gqa import gqa_with_past, half_precision, if_forms
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
 
@@ -92,13 +93,11 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
     one = int_const(op, 1, np.int32)
     seqlens = op.Sub(op.ReduceSum(keep, int_const(op, [1]), keepdims=0), one)
     new32 = op.Cast(op.Reshape(seq_dim(op, q3, 1), scalar_shape(op)), to=ir.DataType.INT32)
-    last_kept = op.ReduceMin(op.Slice(keep, int_const(op, [-1]), int_const(op, [2 ** 31]),
-                                      int_const(op, [1])), keepdims=0)
-    decoding = op.And(op.Equal(new32, one), op.Equal(last_kept, one))
+    decoding = op.And(op.Equal(new32, one), new_key_kept(op, info))
     k3, v3 = to_bsd(op, key.new, info.kv_heads), to_bsd(op, value.new, info.kv_heads)
 
     def gqa(ops: TapeOps):
-        return tuple(_gqa(ops, info, q3, k3, v3, key.past, value.past, seqlens, total))
+        return gqa_with_past(ops, info, q3, k3, v3, key.past, value.past, seqlens, total)
 
     def prompt_or_general(ops: TapeOps):
         cond = ops.And(ops.Equal(ops.Reshape(past, scalar_shape(ops)), int_const(ops, 0)),
@@ -122,12 +121,6 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
     return list(outs), either("one new token, kept in every row",
                               "GroupQueryAttention on a shared cache buffer (per-row lengths)",
                               prompt, cases=(SHARED_RUN, ONE_TOKEN, LEFT_PADDED))
-
-
-def _gqa(ops, info: SdpaInfo, q3, k3, v3, past_key, past_value, seqlens, total):
-    return ops.GroupQueryAttention(q3, k3, v3, past_key, past_value, seqlens, total,
-                                   num_heads=info.heads, kv_num_heads=info.kv_heads,
-                                   scale=info.scale, _domain=MS_DOMAIN, _outputs=3)
 
 
 def _one_run_per_row(ops, keep: ir.Value) -> ir.Value:
@@ -187,7 +180,7 @@ def _prompt(ops, info: SdpaInfo, q3, k3, v3, key, value, keep, seqlens):
     dest = kept_first(ops, keep)
     src = inverse(ops, dest)
     total = ops.Cast(ops.Reshape(seq_dim(ops, q3, 1), scalar_shape(ops)), to=ir.DataType.INT32)
-    out, present_key, present_value = _gqa(
+    out, present_key, present_value = gqa_with_past(
         ops, info, gather_rows(ops, q3, src), gather_rows(ops, k3, src),
         gather_rows(ops, v3, src), key.past, value.past, seqlens, total)
     out = gather_rows(ops, out, dest)

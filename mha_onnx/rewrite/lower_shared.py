@@ -32,7 +32,7 @@ from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, Form, either
 from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
-from mha_onnx.rewrite.irutil import MS_DOMAIN, onehot_dim, replace_shape
+from mha_onnx.rewrite.irutil import onehot_dim, replace_shape
 from mha_onnx.rewrite.lower_common import (
     TapeOps,
     dense_mha,
@@ -40,7 +40,7 @@ from mha_onnx.rewrite.lower_common import (
     none_padded,
     scalar_shape,
 )
-from mha_onnx.rewrite.lower_gqa import if_forms
+from mha_onnx.rewrite.lower_gqa import gqa_with_past, if_forms
 from mha_onnx.rewrite.lower_rows import RowSource, lower_rows, row_source
 from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
 
@@ -87,9 +87,7 @@ def lower_shared(op, info: SdpaInfo, q3: ir.Value, key, value) -> tuple[list[ir.
 
     def gqa(ops: TapeOps):
         k3, v3 = to_bsd(ops, key.new, info.kv_heads), to_bsd(ops, value.new, info.kv_heads)
-        return tuple(ops.GroupQueryAttention(
-            q3, k3, v3, key.past, value.past, seqlens, total, num_heads=info.heads,
-            kv_num_heads=info.kv_heads, scale=info.scale, _domain=MS_DOMAIN, _outputs=3))
+        return gqa_with_past(ops, info, q3, k3, v3, key.past, value.past, seqlens, total)
 
     outs = if_forms(op, info, fast, gqa, lambda o: _general(o, info, q3, key, value, past),
                     "shared", outputs=3)
