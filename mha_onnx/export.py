@@ -26,6 +26,7 @@ from mha_onnx.errors import ExportError
 from mha_onnx.graphio import MAX_IR_VERSION, MAX_OPSET, prepare_output, write_model
 from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
 from mha_onnx.metadata import CheckResult
+from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.stats import compare
 from mha_onnx.table import human_bytes, table
 
@@ -239,10 +240,11 @@ def _torch_export(module: Any, config: MhaConfig, opset: int) -> onnx.ModelProto
                 input_names=names,
                 output_names=[o.name for o in graph_outputs(config)],
                 opset_version=opset,
-                optimize=True,
+                optimize=False,  # its optimizer drops an epsilon <= 1e-8: ours keeps it
                 verbose=False,
                 report=False,
             )
+            optimize_faithfully(program.model)
     except Exception as exc:  # torch raises many types here; all mean the export failed
         log.debug("torch.onnx output:\n%s", sink.getvalue())
         raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc

@@ -37,6 +37,7 @@ from mha_onnx.hf_model import (
     load_module,
     read_config,
 )
+from mha_onnx.rewrite.faithful import optimize_faithfully
 
 PAST, NEW = "past_sequence_length", "sequence_length"
 TOTAL = f"{PAST} + {NEW}"
@@ -157,7 +158,8 @@ def _torch_export(task: str, config: Any, model: Any, dtype: str, opset: int,
             logging.getLogger("torch.onnx").setLevel(logging.ERROR)
             program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic,
                                         opset_version=opset, input_names=inputs,
-                                        output_names=outputs, optimize=True, verbose=False)
+                                        output_names=outputs, optimize=False, verbose=False)
+            optimize_faithfully(program.model)  # torch's optimizer would drop eps <= 1e-8
     except Exception as exc:  # torch.export's own errors, whatever their class
         text = " ".join(str(exc).split())
         raise ExportError(f"torch.export cannot export {config.model_type} for {task}"

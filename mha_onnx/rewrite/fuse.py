@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from onnxscript.optimizer import optimize, remove_unused_nodes
+from onnxscript.optimizer import remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx import __version__, metadata
@@ -33,6 +33,7 @@ from mha_onnx.rewrite.core import (
     parse_onnx_attention,
     parse_softmax_attention,
 )
+from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.forms import ONE_TOKEN, SHARED, Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import MS_DOMAIN
@@ -40,7 +41,7 @@ from mha_onnx.rewrite.lower_cache import route_presents
 from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower_ort import Forms, LowerMergedOutput, LowerSdpa
 from mha_onnx.rewrite.lower_shared import share_interface, shared_rows
-from mha_onnx.rewrite.norms import fuse_norms
+from mha_onnx.rewrite.norms import fuse_norms, unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
@@ -78,7 +79,7 @@ def _prepare(model: ir.Model, target: str) -> list[str]:
         log.warning("shape inference failed (%s); fusing with the shapes in the file", exc)
     fold_static_dims(model)  # static dims read by Shape chains: constants to fold further
     try:  # constant folding: masks that are constant (e.g. all-keep) become visible as such
-        optimize(model, num_iterations=2)
+        optimize_faithfully(model)
     except Exception as exc:  # noqa: BLE001 - optional clean-up
         log.warning("onnxscript optimizer failed (%s); fusing the graph as it is", exc)
     return notes
@@ -285,6 +286,9 @@ def fuse_file(
     fused, results, notes = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
     carry_metadata(original, fused, results, target, (forms or Forms()).ep)
     notes += _unused_overrides(forms, results)
+    unguarded = unguarded_norms(original)
+    if unguarded:
+        notes.append(_UNGUARDED.format(len(unguarded), unguarded[0]))
     left = [r for r in results if r.status == "left"]
     if strict and left:
         raise BlocksLeft(f"{len(left)} of {len(results)} attention block(s) left unfused "
@@ -306,7 +310,7 @@ def fuse_file(
         if target == "openvino":
             verification = verify_on_openvino(original, fused, verification, cases=cases,
                                               given=given, atol=atol, rtol=rtol)
-        _refuse_mismatch(verification)
+        _refuse_mismatch(verification, unguarded)
     write_model(fused, output, force=force)
     return FuseReport(
         input=str(source), output=str(output), target=target, blocks=tuple(results),
@@ -333,22 +337,38 @@ def _safe_level(checked: Preflight, what: str) -> str:
     return checked.level or "all"
 
 
-def _refuse_mismatch(verification: Verification) -> None:
+_UNGUARDED = ("{} RMS normalisation(s) of the original have no epsilon (first: {}): a row "
+              "of zeros (a padding token's embedding) gives NaN there; torch.onnx.export's "
+              "optimizer drops an epsilon <= 1e-8 as zero: export with optimize=False or "
+              "`mha-onnx export --model`")
+
+
+def _refuse_mismatch(verification: Verification, unguarded: list[str]) -> None:
     failure = verification.first_failure()
     if failure is not None:
         stats = failure.stats
         why = ""
         if stats.nan_expected and not stats.nan_where_expected_finite:
             why = (f"; the original itself gives NaN in {stats.nan_expected} values there (the"
-                   " fused graph nowhere else): the generated inputs may be outside what the"
-                   " model is defined for")
+                   " fused graph nowhere else): " + (
+                       f"its RMS normalisation {unguarded[0]} has no epsilon (an exporter "
+                       "dropped one <= 1e-8)" if unguarded else
+                       "the generated inputs may be outside what the model is defined for"))
         raise FusionError(
             f"fused graph differs from the original: output {failure.output!r} at "
             f"{failure.case}: max abs error {stats.max_abs:.3g} (atol {stats.atol:g})"
             f"{why}; nothing was written",
-            hint="verify with real inputs (--inputs FILE.npz); else please report this model; "
-                 "--no-verify writes it anyway" if why else
-                 "please report this model; --no-verify writes it anyway")
+            hint=_mismatch_hint(bool(why), bool(unguarded)))
+
+
+def _mismatch_hint(original_nan: bool, unguarded: bool) -> str:
+    if original_nan and unguarded:
+        return ("re-export without torch.onnx's optimizer (optimize=False) or with "
+                "`mha-onnx export --model`; --no-verify writes it anyway")
+    if original_nan:
+        return ("verify with real inputs (--inputs FILE.npz); else please report this model; "
+                "--no-verify writes it anyway")
+    return "please report this model; --no-verify writes it anyway"
 
 
 def carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import onnx
+import onnx.numpy_helper
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet, pattern
 
@@ -104,3 +106,35 @@ def fuse_norms(model: ir.Model) -> int:
     count += RewriteRuleSet([SkipRmsNorm.rule()]).apply_to_model(model)
     return count
 
+
+
+def unguarded_norms(model: onnx.ModelProto) -> list[str]:
+    """Square roots of a mean of squares with nothing added (``Sqrt(ReduceMean(Pow(x, 2)))``):
+    an RMS normalisation whose epsilon is gone (torch.onnx's optimizer drops one <= 1e-8 as
+    zero), so a row of zeros gives 0 * inf = NaN. The nodes' names, every graph searched."""
+    found = []
+    for graph in _graphs(model.graph):
+        made = {out: node for node in graph.node for out in node.output}
+        for node in graph.node:
+            mean = made.get(node.input[0]) if node.op_type == "Sqrt" else None
+            square = made.get(mean.input[0]) if mean is not None \
+                and mean.op_type == "ReduceMean" else None
+            if square is not None and ((square.op_type == "Pow" and _is_two(square.input[1],
+                                                                              graph, made)) or (
+                    square.op_type == "Mul" and square.input[0] == square.input[1])):
+                found.append(node.name or node.output[0])
+    return found
+
+
+def _is_two(name: str, graph: onnx.GraphProto, made: dict[str, onnx.NodeProto]) -> bool:
+    tensor = next((t for t in graph.initializer if t.name == name), None)
+    if tensor is None and name in made and made[name].op_type == "Constant":
+        tensor = next((a.t for a in made[name].attribute if a.name == "value"), None)
+    return tensor is not None and onnx.numpy_helper.to_array(tensor).size == 1 \
+        and float(onnx.numpy_helper.to_array(tensor).reshape(())) == 2.0
+
+
+def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    inner = [g for node in graph.node for a in node.attribute for g in (
+        [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs))]
+    return [graph, *(sub for g in inner for sub in _graphs(g))]
