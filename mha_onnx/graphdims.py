@@ -13,6 +13,12 @@ inputs generated at independent sizes make the original fail. Where the graph do
 at distinct sizes for such names but runs once they are related (one batch; ids and masks of
 one length, a mask over past + new when there are pasts), they are related; where it runs
 at neither, a one-line error names the dims and ``--shapes``/``--inputs``.
+
+A speech encoder fed raw samples (wav2vec2, HuBERT) runs a stack of strided convolutions
+over them: below its receptive field (20 samples for kernels 10, 3 and strides 5, 2) the
+graph does not run. Where a graph with convolutions does not run with its lengths at 1, each
+length's least size is found by trial (doubling, then bisecting) and kept as the dim's
+floor; generated cases lift their lengths above it.
 """
 
 from __future__ import annotations
@@ -130,6 +136,77 @@ def _trial_array(spec, sizes: dict) -> np.ndarray:
     if spec.dtype == np.bool_:
         return np.zeros(shape, dtype=bool)
     return np.random.default_rng(0).standard_normal(shape).astype(spec.dtype)
+
+
+_FLOORS: dict[str, dict[str, int]] = {}  # graph structure -> {dim: least size}
+FLOOR_LIMIT = 4096  # wav2vec2-base needs 400 samples
+WINDOWED = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"}
+
+
+def floor_dims(model: onnx.ModelProto, specs: Sequence) -> list:
+    """``specs`` with the floors of the length dims the graph does not run at size 1 (see
+    the module docstring); as they are for graphs without convolutions or pooling."""
+    leading = {s.dims[0] for s in specs if s.dims}
+    names = sorted({d for s in specs for d in s.dims[1:] if isinstance(d, str) and "+" not in d}
+                   - leading)
+    if not names or not any(n.op_type in WINDOWED for n in model.graph.node) or any(
+            t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        return list(specs)
+    key = _structure(model)
+    if key not in _FLOORS:
+        _FLOORS[key] = _find_floors(model, specs, names)
+    floors = _FLOORS[key]
+    return [replace(s, floors=tuple((d, floors[d]) for d in dict.fromkeys(s.dims)
+                                    if isinstance(d, str) and d in floors)) for s in specs]
+
+
+def dim_floors(specs: Sequence) -> dict[str, int]:
+    """Every symbolic dim's least size over the inputs (see floor_dims)."""
+    floors: dict[str, int] = {}
+    for spec in specs:
+        for name, least in spec.floors:
+            floors[name] = max(floors.get(name, 1), least)
+    return floors
+
+
+def _structure(model: onnx.ModelProto) -> str:
+    """A key of the graph's structure (inputs, ops, weight shapes), not of its weights."""
+    digest = hashlib.sha1(model.graph.input.__repr__().encode())
+    digest.update(" ".join(n.op_type for n in model.graph.node).encode())
+    digest.update(repr([(t.name, list(t.dims)) for t in model.graph.initializer]).encode())
+    return digest.hexdigest()
+
+
+def _find_floors(model: onnx.ModelProto, specs: Sequence, names: list[str]) -> dict[str, int]:
+    from mha_onnx.runtimes import OrtRunner
+
+    with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
+        def runs(sizes: dict) -> bool:
+            try:
+                runner.infer({s.name: _trial_array(s, sizes) for s in specs})
+            except Exception:  # noqa: BLE001 - sizes the graph does not take
+                return False
+            return True
+
+        if runs({}):  # every symbolic dim 1: no floor
+            return {}
+        size = 2
+        while size <= FLOOR_LIMIT and not runs(dict.fromkeys(names, size)):
+            size *= 2
+        if size > FLOOR_LIMIT:
+            return {}  # it fails for another reason than its lengths
+        floors = {}
+        for name in names:
+            low, high = 1, size  # it runs at high, not (known or tried) at low
+            if runs({**dict.fromkeys(names, size), name: low}):
+                continue
+            while high - low > 1:
+                mid = (low + high) // 2
+                low, high = (low, mid) if runs({**dict.fromkeys(names, size), name: mid}) \
+                    else (mid, high)
+            floors[name] = high
+    log.info("least sizes the graph runs at: %s", floors)
+    return floors
 
 
 _RELATED: dict[str, bool] = {}  # graph digest -> relate its dims (trials run once)

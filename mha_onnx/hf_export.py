@@ -34,7 +34,9 @@ from mha_onnx.hf_model import (
     describe,
     fingerprint,
     infer_task,
+    is_audio,
     load_module,
+    min_samples,
     read_config,
 )
 from mha_onnx.rewrite.faithful import optimize_faithfully
@@ -93,6 +95,12 @@ def _examples(task: str, config: Any, module: Any, dtype: str):
         size, channels = int(config.image_size), int(config.num_channels)
         pixels = torch.randn(2, channels, size, size, dtype=getattr(torch, dtype))
         return (pixels,), ({0: batch},), ["pixel_values"], ["last_hidden_state"]
+    if task == "feature-extraction" and is_audio(config):
+        least = min_samples(config)
+        samples = torch.export.Dim(NEW, min=least)
+        values = torch.randn(2, 4 * least, dtype=getattr(torch, dtype))
+        return ((values, torch.ones(2, 4 * least, dtype=torch.int64)), ({0: batch, 1: samples},) * 2,
+                ["input_values", "attention_mask"], ["last_hidden_state"])
     if task == "feature-extraction":
         names = ["input_ids", "attention_mask"]
         args = [ids, torch.ones(2, 3, dtype=torch.int64)]
@@ -236,8 +244,9 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
               "files": fingerprint(folder), "config": describe(config)}
     if part:
         record["part"] = part
-    if _learned_positions(model):  # validate stays within the table
-        record["positions"] = int(config.max_position_embeddings)
+    table = getattr(config, "max_position_embeddings", None)  # vision: one per patch
+    if table and task != "image-feature-extraction" and _learned_positions(model):
+        record["positions"] = int(table)  # validate stays within the table
     metadata.write(proto, {"version": __version__, "hf_model": record})
     proto.producer_name, proto.producer_version = "mha-onnx", __version__
     exported = tmp / f"{name}.exported.onnx"

@@ -9,7 +9,9 @@ Interfaces (Optimum's, so that ORT's tools and this project's validate/profile r
   sequence_length], ``past_key_values.N.key/value`` [batch, kv_heads,
   past_sequence_length, head_dim] -> ``logits``, ``present.N.key/value``.
 - ``feature-extraction``: ``input_ids``, ``attention_mask`` (and ``token_type_ids`` where
-  the model has them) -> ``last_hidden_state``.
+  the model has them) -> ``last_hidden_state``; a speech encoder fed raw samples (wav2vec2,
+  HuBERT: :func:`is_audio`): ``input_values`` [batch, sequence_length] and
+  ``attention_mask`` over the samples.
 - ``image-feature-extraction``: ``pixel_values`` -> ``last_hidden_state``.
 - ``text2text-generation-with-past`` (T5-style encoder-decoders), two files: the encoder
   (``input_ids``, ``attention_mask`` -> ``last_hidden_state``) and the decoder with its
@@ -71,6 +73,22 @@ def infer_task(config: Any) -> str:
     if hasattr(config, "image_size") and hasattr(config, "num_channels"):
         return "image-feature-extraction"
     return "feature-extraction"
+
+
+def is_audio(config: Any) -> bool:
+    """A speech encoder fed raw samples: its features come from a stack of 1-D convolutions
+    (``conv_kernel``/``conv_stride``, as wav2vec2, HuBERT, WavLM, Data2VecAudio have)."""
+    return bool(getattr(config, "conv_kernel", None)) and bool(getattr(config, "conv_stride",
+                                                                           None))
+
+
+def min_samples(config: Any) -> int:
+    """The fewest samples the convolution stack turns into one feature frame."""
+    samples = 1
+    for kernel, stride in reversed(list(zip(config.conv_kernel, config.conv_stride,
+                                            strict=True))):
+        samples = (samples - 1) * int(stride) + int(kernel)
+    return samples
 
 
 def load_module(folder: str | Path, task: str, dtype: str = "float32") -> Any:
@@ -242,7 +260,8 @@ class HfReference:
             if self.task == "image-feature-extraction":
                 return {"last_hidden_state": _np(self.model(
                     pixel_values=t["pixel_values"].float()).last_hidden_state)}
-            if self.task == "feature-extraction":
+            if self.task == "feature-extraction":  # input_values of a half export: float32
+                t = {k: v.float() if v.is_floating_point() else v for k, v in t.items()}
                 return {"last_hidden_state": _np(self.model(**t).last_hidden_state)}
             if self.part == "encoder":
                 return {"last_hidden_state": _np(self.decoder(t["input_ids"],

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from mha_onnx.errors import InputSpecError, ResourceError
-from mha_onnx.graphdims import pin_dims, relate_dims
+from mha_onnx.errors import InputSpecError
+from mha_onnx.graphdims import dim_floors, floor_dims, pin_dims, relate_dims
 from mha_onnx.input_roles import all_nodes, integer_roles
-from mha_onnx.table import human_bytes
 
 NP_TYPES = {
     onnx.TensorProto.FLOAT: np.float32,
@@ -47,6 +46,9 @@ class InputSpec:
     dims: tuple[int | str | None, ...]
     role: str = "data"
     bound: int = 16
+    # symbolic dims below whose size the graph does not run (a convolution stack's receptive
+    # field over raw audio samples): ((dim, least size), ...), found by graphdims.floor_dims
+    floors: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
         if dtype.kind in "iu":
             role, bound = roles.get(value.name, ("ids", 16))
         specs.append(InputSpec(value.name, dtype, dims, role, bound))
-    return relate_dims(model, pin_dims(model, specs))
+    return floor_dims(model, relate_dims(model, pin_dims(model, specs)))
 
 
 def contract_specs(config) -> list[InputSpec]:
@@ -175,14 +177,20 @@ def split_dims(specs: Sequence[InputSpec]) -> tuple[list[str], list[str]]:
 # -- shape cases ---------------------------------------------------------------------------------
 
 def case_for(specs: Sequence[InputSpec], label: str, batch: int, lengths: Sequence[int],
-             padding: str = "some", pad_fraction: float = 0.0) -> ShapeCase:
+             padding: str = "some", pad_fraction: float = 0.0, *, lift: bool = True
+             ) -> ShapeCase:
     """A case with ``batch`` on batch dims and ``lengths`` on the length dims in order (the
-    last length repeats for further dims)."""
+    last length repeats for further dims); a length below its dim's floor is lifted by it
+    (distinct lengths stay distinct)."""
     batch_names, seq_names = split_dims(specs)
+    floors = dim_floors(specs) if lift else {}
     dims = dict.fromkeys(batch_names, batch)
     for n, name in enumerate(seq_names):
-        dims[name] = lengths[min(n, len(lengths) - 1)]
+        length = lengths[min(n, len(lengths) - 1)]
+        least = floors.get(name, 1)
+        dims[name] = length if length >= least else length + least - 1
     return ShapeCase(label, dims, padding, pad_fraction)
+
 
 
 def default_cases(specs: Sequence[InputSpec], *, max_len: int = 64) -> list[ShapeCase]:
@@ -190,7 +198,8 @@ def default_cases(specs: Sequence[InputSpec], *, max_len: int = 64) -> list[Shap
     fully padded batch entry. Batch dims stay small."""
     odd = [13, 7, 19, 5, 23, 11]
     larger = [min(max_len, v) for v in (40, 64, 33, 57, 24, 48)]
-    ones = {n: 1 for n in symbolic_dims(specs)}
+    floors = dim_floors(specs)
+    ones = {n: floors.get(n, 1) for n in symbolic_dims(specs)}
     return [ShapeCase("ones", ones, padding="none"),
             case_for(specs, "odd", 2, odd, "some"),
             case_for(specs, "longer", 3, larger, "full")]
@@ -211,7 +220,13 @@ def parse_shapes(text: str, specs: Sequence[InputSpec]) -> list[ShapeCase]:
         if len(values) == 3 and len(seq_names) < 2:
             raise InputSpecError(f"shape {item!r} gives a key length but the model has one "
                                  "sequence dim", hint="use B:S for self-attention models")
-        cases.append(case_for(specs, item, values[0], values[1:], "some"))
+        case = case_for(specs, item, values[0], values[1:], "some", lift=False)
+        below = [f"{n} >= {f}" for n, f in dim_floors(specs).items() if case.dims.get(n, f) < f]
+        if below:
+            raise InputSpecError(f"shape {item!r} is below the least sizes the model runs at "
+                                 f"({', '.join(below)}: its convolutions need them)",
+                                 hint="use larger shapes in --shapes")
+        cases.append(case)
     if not cases:
         raise InputSpecError("--shapes is empty", hint="e.g. --shapes 1:128,4:77:33")
     return cases
@@ -336,56 +351,3 @@ def case_of_feeds(specs: Sequence[InputSpec], feeds: dict[str, np.ndarray], labe
             if isinstance(dim, str):
                 dims.setdefault(dim, int(n))
     return ShapeCase(label, dims, padding="given")
-
-
-# -- memory -------------------------------------------------------------------------------------
-
-def available_memory() -> int:
-    """Bytes of memory available now (psutil, or /proc/meminfo where psutil is absent)."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-        return 1 << 62
-
-
-def estimate_bytes(model: onnx.ModelProto, batch: int, seq_q: int, seq_kv: int | None = None) -> int:
-    """Working set of one run of an mha-onnx export: activations, plus the [B, H, S, T]
-    scores twice (scores and weights) when its attention is not fused. 0 for other models."""
-    from mha_onnx.metadata import config_of
-
-    cfg = config_of(model)
-    if cfg is None:
-        return 0
-    seq_kv = seq_q if seq_kv is None else seq_kv
-    item = 2 if cfg.dtype == "float16" else 4
-    acts = 8 * batch * max(seq_q, seq_kv) * max(cfg.d_model, cfg.qk_dim, cfg.v_dim) * item
-    scores = 2 * batch * cfg.num_heads * seq_q * seq_kv * item if _unfused(model) else 0
-    return acts + scores
-
-
-def _unfused(model: onnx.ModelProto) -> bool:
-    from mha_onnx.graphio import to_ir
-    from mha_onnx.rewrite.blocks import find_blocks
-
-    return any(b.kind == "unfused" for b in find_blocks(to_ir(model).graph))
-
-
-def ensure_fits(model: onnx.ModelProto, cases: Sequence[ShapeCase], *, copies: int = 1,
-                hint: str = "use smaller shapes or pass --no-memory-check") -> None:
-    """Refuse the first case whose estimated working set (times ``copies`` runs held at once)
-    exceeds 90 % of the memory available now."""
-    specs = input_specs(model)
-    batch_names, seq_names = split_dims(specs)
-    available = available_memory()
-    for case in cases:
-        batch = max([case.dims.get(n, 1) for n in batch_names] or [1])
-        lengths = [case.dims.get(n, 1) for n in seq_names] or [1]
-        need = copies * estimate_bytes(model, batch, lengths[0], lengths[-1])
-        if need > 0.9 * available:
-            raise ResourceError(f"shape {case.describe()} needs about {human_bytes(need)}; "
-                                f"{human_bytes(available)} is available", hint=hint)

@@ -51,21 +51,22 @@ class Meaning:
         return np.float16 if self.dtype == ir.DataType.FLOAT16 else np.float32
 
 
-def sdpa_model(m: Meaning, *, dense: bool = True) -> ir.Model:
+def sdpa_model(m: Meaning, *, dense: bool = True, keys: str = "T") -> ir.Model:
     """Inputs q [B, H, S, D], k and v [B, G, T, D], padded? bool [B, T], dense? [B, 1, S, T]
-    (every mask term as one additive bias: the general form's operand); output ``out``."""
+    (every mask term as one additive bias: the general form's operand); output ``out``.
+    ``keys``: the name (or expression) of the key length T."""
     def value(name: str, dtype: ir.DataType, shape: list) -> ir.Value:
         return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
 
     inputs = [value("q", m.dtype, ["B", m.heads, "S", m.head]),
-              value("k", m.dtype, ["B", m.kv_heads, "T", m.head]),
-              value("v", m.dtype, ["B", m.kv_heads, "T", m.head])]
+              value("k", m.dtype, ["B", m.kv_heads, keys, m.head]),
+              value("v", m.dtype, ["B", m.kv_heads, keys, m.head])]
     operands: list[ir.Value | None] = list(inputs)
     if m.padded:
-        inputs.append(value("padded", ir.DataType.BOOL, ["B", "T"]))
+        inputs.append(value("padded", ir.DataType.BOOL, ["B", keys]))
     operands += [inputs[3] if m.padded else None, None]
     if dense and m.mask_kind != "none":
-        inputs.append(value("dense", m.dtype, ["B", 1, "S", "T"]))
+        inputs.append(value("dense", m.dtype, ["B", 1, "S", keys]))
         operands.append(inputs[-1])
     while operands[-1] is None:
         operands.pop()

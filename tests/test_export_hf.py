@@ -31,6 +31,13 @@ def _folders():
             num_key_value_heads=2, head_dim=8, sliding_window=64, **text)),
         "bert": lambda: tf.BertModel(tf.BertConfig(**text)),
         "vit": lambda: tf.ViTModel(tf.ViTConfig(image_size=32, patch_size=8, **SMALL)),
+        # a learned position table per patch, and no max_position_embeddings
+        "siglip": lambda: tf.SiglipVisionModel(tf.SiglipVisionConfig(image_size=32, patch_size=8,
+                                                                     **SMALL)),
+        # raw samples through strided convolutions: no length below 20 samples runs
+        "wav2vec2": lambda: tf.Wav2Vec2Model(tf.Wav2Vec2Config(
+            conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, **SMALL)),
         "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
             vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),
         "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(  # learned positions
@@ -111,6 +118,8 @@ def test_a_changed_folder_is_said(hf_folder, tmp_path):
 
 @pytest.mark.parametrize("name, task, kernel", [
     ("bert", "feature-extraction", None), ("vit", "image-feature-extraction", "MultiHeadAttention"),
+    ("siglip", "image-feature-extraction", "MultiHeadAttention"),
+    ("wav2vec2", "feature-extraction", "MultiHeadAttention"),
     ("gemma3", "text-generation-with-past", "GroupQueryAttention")])
 def test_encoders_vision_and_windowed_decoders(hf_folder, tmp_path, name, task, kernel):
     out = tmp_path / f"{name}.onnx"
@@ -122,6 +131,10 @@ def test_encoders_vision_and_windowed_decoders(hf_folder, tmp_path, name, task, 
     assert _ops(model) & {"MultiHeadAttention", "GroupQueryAttention", "If"}
     if kernel:
         assert kernel in _ops(model)
+    if name == "wav2vec2":  # input_values over samples; verified at lengths it runs at
+        assert [i.name for i in model.graph.input] == ["input_values", "attention_mask"]
+        assert min(int(c["case"].split("sequence_length=")[1].rstrip(")")) for c in
+                   report["validation"]["comparisons"] if "sequence_length=" in c["case"]) >= 20
     if name == "gemma3":  # sliding-window layers with a cache: GQA's local_window_size
         assert all("window 64" in form for form in report["fused"].split("; ")), report["fused"]
 

@@ -84,3 +84,13 @@ def test_the_dense_general_form_for_a_window_off_gqa():
     meaning = Meaning(causal=True, window=3)
     model, chosen = _check(meaning, Forms(causal="bias"), 6, 6)
     assert chosen.kernel == "MultiHeadAttention + attention_bias"
+
+
+def test_a_form_switching_on_computed_keys_says_how_they_are_computed():
+    """Keys that are an expression of input dims (a speech encoder's frames): the form
+    carries it, so verification can run the input lengths that cross each switch."""
+    model = sdpa_model(Meaning(padded=True), keys="samples // 10 - 1")
+    form = lower(model, LowerSdpa, Forms())["block0"]
+    assert form.switches() and form.keys == "samples // 10 - 1"
+    plain = lower(sdpa_model(Meaning(padded=True)), LowerSdpa, Forms())["block0"]
+    assert plain.keys == ""  # keys that are an input dim need nothing more

@@ -21,7 +21,7 @@ def _llama(tmp_path, cached: bool):
     import torch
     import transformers as tf
 
-    from tools.zoo import _CachedWrap, _HfWrap
+    from tests.models import CachedWrap, HfWrap
 
     config = tf.LlamaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
@@ -31,14 +31,14 @@ def _llama(tmp_path, cached: bool):
     dyn = torch.export.Dim.DYNAMIC
     ids = torch.randint(0, 99, (2, 3))
     if cached:
-        module = _CachedWrap(llama)
+        module = CachedWrap(llama)
         args = (ids, torch.ones(2, 8, dtype=torch.int64), torch.randn(2, 2, 5, 8),
                 torch.randn(2, 2, 5, 8))
         shapes = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}, {0: dyn, 2: dyn}, {0: dyn, 2: dyn})
         names = ["input_ids", "attention_mask", "past_key", "past_value"]
         outputs = ["out", "present_key", "present_value"]
     else:
-        module = _HfWrap(llama, ["input_ids", "attention_mask"], "last_hidden_state")
+        module = HfWrap(llama, ["input_ids", "attention_mask"], "last_hidden_state")
         args = (ids, torch.ones(2, 3, dtype=torch.int64))
         shapes = {"args": ({0: dyn, 1: dyn}, {0: dyn, 1: dyn})}
         names, outputs = ["input_ids", "attention_mask"], ["out"]
@@ -80,3 +80,65 @@ def test_dims_nothing_relates_are_named_in_one_line(tmp_path):
     assert result.exit_code == 2, result.output
     line = result.output.strip().splitlines()[-1]
     assert "['a', 'b', 'm', 'n']" in line and "--shapes" in line and "--inputs" in line
+
+
+def _samples_encoder(kernels=(10, 3), strides=(5, 2)):
+    """x [batch, samples] -> Unsqueeze -> strided 1-D Convs (a speech encoder's front)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    nodes = [node("Unsqueeze", ["x", "axis1"], "c0")]
+    weights = [numpy_helper.from_array(np.array([1], np.int64), "axis1")]
+    for n, (k, s) in enumerate(zip(kernels, strides, strict=True)):
+        weights.append(numpy_helper.from_array(np.full((1, 1, k), 0.1, np.float32), f"w{n}"))
+        nodes.append(node("Conv", [f"c{n}", f"w{n}"], f"c{n + 1}", strides=[s]))
+    graph = onnx.helper.make_graph(nodes, "g", [tensor("x", F, ["batch", "samples"])],
+                                   [onnx.ValueInfoProto(name=f"c{len(kernels)}")], weights)
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)],
+                                  ir_version=9)
+
+
+def test_lengths_below_a_convolution_stacks_receptive_field_are_lifted():
+    """Kernels 10, 3 with strides 5, 2 need 20 samples: found by trial, and every generated
+    length is lifted above it (distinct lengths stay distinct)."""
+    from mha_onnx.inputs import default_cases
+
+    specs = input_specs(_samples_encoder())
+    assert [s.floors for s in specs] == [(("samples", 20),)]
+    lengths = [case.dims["samples"] for case in default_cases(specs)]
+    assert lengths == [20, 13 + 19, 40] and all(n >= 20 for n in lengths)
+    assert input_specs(_samples_encoder(kernels=(1, 1), strides=(1, 1)))[0].floors == ()
+
+
+def test_shapes_below_the_floor_are_refused_in_one_line():
+    from mha_onnx.errors import InputSpecError
+    from mha_onnx.inputs import parse_shapes
+
+    specs = input_specs(_samples_encoder())
+    assert parse_shapes("2:20", specs)[0].dims == {"batch": 2, "samples": 20}
+    with pytest.raises(InputSpecError, match=r"samples >= 20"):
+        parse_shapes("1:5", specs)
+
+
+def test_input_lengths_at_which_computed_keys_cross_a_switch():
+    from mha_onnx.rewrite.verify import input_length
+
+    assert input_length("((sequence_length//10)) - 1", 1025) == ("sequence_length", 10260)
+    assert input_length("2*x", 7) == ("x", 4)
+    assert input_length("past + seq", 5) is None  # two input dims: not one answer
+    assert input_length("x - 100000000", 3) is None  # never within the limit
+
+
+def test_verification_runs_where_computed_keys_cross_each_switch():
+    """A speech encoder's keys are frames (samples // 10 - 1): the cases past a form's length
+    switches are in samples that give that many frames, not that many samples."""
+    from types import SimpleNamespace
+
+    from mha_onnx.rewrite.forms import Form, either
+    from mha_onnx.rewrite.verify import verification_cases
+
+    form = either("T < 128", "MHA key_padding_mask", Form("Loop"), switch_at=(128,))
+    form = Form(form.kernel, form.guard, form.otherwise, form.switch_at, keys="samples // 10 - 1")
+    cases = verification_cases(_samples_encoder(), [SimpleNamespace(chosen=form)])
+    past = [c for c in cases if c.label.startswith("past a form threshold")]
+    assert [c.dims["samples"] for c in past] == [1290] and all(c.optional for c in past)

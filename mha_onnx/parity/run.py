@@ -24,11 +24,11 @@ from mha_onnx.inputs import (
     ShapeCase,
     case_for,
     case_of_feeds,
-    ensure_fits,
     load_feeds,
     load_inputs,
     make_inputs,
 )
+from mha_onnx.memory import ensure_fits
 from mha_onnx.metadata import CheckResult, session_options
 from mha_onnx.parity.bisect import after_failure
 from mha_onnx.parity.config import ValidateConfig

@@ -16,7 +16,8 @@ from mha_onnx.cache import is_shared
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import InputSpecError
 from mha_onnx.graphio import check_readable, read_model
-from mha_onnx.inputs import case_for, ensure_fits, input_specs
+from mha_onnx.inputs import case_for, input_specs
+from mha_onnx.memory import ensure_fits
 from mha_onnx.metadata import config_of
 from mha_onnx.profile.flops import attention_flops
 from mha_onnx.profile.report import OpTime, Point, ProfileConfig, ProfileReport

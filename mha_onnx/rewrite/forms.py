@@ -5,7 +5,10 @@ A form is one kernel call (``kernel``), possibly behind a run-time ``guard`` (an
 whose other branch is another form (``otherwise``). ``switch_at`` holds the key lengths at
 which a guard on the length first picks the other branch (verification runs past each), and
 ``cases`` the kinds of run only a branch takes (verification runs each kind), ``reach`` a
-sliding window the kernel applies (verification runs with more keys than that).
+sliding window the kernel applies (verification runs with more keys than that). ``keys``:
+the key length as an expression of input dims where it is not an input dim itself (a speech
+encoder's frames, ``sequence_length // 10 - 1`` of its samples), so that verification runs
+the input lengths at which the keys cross each switch.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class Form:
     switch_at: tuple[int, ...] = ()
     cases: frozenset[str] = field(default_factory=frozenset)
     reach: int = 0  # a sliding window: verification runs with more keys than this
+    keys: str = ""  # the key length in input dims, where it is an expression of them
 
     @property
     def label(self) -> str:

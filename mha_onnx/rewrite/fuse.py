@@ -21,7 +21,7 @@ from onnxscript.rewriter import RewriteRuleSet
 from mha_onnx import __version__, metadata
 from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import BlocksLeft, ConfigError, FusionError, RuntimeCrash
-from mha_onnx.graphdims import with_related_dims
+from mha_onnx.graphdims import dim_floors, with_related_dims
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.inputs import input_specs, load_inputs
 from mha_onnx.preflight import Preflight, preflight
@@ -119,14 +119,15 @@ def fuse_model(
         policy = replace(policy, kv_cache=kv_cache)
     if policy.kv_cache == "shared" and target != "ort":
         raise ConfigError("--kv-cache shared is an ONNX Runtime form", hint="use --target ort")
-    related = with_related_dims(model_proto, input_specs(model_proto))  # one name per axis
+    specs = input_specs(model_proto)
+    related = with_related_dims(model_proto, specs)  # one name per axis
     model = to_ir(with_symbolic_shapes(related))
     notes = _prepare(model, target)
     notes += _normalise(model)
     before = find_blocks(model.graph)
     blog = BlockLog()
     chosen: dict[str, Form] = {}
-    oracle = Oracle(model)
+    oracle = Oracle(model, floors=dim_floors(specs))
     RewriteRuleSet([SoftmaxAttention.rule(blog, _opset(model), oracle, target, policy)]
                    ).apply_to_model(model)
     RewriteRuleSet([OnnxAttention.rule(blog, oracle, target, policy)]).apply_to_model(model)
@@ -214,10 +215,11 @@ def _shared_note(shared: int, chosen: dict[str, Form], rows) -> str:
 def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
     """What fuse would make of each unfused attention block, without rewriting anything:
     block name -> its meaning (e.g. "causal + key padding, window 4") or "not fused: why"."""
-    related = with_related_dims(model_proto, input_specs(model_proto))  # one name per axis
+    specs = input_specs(model_proto)
+    related = with_related_dims(model_proto, specs)  # one name per axis
     model = to_ir(with_symbolic_shapes(related))
     _prepare(model, "ort")
-    oracle = Oracle(model)
+    oracle = Oracle(model, floors=dim_floors(specs))
     out: dict[str, str] = {}
     for node in model.graph:
         try:

@@ -237,7 +237,8 @@ class LowerMergedOutput(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, sdpa, merged, **_):
         out, form = lower_ort(op, sdpa.producer(), self.policy)
-        self.forms[SdpaInfo.of(sdpa.producer()).block] = form
+        info = SdpaInfo.of(sdpa.producer())
+        self.forms[info.block] = with_keys(form, info)
         return out
 
 
@@ -256,5 +257,15 @@ class LowerSdpa(pattern.RewriteRuleClassBase):
         node = sdpa.producer()
         info = SdpaInfo.of(node)
         out, form = lower_ort(op, node, self.policy)
-        self.forms[info.block] = form
+        self.forms[info.block] = with_keys(form, info)
         return from_bsd(op, out, info.heads)
+
+
+def with_keys(form: Form, info: SdpaInfo) -> Form:
+    """``form`` knowing its key length as an expression of input dims, where it has length
+    switches and the keys are not an input dim (Form.keys)."""
+    shape = dims(info.key)
+    length = shape[2] if shape is not None and len(shape) == 4 else None
+    if not form.switches() or not isinstance(length, str) or length.isidentifier():
+        return form
+    return replace(form, keys=length)

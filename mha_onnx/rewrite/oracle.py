@@ -52,8 +52,10 @@ class SizePattern:
 class Oracle:
     """Size-only judgement and evaluation over one graph (results cached per piece set)."""
 
-    def __init__(self, model: ir.Model, max_length: int = MAX_LENGTH) -> None:
+    def __init__(self, model: ir.Model, max_length: int = MAX_LENGTH,
+                 floors: dict[str, int] | None = None) -> None:
         self.model = model
+        self.floors = floors or {}  # least sizes of input dims (a convolution stack's)
         self.graph = model.graph
         self.max_length = max_length
         self._size_only: dict[int, bool] = {}
@@ -122,7 +124,7 @@ class Oracle:
             runner = SliceRunner(self.model, [t.value for t in terms] + [x.value for x in leaves],
                                   set(self._symbols), fed=(padding.source,))
             rng = np.random.default_rng(0)
-            for assignment in assignments(self._symbols, list(BASE_LENGTHS[:3])):
+            for assignment in assignments(self._symbols, list(BASE_LENGTHS[:3]), self.floors):
                 sizes = [resolve(d, assignment) for d in (sd.batch, sd.seq_q, sd.seq_kv)]
                 if None in sizes:
                     return "the scores' dims cannot be related to the inputs' dims"
@@ -145,7 +147,8 @@ class Oracle:
         (:mod:`mha_onnx.rewrite.value_masks`): its size-dependent part, the key padding and
         the weakest masked score; or why it is not that."""
         try:
-            found = value_masks.evaluate(self.model, self._symbols, self._lengths, terms, sd)
+            found = value_masks.evaluate(self.model, self._symbols, self._lengths, terms, sd,
+                                         self.floors)
         except Refused as exc:
             return str(exc)
         except (ValueError, IndexError) as exc:  # sizes the mask cannot take
@@ -161,7 +164,7 @@ class Oracle:
         constants = runner.constants()
         lengths = self._lengths(constants)
         observed = []
-        for n, assignment in enumerate(assignments(self._symbols, lengths)):
+        for n, assignment in enumerate(assignments(self._symbols, lengths, self.floors)):
             try:
                 observed.append(self._observe(runner, leaves, sd, assignment))
             except Refused:
@@ -173,7 +176,7 @@ class Oracle:
                 base = max(constants) - 4 * len(self._symbols)
                 if base <= BASE_LENGTHS[-1]:
                     raise
-                within = assignments(self._symbols, [*BASE_LENGTHS, base])[-1]
+                within = assignments(self._symbols, [*BASE_LENGTHS, base], self.floors)[-1]
                 observed.append(self._observe(runner, leaves, sd, within))
         return _classify(observed, leaves)
 

@@ -32,13 +32,18 @@ def input_symbols(graph: ir.Graph) -> list[str]:
     return list(names)
 
 
-def assignments(symbols: list[str], lengths: list[int]) -> list[dict[str, int]]:
+def assignments(symbols: list[str], lengths: list[int], floors: dict[str, int] | None = None
+                ) -> list[dict[str, int]]:
     """One value per symbol and length, distinct between symbols, alternating which is larger
-    (so ``S < T`` and ``S > T`` both occur where they are different dims)."""
+    (so ``S < T`` and ``S > T`` both occur where they are different dims); a value below its
+    symbol's floor (the least size the graph runs at, graphdims.floor_dims) lifted by it."""
+    floors = floors or {}
     out = []
     for a, base in enumerate(lengths):
         step = 4 if a % 2 == 0 else -3
-        out.append({name: max(1, base + n * step) for n, name in enumerate(symbols)})
+        values = {name: max(1, base + n * step) for n, name in enumerate(symbols)}
+        out.append({name: v if v >= floors.get(name, 1) else v + floors[name] - 1
+                    for name, v in values.items()})
     return out
 
 

@@ -59,10 +59,11 @@ def value_inputs(values: Sequence[ir.Value]) -> list[ir.Value]:
 
 
 def evaluate(model: ir.Model, symbols: list[str], lengths_for: Callable[[list[int]], list[int]],
-             terms: Sequence[Term], sd: ScoreDims) -> ValueMask:
+             terms: Sequence[Term], sd: ScoreDims, floors: dict[str, int] | None = None
+             ) -> ValueMask:
     """Evaluate ``terms`` (see the module docstring); raises Refused with the reason.
     ``lengths_for(constants)``: the lengths to try, given the integer constants of the piece
-    (so that a window is evaluated past its size)."""
+    (so that a window is evaluated past its size); ``floors``: the inputs' least sizes."""
     if any(t.lift for t in terms):
         raise Refused("a mask applied with batch and heads merged")
     sources = value_inputs([t.value for t in terms])
@@ -78,7 +79,8 @@ def evaluate(model: ir.Model, symbols: list[str], lengths_for: Callable[[list[in
     verdicts: dict[bool, ValueMask | str] = {}
     for inverted in (True, False):  # 1 = keep (Hugging Face's attention_mask) first
         try:
-            verdicts[inverted] = _judge(runner, name, source, inverted, symbols, lengths, terms, sd)
+            verdicts[inverted] = _judge(runner, name, source, inverted, symbols, lengths, terms, sd,
+                                        floors)
         except Refused as exc:
             verdicts[inverted] = str(exc)
     for verdict in verdicts.values():
@@ -88,12 +90,12 @@ def evaluate(model: ir.Model, symbols: list[str], lengths_for: Callable[[list[in
 
 
 def _judge(runner: SliceRunner, name: str, source: ir.Value, inverted: bool,
-           symbols: list[str], lengths: list[int], terms: Sequence[Term], sd: ScoreDims
-           ) -> ValueMask:
+           symbols: list[str], lengths: list[int], terms: Sequence[Term], sd: ScoreDims,
+           floors: dict[str, int] | None) -> ValueMask:
     rng = np.random.default_rng(0)
     dtype = source.dtype.numpy()  # type: ignore[union-attr]
     masked_per_size, fills = [], []
-    for assignment in assignments(symbols, lengths):
+    for assignment in assignments(symbols, lengths, floors):
         b, s, t = (resolve(d, assignment) for d in (sd.batch, sd.seq_q, sd.seq_kv))
         want = [resolve(d, assignment) for d in dims(source) or []]
         if None in (b, s, t) or want != [b, t]:

@@ -4,6 +4,7 @@ padded batch entry), compared with a dtype-aware tolerance."""
 
 from __future__ import annotations
 
+import ast
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from mha_onnx.inputs import (
     default_cases,
     input_specs,
     iter_feeds,
+    resolve_dim,
     split_dims,
 )
 from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED
@@ -173,6 +175,32 @@ def _fuse_bug(what: str, exc: Exception) -> FusionError:
                        hint="please report this model (fuse --no-verify writes it anyway)")
 
 
+def input_length(keys: str, n: int, limit: int = 1 << 24) -> tuple[str, int] | None:
+    """(input dim, its least value at which ``keys``, an expression of that one dim, is at
+    least ``n``), or None where it has other symbols or never gets there (keys grow with
+    the input: doubling, then bisecting)."""
+    names = {node.id for node in ast.walk(ast.parse(keys, mode="eval"))
+             if isinstance(node, ast.Name)} if len(keys) < 200 else set()
+    if len(names) != 1:
+        return None
+    name = names.pop()
+
+    def reaches(length: int) -> bool:
+        value = resolve_dim(keys, {name: length})
+        return value is not None and value >= n
+
+    high = 1
+    while not reaches(high):
+        high *= 2
+        if high > limit:
+            return None
+    low = high // 2  # does not reach (or 0)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if reaches(mid) else (mid, high)
+    return name, high
+
+
 def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> list[ShapeCase]:
     """The default cases, plus every kind of run a branch of a chosen form takes: key lengths
     at which a guard first picks its other branch, a prompt without past, decode steps and
@@ -181,10 +209,15 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
     specs = input_specs(original)
     cases = default_cases(specs)
     forms = [r.chosen for r in results if r.chosen is not None]
-    thresholds = {n for form in forms for n in form.switches()}
+    thresholds = {(n, form.keys) for form in forms for n in form.switches()}
     kinds = {c for form in forms for c in form.all_cases()}
-    for n in sorted(thresholds):
+    for n, keys in sorted(thresholds):
         case = case_for(specs, f"past a form threshold ({n})", 2, [n + 1, n], "some")
+        crossing = input_length(keys, n) if keys else None
+        if crossing is not None:  # keys computed from an input dim: where they reach n
+            name, length = crossing
+            case = replace(case, label=f"past a form threshold ({n} keys)",
+                           dims={**case.dims, name: length})
         cases.append(replace(case, optional=True))
     odd = cases[1]
     branches = [odd]
