@@ -39,9 +39,9 @@ def export_cache(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def zoo():
-    """zoo(name) -> a graph exported from code this project did not write (tools/zoo.py),
+    """zoo(name) -> a graph exported from code this project did not write (tests/models.py),
     made once per session."""
-    from tools.zoo import ZOO
+    from tests.models import ZOO
 
     cache: dict = {}
 

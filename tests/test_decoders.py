@@ -17,7 +17,7 @@ from mha_onnx.cli import main
 from mha_onnx.inputs import ShapeCase, input_specs, make_inputs
 from mha_onnx.runtimes import OrtRunner
 from tests.fusing import fused_and_checked, ops
-from tools.zoo import CAUSAL_SPELLINGS, NOT_CAUSAL, hf_decoder
+from tests.models import CAUSAL_SPELLINGS, NOT_CAUSAL, hf_decoder
 
 pytestmark = pytest.mark.slow  # every test here exports a Hugging Face model
 
@@ -198,7 +198,7 @@ def test_keys_and_values_of_different_head_sizes_fuse():
     import torch
     import transformers as tf
 
-    from tools.zoo import _dims, _HfWrap, export
+    from tests.models import HfWrap, batch_seq_dims, export
 
     config = tf.DeepseekV3Config(
         vocab_size=99, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -208,8 +208,8 @@ def test_keys_and_values_of_different_head_sizes_fuse():
         attn_implementation="eager")
     torch.manual_seed(0)
     model = tf.DeepseekV3Model(config).eval()
-    batch, seq, _ = _dims()
-    proto = export(_HfWrap(model, ["input_ids", "attention_mask"], "last_hidden_state"),
+    batch, seq, _ = batch_seq_dims()
+    proto = export(HfWrap(model, ["input_ids", "attention_mask"], "last_hidden_state"),
                    (torch.randint(0, 99, (2, 6)), torch.ones(2, 6, dtype=torch.int64)),
                    {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})},
                    names=["input_ids", "attention_mask"])

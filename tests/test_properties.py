@@ -19,30 +19,15 @@ from mha_onnx.cli import main
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.verify import verify
 
-FAMILIES = {"llama": ("LlamaConfig", "LlamaModel"), "qwen2": ("Qwen2Config", "Qwen2Model"),
-            "mistral": ("MistralConfig", "MistralModel")}
+FAMILIES = ("llama", "mistral", "qwen2")
 
 
 def _decoder(family, heads, head_dim, groups, attn, dtype):
-    import transformers as tf
+    from tests.models import hf_decoder
 
-    from tools.zoo import _HfWrap, export
-
-    config_name, model_name = FAMILIES[family]
-    extra = {"sliding_window": 8} if family == "mistral" else {}
-    config = getattr(tf, config_name)(
-        vocab_size=64, hidden_size=heads * head_dim, num_hidden_layers=1, num_attention_heads=heads,
-        num_key_value_heads=heads // groups, head_dim=head_dim, intermediate_size=64,
-        max_position_embeddings=256, attn_implementation=attn, **extra)
-    torch.manual_seed(0)
-    model = getattr(tf, model_name)(config).eval()
-    if dtype == "float16":
-        model = model.half()
-    batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1)
-    wrapped = _HfWrap(model, ["input_ids", "attention_mask"], "last_hidden_state")
-    return export(wrapped, (torch.randint(0, 63, (2, 6)), torch.ones(2, 6, dtype=torch.int64)),
-                  {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})},
-                  names=["input_ids", "attention_mask"])
+    window = {"sliding_window": 8} if family == "mistral" else {}
+    return hf_decoder(family, attn, dtype=dtype, heads=heads, head_dim=head_dim,
+                      kv_heads=heads // groups, vocab=64, max_positions=256, **window)
 
 
 # CI runs the same 5 examples every time (derandomized, no shrinking: each is an export);
@@ -53,7 +38,7 @@ EXPLORE = int(os.environ.get("MHA_ONNX_EXPLORE", "0"))
 @settings(max_examples=EXPLORE or 5, derandomize=not EXPLORE, deadline=None,
           phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=list(HealthCheck))
-@given(family=st.sampled_from(sorted(FAMILIES)), heads=st.sampled_from([2, 4, 8]),
+@given(family=st.sampled_from(FAMILIES), heads=st.sampled_from([2, 4, 8]),
        head_dim=st.sampled_from([32, 36, 64, 128]), groups=st.sampled_from([1, 2]),
        attn=st.sampled_from(["eager", "sdpa"]), dtype=st.sampled_from(["float32", "float16"]))
 @pytest.mark.slow
@@ -75,11 +60,11 @@ def test_random_decoder_configs_fuse_or_say_why(family, heads, head_dim, groups,
 def test_torch_nn_in_half_precisions(tmp_path, dtype):
     """float16 fuses and verifies; bfloat16 (no fused kernel on ORT's CPU) is left with the
     reason, or refused with one line if ORT cannot run the graph at all."""
-    from tools.zoo import D, _dims, _TorchMha, export
+    from tests.models import D, TorchMha, batch_seq_dims, export
 
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
-    module = _TorchMha(True, "causal").to(dtype)
+    batch, seq, _ = batch_seq_dims()
+    module = TorchMha(True, "causal").to(dtype)
     proto = export(module, (torch.randn(2, 5, D).to(dtype),), {"query": {0: batch, 1: seq}})
     path = tmp_path / "m.onnx"
     onnx.save(proto, path)

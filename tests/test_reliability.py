@@ -33,11 +33,11 @@ def crashing(tmp_path_factory):
     creating a session at ORT_ENABLE_ALL (its NCHWc transformer); fine at EXTENDED."""
     import torch
 
-    from tools.zoo import D, _dims, _TorchMha, export
+    from tests.models import D, TorchMha, batch_seq_dims, export
 
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
-    module = _TorchMha(True, "key_padding").half()
+    batch, seq, _ = batch_seq_dims()
+    module = TorchMha(True, "key_padding").half()
     proto = export(module, (torch.randn(2, 5, D).half(), None, None, torch.zeros(2, 5, dtype=torch.bool)),
                    {"query": {0: batch, 1: seq}, "key": None, "value": None,
                     "key_padding_mask": {0: batch, 1: seq}})

@@ -78,7 +78,7 @@ def test_the_papers_differential_attention_exported_by_torch_fuses_both_softmaxe
     import torch
 
     from mha_onnx.rewrite import fuse_file
-    from tools.zoo import _dims, export
+    from tests.models import batch_seq_dims, export
 
     class Diff(torch.nn.Module):
         def __init__(self):
@@ -97,7 +97,7 @@ def test_the_papers_differential_attention_exported_by_torch_fuses_both_softmaxe
             return ((p1 - self.lam * p2) @ v).transpose(1, 2).reshape(b, n, 32)
 
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
+    batch, seq, _ = batch_seq_dims()
     onnx.save(export(Diff().eval(), (torch.randn(2, 6, 32),), {"x": {0: batch, 1: seq}},
                      opset=18, names=["x"]), tmp_path / "diff.onnx")
     report = fuse_file(tmp_path / "diff.onnx", tmp_path / "fused.onnx")

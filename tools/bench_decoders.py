@@ -37,7 +37,7 @@ from mha_onnx.profile.roofline import cpu_name
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.lower_ort import Forms
 from mha_onnx.table import human_bytes
-from tools.zoo import RelativeBiasCausal
+from tests.models import RelativeBiasCausal
 
 D, H = 512, 8
 
@@ -53,7 +53,7 @@ class _TorchCausal(nn.Module):
 
 
 def _export(module: nn.Module, args: tuple, dynamic: dict, names: list[str]) -> onnx.ModelProto:
-    from tools.zoo import export
+    from tests.models import export
 
     return export(module.eval(), args, dynamic, names=names)
 
@@ -67,7 +67,7 @@ def _torch_causal() -> onnx.ModelProto:
 def _hf(family: str) -> onnx.ModelProto:
     import transformers as tf
 
-    from tools.zoo import _HfWrap
+    from tests.models import HfWrap
 
     torch.manual_seed(0)
     if family == "gpt2":
@@ -84,7 +84,7 @@ def _hf(family: str) -> onnx.ModelProto:
                              intermediate_size=2 * D, max_position_embeddings=8192,
                              attn_implementation="eager")
         model = tf.LlamaModel(cfg)
-    wrapped = _HfWrap(model.eval(), ["input_ids", "attention_mask"], "last_hidden_state")
+    wrapped = HfWrap(model.eval(), ["input_ids", "attention_mask"], "last_hidden_state")
     batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1)
     return _export(wrapped, (torch.randint(0, 999, (2, 6)), torch.ones(2, 6, dtype=torch.int64)),
                    {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})},
@@ -142,7 +142,7 @@ def _dense(label: str) -> bool:
 
 def _fits(label: str, n: int) -> bool:
     """Skip O(L^2) graphs whose scores (a few copies) would not fit in half the free memory."""
-    from mha_onnx.inputs import available_memory
+    from mha_onnx.memory import available_memory
 
     return not _dense(label) or 8 * H * n * n * 4 < 0.5 * available_memory()
 

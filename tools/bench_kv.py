@@ -31,7 +31,7 @@ FORMS = ("unfused", "fused, appended", "fused, shared")
 
 
 def build(folder: Path, family: str, kv_heads: int, longest: int) -> dict[str, str]:
-    from tools.zoo import hf_cached_decoder
+    from tests.models import hf_cached_decoder
 
     model = hf_cached_decoder(family, hidden=512, heads=8, kv_heads=kv_heads,
                               max_positions=longest + 8)

@@ -28,7 +28,7 @@ def _models(folder: Path, names: list[str]) -> dict[str, Path]:
         path = folder / f"{name}.onnx"
         if not path.exists():
             if name == "bert":
-                from tools.zoo import hf
+                from tests.models import hf
 
                 onnx.save(hf("bert", "eager"), path)
             else:

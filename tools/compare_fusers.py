@@ -4,7 +4,7 @@ optimizer (``onnxruntime.transformers.optimizer.optimize_model``).
 
     .venv/bin/python -m tools.compare_fusers [--out docs/fusers.md] [NAME ...]
 
-For each graph (this project's exports and tools/zoo.py's foreign ones): attention blocks in
+For each graph (this project's exports and tests/models.py's foreign ones): attention blocks in
 the original, how many each fuser left unfused, whether its output runs on ORT CPU, and its
 max abs error against the original at untraced shapes (masks with padding, a fully padded
 batch entry; NaN where the original has NaN counts as equal).
@@ -29,7 +29,7 @@ from mha_onnx.errors import MhaOnnxError
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.blocks import find_blocks
 from mha_onnx.rewrite.verify import verify
-from tools.zoo import ZOO
+from tests.models import ZOO
 
 
 def own_exports() -> dict[str, callable]:

@@ -1,4 +1,4 @@
-"""What fuse makes of decoders written by others: every Hugging Face family of tools/zoo.py
+"""What fuse makes of decoders written by others: every Hugging Face family of tests/models.py
 (one layer from a tiny config, random weights, nothing downloaded), eager and SDPA attention,
 opset 18 and 23, float32 (and float16 for eager at opset 18).
 
@@ -30,7 +30,7 @@ VARIANTS = [("eager", 18, "float32"), ("sdpa", 18, "float32"), ("eager", 23, "fl
 
 
 def row(family: str, attn: str, opset: int, dtype: str) -> list[str]:
-    from tools.zoo import hf_decoder
+    from tests.models import hf_decoder
 
     head = [family, attn, str(opset), dtype]
     try:
@@ -57,7 +57,7 @@ def row(family: str, attn: str, opset: int, dtype: str) -> list[str]:
 
 
 def main() -> None:
-    from tools.zoo import DECODERS
+    from tests.models import DECODERS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(DECODERS))

@@ -26,7 +26,7 @@ import onnx
 from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.export import export_model
 from mha_onnx.graphio import write_model
-from mha_onnx.inputs import available_memory, estimate_bytes
+from mha_onnx.memory import available_memory, estimate_bytes
 from mha_onnx.profile import ProfileConfig, attention_flops, profile_models
 from mha_onnx.profile.roofline import cpu_name
 from mha_onnx.rewrite import fuse_model
@@ -50,13 +50,13 @@ def _bert(folder: Path) -> tuple[str, str, MhaConfig]:
     import torch
     import transformers as tf
 
-    from tools.zoo import _HfWrap, export
+    from tests.models import HfWrap, export
 
     config = tf.BertConfig(vocab_size=1000, hidden_size=BERT_HIDDEN, num_hidden_layers=BERT_LAYERS,
                            num_attention_heads=BERT_HEADS, intermediate_size=4 * BERT_HIDDEN,
                            max_position_embeddings=8192, attn_implementation="eager")
     torch.manual_seed(0)
-    model = _HfWrap(tf.BertModel(config).eval(), ["input_ids", "attention_mask"],
+    model = HfWrap(tf.BertModel(config).eval(), ["input_ids", "attention_mask"],
                     "last_hidden_state")
     batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1)
     proto = export(model, (torch.randint(0, 999, (2, 6)), torch.ones(2, 6, dtype=torch.int64)),

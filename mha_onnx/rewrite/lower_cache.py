@@ -8,8 +8,8 @@ At run time an ``If`` picks the form:
   step is ONNX Runtime's attention with past: ``MultiHeadAttention`` (or, for grouped K/V,
   ``GroupQueryAttention``) takes ``past_key``/``past_value`` and returns the presents itself,
   so the graph's Concat moves into the other branch and a step no longer copies the cache
-  once for the Concat and reads it again for the attention (``tools/kv_forms.py`` measures
-  the forms). Otherwise one unmasked MultiHeadAttention over the concatenated cache;
+  once for the Concat and reads it again for the attention
+  (``tools/experiments/kv_forms.py`` measures the forms). Otherwise one unmasked MultiHeadAttention over the concatenated cache;
 - no past (the prompt, S == T): plain causal self-attention, onto GroupQueryAttention as any
   other (with key padding behind its right-padding check);
 - new tokens after a past (chunked prefill): MultiHeadAttention with the original mask.

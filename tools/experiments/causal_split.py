@@ -1,6 +1,6 @@
 """Causal attention faster than GroupQueryAttention? Ideas timed against it at one length.
 
-    .venv/bin/python -m tools.causal_split [L]      (default 4096; base preset sizes, batch 1)
+    .venv/bin/python -m tools.experiments.causal_split [L]      (default 4096; base preset sizes, batch 1)
 
 Plain MHA without a mask is the yardstick (the goal: causal at <= 0.6x of it). Candidates,
 all exact (their output is checked against GQA's): GQA causal (the default form); the

@@ -1,6 +1,6 @@
 """Which of ONNX Runtime's cached-attention forms is fastest for one decode step?
 
-    .venv/bin/python -m tools.kv_forms [--context 1024,4096] [--batch 1] [--kv-heads 8]
+    .venv/bin/python -m tools.experiments.kv_forms [--context 1024,4096] [--batch 1] [--kv-heads 8]
 
 One new token against a cache of ``context`` positions (base preset sizes: 8 heads of 64),
 its presents returned as the model's outputs (the KV-cache interface), three ways:

@@ -1,6 +1,7 @@
 """Attention graphs exported from code this project did not write: torch.nn modules,
 F.scaled_dot_product_attention, Transformer layers, Hugging Face models built from configs
-with random weights (nothing is downloaded). Used by the fusion tests and tools/compare_fusers.
+with random weights (nothing is downloaded): the test-model library, used by the fusion tests
+and by the benchmarks and checks in tools/.
 
 Every builder returns an ``onnx.ModelProto`` exported with dynamic batch/sequence dims.
 """
@@ -36,11 +37,11 @@ def export(module: nn.Module, args: tuple, dynamic: dict, *, opset: int = 18,
     return program.model_proto
 
 
-def _dims():
+def batch_seq_dims():
     return torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=1), torch.export.Dim("seq_kv", min=1)
 
 
-class _TorchMha(nn.Module):
+class TorchMha(nn.Module):
     def __init__(self, batch_first: bool, mode: str) -> None:
         super().__init__()
         self.mha = nn.MultiheadAttention(D, H, batch_first=batch_first)
@@ -62,8 +63,8 @@ class _TorchMha(nn.Module):
 def torch_mha(batch_first: bool = True, mode: str = "self") -> onnx.ModelProto:
     """nn.MultiheadAttention: mode self | cross | key_padding | causal | causal_float."""
     torch.manual_seed(0)
-    batch, seq, seq_kv = _dims()
-    module = _TorchMha(batch_first, mode)
+    batch, seq, seq_kv = batch_seq_dims()
+    module = TorchMha(batch_first, mode)
     b_ax, s_ax = (0, 1) if batch_first else (1, 0)
 
     def x(n):
@@ -100,7 +101,7 @@ def sdpa(mode: str = "none", opset: int = 18) -> onnx.ModelProto:
     """F.scaled_dot_product_attention on [B, H, S, Dh]: none | bool | float | causal |
     key_padding (a [B, T] keep mask broadcast as [B, 1, 1, T])."""
     torch.manual_seed(0)
-    batch, seq, seq_kv = _dims()
+    batch, seq, seq_kv = batch_seq_dims()
     dh = D // H
     q, k, v = torch.randn(2, H, 5, dh), torch.randn(2, H, 7, dh), torch.randn(2, H, 7, dh)
     dyn = {"q": {0: batch, 2: seq}, "k": {0: batch, 2: seq_kv}, "v": {0: batch, 2: seq_kv}}
@@ -146,7 +147,7 @@ class _Scaled(nn.Module):
 def scaled(scale: str) -> onnx.ModelProto:
     """Self-attention with scale as div | mul | split (d^-1/4 on Q and K) | none."""
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
+    batch, seq, _ = batch_seq_dims()
     return export(_Scaled(scale), (torch.randn(2, 5, D),), {"x": {0: batch, 1: seq}})
 
 
@@ -168,7 +169,7 @@ class _Bmm(nn.Module):
 
 def bmm_attention() -> onnx.ModelProto:
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
+    batch, seq, _ = batch_seq_dims()
     return export(_Bmm(), (torch.randn(2, 5, D),), {"x": {0: batch, 1: seq}})
 
 
@@ -186,7 +187,7 @@ class _Encoder(nn.Module):
 def encoder(norm_first: bool) -> onnx.ModelProto:
     """TransformerEncoder (2 layers) with a source key-padding mask."""
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
+    batch, seq, _ = batch_seq_dims()
     args = (torch.randn(2, 5, D), torch.zeros(2, 5, dtype=torch.bool))
     return export(_Encoder(norm_first), args,
                   {"src": {0: batch, 1: seq}, "src_key_padding_mask": {0: batch, 1: seq}})
@@ -215,7 +216,7 @@ def decoder(norm_first: bool, float_mask: bool = False, tgt_padding: bool = Fals
     """TransformerDecoder (2 layers): causal self-attention (bool or float tgt_mask, with a
     target key padding mask when ``tgt_padding``), cross-attention with padding."""
     torch.manual_seed(0)
-    batch, seq, seq_kv = _dims()
+    batch, seq, seq_kv = batch_seq_dims()
     args = (torch.randn(2, 5, D), torch.randn(2, 7, D), torch.zeros(2, 7, dtype=torch.bool))
     dyn = {"tgt": {0: batch, 1: seq}, "memory": {0: batch, 1: seq_kv},
            "memory_key_padding_mask": {0: batch, 1: seq_kv}}
@@ -288,7 +289,7 @@ class _Spelled(nn.Module):
 
 def spelled(spelling: str, padding: bool = False) -> onnx.ModelProto:
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
+    batch, seq, _ = batch_seq_dims()
     x = torch.randn(2, 5, D)
     if padding:
         args = (x, torch.zeros(2, 5, dtype=torch.bool))
@@ -320,7 +321,7 @@ class _HfMaskBuilder(nn.Module):
 
 def hf_mask_builder(use_vmap: bool) -> onnx.ModelProto:
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
+    batch, seq, _ = batch_seq_dims()
     args = (torch.randn(2, 5, D), torch.ones(2, 5, dtype=torch.int64))
     return export(_HfMaskBuilder(use_vmap), args,
                   {"x": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
@@ -369,7 +370,7 @@ class _CachedGpt2Style(nn.Module):
 
 def cached_gpt2_style(kv_heads: int = H) -> onnx.ModelProto:
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
+    batch, seq, _ = batch_seq_dims()
     past = torch.export.Dim("past", min=0, max=_CachedGpt2Style.MAX - 64)
     seq = torch.export.Dim("seq", min=1, max=64)
     args = (torch.randn(2, 5, D), torch.randn(2, kv_heads, 7, D // H),
@@ -403,13 +404,13 @@ class RelativeBiasCausal(nn.Module):
 
 def relative_bias_causal() -> onnx.ModelProto:
     torch.manual_seed(0)
-    batch, seq, _ = _dims()
+    batch, seq, _ = batch_seq_dims()
     return export(RelativeBiasCausal(), (torch.randn(2, 5, D),), {"x": {0: batch, 1: seq}})
 
 
 # -- Hugging Face transformers, built from configs with random weights ------------------------
 
-class _HfWrap(nn.Module):
+class HfWrap(nn.Module):
     def __init__(self, model: nn.Module, keys: list[str], output: str) -> None:
         super().__init__()
         self.model, self.keys, self.output = model, keys, output
@@ -424,19 +425,19 @@ def hf(name: str, attn: str = "sdpa") -> onnx.ModelProto:
     import transformers as tf
 
     torch.manual_seed(0)
-    batch, seq, seq_kv = _dims()
+    batch, seq, seq_kv = batch_seq_dims()
     ids = torch.randint(0, 99, (2, 6))
     mask = torch.ones(2, 6, dtype=torch.int64)
     small = dict(attn_implementation=attn)
     if name == "bert":
         cfg = tf.BertConfig(vocab_size=99, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
                             intermediate_size=2 * D, max_position_embeddings=128, **small)
-        model = _HfWrap(tf.BertModel(cfg), ["input_ids", "attention_mask"], "last_hidden_state")
+        model = HfWrap(tf.BertModel(cfg), ["input_ids", "attention_mask"], "last_hidden_state")
         dyn = {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})}
         return export(model, (ids, mask), dyn, names=["input_ids", "attention_mask"])
     if name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=99, n_embd=D, n_layer=2, n_head=H, n_positions=128, **small)
-        model = _HfWrap(tf.GPT2Model(cfg), ["input_ids", "attention_mask"], "last_hidden_state")
+        model = HfWrap(tf.GPT2Model(cfg), ["input_ids", "attention_mask"], "last_hidden_state")
         dyn = {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})}
         return export(model, (ids, mask), dyn, names=["input_ids", "attention_mask"])
     if name == "bart":
@@ -445,7 +446,7 @@ def hf(name: str, attn: str = "sdpa") -> onnx.ModelProto:
                             encoder_ffn_dim=2 * D, decoder_ffn_dim=2 * D,
                             max_position_embeddings=128, **small)
         dec = torch.randint(0, 99, (2, 5))
-        model = _HfWrap(tf.BartModel(cfg), ["input_ids", "attention_mask", "decoder_input_ids"],
+        model = HfWrap(tf.BartModel(cfg), ["input_ids", "attention_mask", "decoder_input_ids"],
                         "last_hidden_state")
         dyn = {"args": ({0: batch, 1: seq_kv}, {0: batch, 1: seq_kv}, {0: batch, 1: seq})}
         return export(model, (ids, mask, dec), dyn,
@@ -454,7 +455,7 @@ def hf(name: str, attn: str = "sdpa") -> onnx.ModelProto:
         cfg = tf.T5Config(vocab_size=99, d_model=D, d_kv=D // H, d_ff=2 * D, num_layers=1,
                           num_decoder_layers=1, num_heads=H, **small)
         dec = torch.randint(0, 99, (2, 5))
-        model = _HfWrap(tf.T5Model(cfg), ["input_ids", "attention_mask", "decoder_input_ids"],
+        model = HfWrap(tf.T5Model(cfg), ["input_ids", "attention_mask", "decoder_input_ids"],
                         "last_hidden_state")
         dyn = {"args": ({0: batch, 1: seq_kv}, {0: batch, 1: seq_kv}, {0: batch, 1: seq})}
         return export(model, (ids, mask, dec), dyn,
@@ -462,7 +463,7 @@ def hf(name: str, attn: str = "sdpa") -> onnx.ModelProto:
     if name == "vit":
         cfg = tf.ViTConfig(hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
                            intermediate_size=2 * D, image_size=32, patch_size=8, **small)
-        model = _HfWrap(tf.ViTModel(cfg), ["pixel_values"], "last_hidden_state")
+        model = HfWrap(tf.ViTModel(cfg), ["pixel_values"], "last_hidden_state")
         pixels = torch.randn(2, 3, 32, 32)
         return export(model, (pixels,), {"args": ({0: batch},)}, names=["pixel_values"])
     raise ValueError(name)
@@ -494,30 +495,38 @@ DECODERS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def hf_decoder(family: str, attn: str = "eager", opset: int = 18,
-               dtype: str = "float32") -> onnx.ModelProto:
-    """A one-layer Hugging Face decoder from a tiny config (random weights), fed
-    ``input_ids`` and ``attention_mask`` [batch, seq]."""
+def hf_decoder(family: str, attn: str = "eager", opset: int = 18, dtype: str = "float32", *,
+               heads: int = H, head_dim: int | None = None, kv_heads: int | None = None,
+               vocab: int = 99, max_positions: int = 128, **config) -> onnx.ModelProto:
+    """A one-layer Hugging Face decoder of ``family`` (DECODERS) from a tiny config (random
+    weights), fed ``input_ids`` and ``attention_mask`` [batch, seq]. Knobs: ``heads``,
+    ``head_dim`` (hidden = heads x head_dim; default hidden 32), ``kv_heads``, ``vocab``,
+    ``max_positions``; other config fields as keywords (they override the family's)."""
     import transformers as tf
 
     config_name, model_name, extra = DECODERS[family]
-    common = {"vocab_size": 99, "hidden_size": D, "n_embd": D, "num_hidden_layers": 1,
-              "n_layer": 1, "num_attention_heads": H, "n_head": H, "intermediate_size": 2 * D,
-              "max_position_embeddings": 128, "n_positions": 128, "attn_implementation": attn,
-              "bos_token_id": 1, "eos_token_id": 2}
-    config = getattr(tf, config_name)(**{**common, **extra})
+    hidden = heads * head_dim if head_dim else D
+    knobs = {"head_dim": head_dim} if head_dim else {}
+    if kv_heads is not None:
+        knobs["num_key_value_heads"] = kv_heads
+    common = {"vocab_size": vocab, "hidden_size": hidden, "n_embd": hidden,
+              "num_hidden_layers": 1, "n_layer": 1, "num_attention_heads": heads,
+              "n_head": heads, "intermediate_size": 2 * D,
+              "max_position_embeddings": max_positions, "n_positions": max_positions,
+              "attn_implementation": attn, "bos_token_id": 1, "eos_token_id": 2}
+    made = getattr(tf, config_name)(**{**common, **extra, **knobs, **config})
     torch.manual_seed(0)
-    model = getattr(tf, model_name)(config).eval()
+    model = getattr(tf, model_name)(made).eval()
     if dtype == "float16":
         model = model.half()
-    batch, seq, _ = _dims()
-    ids, mask = torch.randint(0, 99, (2, 6)), torch.ones(2, 6, dtype=torch.int64)
-    wrapped = _HfWrap(model, ["input_ids", "attention_mask"], "last_hidden_state")
+    batch, seq, _ = batch_seq_dims()
+    ids, mask = torch.randint(0, vocab, (2, 6)), torch.ones(2, 6, dtype=torch.int64)
+    wrapped = HfWrap(model, ["input_ids", "attention_mask"], "last_hidden_state")
     return export(wrapped, (ids, mask), {"args": ({0: batch, 1: seq}, {0: batch, 1: seq})},
                   opset=opset, names=["input_ids", "attention_mask"])
 
 
-class _CachedWrap(nn.Module):
+class CachedWrap(nn.Module):
     """A Hugging Face decoder fed one layer's legacy cache tensors, returning its presents."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -559,9 +568,9 @@ def hf_cached_decoder(family: str, attn: str = "eager", opset: int = 18, *, hidd
     kv, head = extra.get("num_key_value_heads", heads), extra.get("head_dim", hidden // heads)
     ids, mask = torch.randint(0, 99, (2, 3)), torch.ones(2, 8, dtype=torch.int64)
     past_key, past_value = torch.randn(2, kv, 5, head), torch.randn(2, kv, 5, head)
-    batch, seq, _ = _dims()
+    batch, seq, _ = batch_seq_dims()
     past, total = torch.export.Dim("past", min=1), torch.export.Dim("total", min=2)
-    model_proto = export(_CachedWrap(model), (ids, mask, past_key, past_value),
+    model_proto = export(CachedWrap(model), (ids, mask, past_key, past_value),
                          ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 2: past},
                           {0: batch, 2: past}), opset=opset,
                          names=["input_ids", "attention_mask", "past_key", "past_value"])
