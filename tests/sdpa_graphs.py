@@ -16,6 +16,7 @@ from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 
 
@@ -143,7 +144,11 @@ def reference(m: Meaning, f: dict[str, np.ndarray]) -> np.ndarray:
     if m.softcap:
         scores = m.softcap * np.tanh(scores / m.softcap)
     keep = keep_mask(m, f.get("padded"), q.shape[2], k.shape[2])
-    scores = np.where(keep, scores, m.fill)
+    if m.fill <= ABSORBING:  # float32 scores absorb it: every masked score is the fill
+        scores = np.where(keep, scores, m.fill)
+    else:  # a finite fill added (softmax(s + fill) where every key is masked), rounded as
+        added = (scores.astype(m.np_dtype) + m.np_dtype(m.fill)).astype(np.float64)  # the graph
+        scores = np.where(keep, scores, added)
     with np.errstate(invalid="ignore"):
         shifted = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = shifted / shifted.sum(axis=-1, keepdims=True)

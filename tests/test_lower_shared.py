@@ -1,0 +1,63 @@
+"""lower_shared (``--kv-cache shared`` with one length for every row): a cached layer onto
+GroupQueryAttention over a max-length buffer that is its past and its present, the
+interface rewritten (share_interface: buffers, a ``past_sequence_length`` input). Checked
+on each run the If takes: outputs against numpy, the buffer's first past + new positions,
+and that nothing past them is read (filled with values that would show)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_onnx.cache import LENGTH_INPUT
+from mha_onnx.rewrite.lower_cache import route_presents
+from mha_onnx.rewrite.lower_ort import Forms, LowerSdpa
+from mha_onnx.rewrite.lower_shared import share_interface
+from tests.sdpa_graphs import (
+    Meaning,
+    assert_matches,
+    cached_feeds,
+    cached_model,
+    lower,
+    ops,
+    reference,
+    run_all,
+)
+
+MAX = 16
+
+
+def _shared(meaning: Meaning):
+    model = cached_model(meaning)
+    form = lower(model, LowerSdpa, Forms(kv_cache="shared"))["block0"]
+    route_presents(model.graph)
+    assert share_interface(model.graph) == 1
+    return model, form
+
+
+def _check(model, meaning: Meaning, past: int, s: int) -> None:
+    f = cached_feeds(meaning, 3, past, s)
+    for name in ("k", "v"):  # the buffers: the past first, then values nothing may read
+        buffer = np.full((3, meaning.kv_heads, MAX, meaning.head), 1e4, meaning.np_dtype)
+        buffer[:, :, :past] = f[f"past_{name}"]
+        f[f"past_{name}"] = buffer
+    f[LENGTH_INPUT] = np.array(past, np.int64)
+    got = run_all(model, f)
+    assert_matches(got["out"], reference(meaning, f))
+    for name in ("k", "v"):
+        assert got[f"present_{name}"].shape == (3, meaning.kv_heads, MAX, meaning.head)
+        np.testing.assert_array_equal(got[f"present_{name}"][:, :, :past + s], f[name])
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_steps_and_prompts_run_gqa_on_the_buffer_and_chunks_the_general_form(kv_heads):
+    meaning = Meaning(causal=True, alignment="bottom-right", kv_heads=kv_heads)
+    model, form = _shared(meaning)
+    assert form.kernel == "GroupQueryAttention on a shared cache buffer"
+    assert form.otherwise is not None and "GroupQueryAttention" in ops(model)
+    inputs = [v.name for v in model.graph.inputs]
+    assert LENGTH_INPUT in inputs
+    past_k = next(v for v in model.graph.inputs if v.name == "past_k")
+    assert str(past_k.shape[2]) == "max_sequence_length"
+    for past, s in ((0, 5), (6, 1), (4, 3)):  # prompt, decode step (GQA), chunk (general)
+        _check(model, meaning, past, s)
