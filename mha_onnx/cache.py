@@ -96,7 +96,7 @@ def new_tokens(specs: Sequence[InputSpec], pairs: Mapping[str, str],
 
 def row_layout(model: onnx.ModelProto) -> dict | None:
     """A shared-buffer model whose buffer rows hold each row's kept keys first (per-row
-    lengths, lower_rows): {"input": the padding mask, "zero_is_padded": its polarity}."""
+    lengths, rewrite/lower/rows.py): {"input": the padding mask, "zero_is_padded": its polarity}."""
     from mha_onnx import metadata
 
     recorded = metadata.loaded(model, "kv_cache") or {}

@@ -194,7 +194,7 @@ def fuse(model, output, target, ep, forms, kv_cache, no_verify, atol, rtol, inpu
     original on ORT CPU before anything is written."""
     from mha_onnx.errors import ConfigError
     from mha_onnx.rewrite import fuse_file
-    from mha_onnx.rewrite.lower_ort import Forms
+    from mha_onnx.rewrite.lower.ort import Forms
 
     if tune and (target != "ort" or ep != "cpu" or forms or kv_cache != "appended"):
         raise ConfigError("--tune chooses the forms itself, on this machine's CPU",

@@ -29,7 +29,7 @@ def candidates(original: onnx.ModelProto
     each mask kind the model's blocks have, each verified against the original (a form
     that fails verification is left out, said in the notes)."""
     from mha_onnx.rewrite import fuse_model
-    from mha_onnx.rewrite.lower_ort import Forms
+    from mha_onnx.rewrite.lower.ort import Forms
     from mha_onnx.rewrite.verify import verification_cases, verify
 
     fused, results, _ = fuse_model(original)

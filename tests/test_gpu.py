@@ -95,7 +95,7 @@ def test_forms_for_cuda_run_every_attention_kernel_on_the_gpu(export_cache, tmp_
     GroupQueryAttention has no CUDA kernel; the CPU forms' would run there)."""
     from mha_onnx.parity import ValidateConfig, validate_model
     from mha_onnx.rewrite import fuse_file
-    from mha_onnx.rewrite.lower_ort import Forms
+    from mha_onnx.rewrite.lower.ort import Forms
 
     src = export_cache(CFG.replace(mask=mask, dtype=dtype))
     dst = tmp_path / "cuda.onnx"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_onnx.rewrite.lower_cache import route_presents
-from mha_onnx.rewrite.lower_ort import Forms, LowerSdpa
+from mha_onnx.rewrite.lower.cached import route_presents
+from mha_onnx.rewrite.lower.ort import Forms, LowerSdpa
 from tests.sdpa_graphs import (
     Meaning,
     assert_matches,

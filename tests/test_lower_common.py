@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mha_onnx.rewrite.lower_common import TapeOps, clone_into
+from mha_onnx.rewrite.lower.common import TapeOps, clone_into
 
 
 def _graph():

@@ -8,8 +8,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from mha_onnx.rewrite.lower_gqa import gqa_ok
-from mha_onnx.rewrite.lower_ort import Forms, LowerSdpa
+from mha_onnx.rewrite.lower.gqa import gqa_ok
+from mha_onnx.rewrite.lower.ort import Forms, LowerSdpa
 from mha_onnx.rewrite.sdpa import SdpaInfo
 from tests.sdpa_graphs import Meaning, assert_matches, feeds, lower, ops, reference, run, sdpa_model
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_onnx.rewrite.lower_ort import Forms, LowerSdpa
+from mha_onnx.rewrite.lower.ort import Forms, LowerSdpa
 from tests.sdpa_graphs import Meaning, assert_matches, feeds, lower, ops, reference, run, sdpa_model
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_onnx.rewrite.lower_onnx import LowerToOnnxAttention
+from mha_onnx.rewrite.lower.attention import LowerToOnnxAttention
 from tests.sdpa_graphs import Meaning, assert_matches, feeds, lower, ops, reference, run, sdpa_model
 
 MIN32 = float(np.finfo(np.float32).min)

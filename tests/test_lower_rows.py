@@ -13,8 +13,8 @@ import onnxruntime as ort
 import pytest
 
 from mha_onnx import cache as kv
-from mha_onnx.rewrite import lower_rows as rows
-from mha_onnx.rewrite.lower_common import TapeOps
+from mha_onnx.rewrite.lower import rows as rows
+from mha_onnx.rewrite.lower.common import TapeOps
 from tests.irgraphs import B64, BOOL, Graph, model, node, tensor
 
 F32 = onnx.TensorProto.FLOAT

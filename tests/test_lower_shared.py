@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from mha_onnx.cache import LENGTH_INPUT
-from mha_onnx.rewrite.lower_cache import route_presents
-from mha_onnx.rewrite.lower_ort import Forms, LowerSdpa
-from mha_onnx.rewrite.lower_shared import share_interface
+from mha_onnx.rewrite.lower.cached import route_presents
+from mha_onnx.rewrite.lower.ort import Forms, LowerSdpa
+from mha_onnx.rewrite.lower.shared import share_interface
 from tests.sdpa_graphs import (
     Meaning,
     assert_matches,

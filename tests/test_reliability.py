@@ -136,7 +136,7 @@ def test_every_exit_code_of_the_readme(export_cache, tmp_path, monkeypatch):
     assert cli("validate", src, "--providers", "cuda", "--shapes", "1:4").exit_code == 3
     assert cli("validate", src, "--atol", "0", "--rtol", "0", "--shapes", "2:9").exit_code in (0, 1)
 
-    import mha_onnx.rewrite.lower_ort as lower
+    import mha_onnx.rewrite.lower.ort as lower
 
     real = lower.padding_loop
     monkeypatch.setattr(lower, "padding_loop",

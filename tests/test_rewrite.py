@@ -81,7 +81,7 @@ def test_no_layout_copy_runs_outside_the_kernels(export_cache, attention, mask):
 def test_seq_dim_reads_the_length_before_the_layout_ops():
     import onnx_ir as ir
 
-    from mha_onnx.rewrite.lower_common import TapeOps
+    from mha_onnx.rewrite.lower.common import TapeOps
     from mha_onnx.rewrite.sdpa import seq_dim
 
     x3 = ir.Value(name="x3", shape=ir.Shape(["B", "T", 32]), type=ir.TensorType(ir.DataType.FLOAT))
@@ -299,7 +299,7 @@ def test_no_attention_model_is_copied_with_a_note(tmp_path):
 
 def test_mismatch_refuses_to_write(export_cache, tmp_path, monkeypatch):
     """If a lowering computed something else, fuse must fail and write nothing."""
-    import mha_onnx.rewrite.lower_ort as lower
+    import mha_onnx.rewrite.lower.ort as lower
 
     real = lower._mha
 

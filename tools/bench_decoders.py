@@ -35,7 +35,7 @@ from mha_onnx.graphio import write_model
 from mha_onnx.profile import ProfileConfig, profile_models
 from mha_onnx.profile.roofline import cpu_name
 from mha_onnx.rewrite import fuse_model
-from mha_onnx.rewrite.lower_ort import Forms
+from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.table import human_bytes
 from tests.models import RelativeBiasCausal
 

@@ -30,7 +30,7 @@ from mha_onnx.export import export_model
 from mha_onnx.graphio import write_model
 from mha_onnx.profile import ProfileConfig, profile_models
 from mha_onnx.rewrite import fuse_model
-from mha_onnx.rewrite.lower_ort import Forms
+from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.table import human_bytes
 
 VARIANTS = {

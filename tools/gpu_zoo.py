@@ -50,7 +50,7 @@ def build(folder: Path, only: list[str] | None) -> int:
     import onnx
 
     from mha_onnx.rewrite import fuse_file
-    from mha_onnx.rewrite.lower_ort import Forms
+    from mha_onnx.rewrite.lower.ort import Forms
     from tools import zoo
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ NO_PAST = "no past"  # a KV-cache model's prompt
 ONE_TOKEN = "one new token"  # a decode step
 UNPADDED = "no key padded"  # a batch without padding
 LEFT_PADDED = "left-padded rows"  # rows padded before their first kept key (a batched prompt)
-SHARED = "shared cache buffer"  # a past that is a max-length buffer (lower_shared)
+SHARED = "shared cache buffer"  # a past that is a max-length buffer (lower/shared.py)
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,10 @@ from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.forms import ONE_TOKEN, SHARED, Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import MS_DOMAIN
-from mha_onnx.rewrite.lower_cache import route_presents
-from mha_onnx.rewrite.lower_onnx import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
-from mha_onnx.rewrite.lower_ort import Forms, LowerMergedOutput, LowerSdpa
-from mha_onnx.rewrite.lower_shared import share_interface, shared_rows
+from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
+from mha_onnx.rewrite.lower.cached import route_presents
+from mha_onnx.rewrite.lower.ort import Forms, LowerMergedOutput, LowerSdpa
+from mha_onnx.rewrite.lower.shared import share_interface, shared_rows
 from mha_onnx.rewrite.norms import fuse_norms, unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
@@ -109,7 +109,7 @@ def fuse_model(
 ) -> tuple[onnx.ModelProto, list[BlockResult], list[str]]:
     """Rewrite a model in memory; returns (fused model, per-block results, notes).
     ``forms`` overrides the kernel form per mask kind (ORT target; for measurements);
-    ``kv_cache="shared"`` turns the KV cache into max-length buffers (lower_shared)."""
+    ``kv_cache="shared"`` turns the KV cache into max-length buffers (lower/shared.py)."""
     if target not in TARGETS:
         raise ConfigError(f"unknown target {target!r}", hint=f"use {' | '.join(TARGETS)}")
     ungroup = target == "openvino"  # OpenVINO's Attention import takes no grouped K/V

@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import MS_DOMAIN
-from mha_onnx.rewrite.lower_common import (
+from mha_onnx.rewrite.lower.common import (
     TapeOps,
     mean_over_keys,
     name_values,

@@ -31,7 +31,7 @@ import onnx_ir as ir
 from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED, Form, either
 from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
 from mha_onnx.rewrite.irutil import const_scalar
-from mha_onnx.rewrite.lower_common import (
+from mha_onnx.rewrite.lower.common import (
     TapeOps,
     dense_mha,
     fully_masked_value,
@@ -40,7 +40,7 @@ from mha_onnx.rewrite.lower_common import (
     none_padded,
     scalar_shape,
 )
-from mha_onnx.rewrite.lower_gqa import gqa_with_past, half_precision, if_forms
+from mha_onnx.rewrite.lower.gqa import gqa_with_past, half_precision, if_forms
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
 
@@ -102,7 +102,7 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
     def prompt_or_general(ops: TapeOps):
         cond = ops.And(ops.Equal(ops.Reshape(past, scalar_shape(ops)), int_const(ops, 0)),
                        _one_run_per_row(ops, keep))
-        if half_precision(info):  # as lower_gqa: no seqlens_k below the total in float16
+        if half_precision(info):  # as gqa.py: no seqlens_k below the total in float16
             cond = ops.And(cond, none_padded(ops, info))
         if info.all_masked_value() is None:  # left-padded queries not reproducible: right only
             first = ops.Slice(keep, int_const(ops, [0]), int_const(ops, [1]), int_const(ops, [1]))

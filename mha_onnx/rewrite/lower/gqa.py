@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import UNPADDED, Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN, dims
-from mha_onnx.rewrite.lower_common import (
+from mha_onnx.rewrite.lower.common import (
     TapeOps,
     branch,
     dense_mha,

@@ -3,12 +3,12 @@ it fastest, in a form that keeps ORT's fast path (measured, see docs/fusion-form
 
 - no mask: MultiHeadAttention on [B, S, H*D] inputs (ORT's CPU flash path);
 - causal (with grouped K/V, a window, soft-capping, key padding or a position bias):
-  GroupQueryAttention, see :mod:`mha_onnx.rewrite.lower_gqa`;
+  GroupQueryAttention, see :mod:`mha_onnx.rewrite.lower.gqa`;
 - key padding: chosen by shape at run time (``_key_padding``): bidirectional
   GroupQueryAttention for right-padded self-attention up to GQA_MAX_KEYS keys, else MHA's
   key_padding_mask below LOOP_MIN_KEYS keys, else a Loop over the batch that drops the
-  padded keys (:mod:`mha_onnx.rewrite.lower_loop`);
-- a KV cache (causal aligned to the end of the keys): :mod:`mha_onnx.rewrite.lower_cache`;
+  padded keys (:mod:`mha_onnx.rewrite.lower.loop`);
+- a KV cache (causal aligned to the end of the keys): :mod:`mha_onnx.rewrite.lower.cached`;
 - any other mask: MultiHeadAttention with the original mask as an additive attention_bias.
 """
 
@@ -27,22 +27,22 @@ from mha_onnx.config import EP_CHOICES, FORM_CHOICES, form_help
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.forms import Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, same_dim
-from mha_onnx.rewrite.lower_cache import cached_ok, lower_cached
-from mha_onnx.rewrite.lower_common import (
+from mha_onnx.rewrite.lower.cached import cached_ok, lower_cached
+from mha_onnx.rewrite.lower.common import (
     causal_bias,
     dense_mha,
     fix_all_padded,
     kv_operands,
     scalar_shape,
 )
-from mha_onnx.rewrite.lower_gqa import (
+from mha_onnx.rewrite.lower.gqa import (
     gqa_ok,
     gqa_shapes_ok,
     half_precision,
     key_padding_gqa,
     lower_gqa,
 )
-from mha_onnx.rewrite.lower_loop import padding_loop
+from mha_onnx.rewrite.lower.loop import padding_loop
 from mha_onnx.rewrite.sdpa import (
     FUSION_DOMAIN,
     SdpaInfo,
@@ -60,7 +60,7 @@ class Forms:
 
     causal: str = "gqa"
     key_padding: str = "auto"
-    kv_cache: str = "appended"  # or shared: max-length cache buffers (lower_shared)
+    kv_cache: str = "appended"  # or shared: max-length cache buffers (lower/shared.py)
     # The execution provider the forms are for. On CUDA (docs/gpu/2026-11-30-h200.md) GQA is
     # kept only where no other kernel is exact (soft-capping, sliding windows): ORT's CUDA GQA
     # has no float32 kernel (the node runs on the CPU) and its float16 right-padded branch
@@ -183,7 +183,7 @@ def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Val
 
 def _by_length(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> ir.Value:
     """If(T < LOOP_MIN_KEYS): MHA with key_padding_mask, else the Loop form."""
-    from mha_onnx.rewrite.lower_gqa import if_forms
+    from mha_onnx.rewrite.lower.gqa import if_forms
 
     keys = op.Reshape(seq_dim(op, info.key, 2), scalar_shape(op))
     cond = op.Less(keys, op.Constant(value=ir.tensor(np.array(forms.LOOP_MIN_KEYS, np.int64))))

@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED, Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN, ints_attr, onehot_dim, replace_shape
-from mha_onnx.rewrite.lower_common import (
+from mha_onnx.rewrite.lower.common import (
     TapeOps,
     dense_mha,
     fix_all_padded,
@@ -36,14 +36,14 @@ from mha_onnx.rewrite.lower_common import (
     padding_bias,
     scalar_shape,
 )
-from mha_onnx.rewrite.lower_gqa import (
+from mha_onnx.rewrite.lower.gqa import (
     gqa_ok,
     gqa_with_past,
     half_precision,
     if_forms,
     lower_gqa,
 )
-from mha_onnx.rewrite.lower_shared import lower_shared, shareable
+from mha_onnx.rewrite.lower.shared import lower_shared, shareable
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
 PRESENTS = "mha_onnx.presents"  # node.meta key: the If's present outputs replace these values
@@ -171,7 +171,7 @@ def _prefill_appending(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: A
 def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
                  ) -> tuple[ir.Value, Form]:
     """``kv_cache``: appended (the presents are the pasts with the new keys appended) or
-    shared (max-length buffers, see lower_shared; where a layer's caches are not plain model
+    shared (max-length buffers, see lower/shared.py; where a layer's caches are not plain model
     inputs and outputs it stays appended, which fuse then refuses)."""
     cache = _cache(info)
     # a window counts logical positions, which per-row buffers do not keep: appended only
@@ -204,7 +204,7 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: Form
     """Grouped K/V with a key padding mask: MHA with past takes no grouped K/V, so a step
     whose new token every row keeps runs GQA with past and the padding as an additive bias
     (no key padded: a zero bias); other runs take MHA over the cache's heads repeated.
-    Half precision: GQA only when no key is padded (lower_gqa.half_precision)."""
+    Half precision: GQA only when no key is padded (gqa.half_precision)."""
     half = half_precision(info)
     fast = op.And(decoding, none_padded(op, info) if half else new_key_kept(op, info))
 

@@ -13,7 +13,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from mha_onnx.rewrite.forms import Form
-from mha_onnx.rewrite.lower_common import causal_bias, mean_over_keys
+from mha_onnx.rewrite.lower.common import causal_bias, mean_over_keys
 from mha_onnx.rewrite.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN, SdpaInfo, repeat_heads, seq_dim
 

@@ -33,15 +33,15 @@ from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, Form, either
 from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
 from mha_onnx.rewrite.irutil import onehot_dim, replace_shape
-from mha_onnx.rewrite.lower_common import (
+from mha_onnx.rewrite.lower.common import (
     TapeOps,
     dense_mha,
     int_const,
     none_padded,
     scalar_shape,
 )
-from mha_onnx.rewrite.lower_gqa import gqa_with_past, if_forms
-from mha_onnx.rewrite.lower_rows import RowSource, lower_rows, row_source
+from mha_onnx.rewrite.lower.gqa import gqa_with_past, if_forms
+from mha_onnx.rewrite.lower.rows import RowSource, lower_rows, row_source
 from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
 
 SHARED = "mha_onnx.shared"  # node.meta key: this If's presents are the shared buffers
@@ -67,7 +67,7 @@ def length_input(graph: ir.Graph) -> ir.Value:
 
 
 def lower_shared(op, info: SdpaInfo, q3: ir.Value, key, value) -> tuple[list[ir.Value], Form]:
-    """(out, present_key, present_value) and the form: with per-row lengths (lower_rows)
+    """(out, present_key, present_value) and the form: with per-row lengths (rows.py)
     where the key padding is read from a model input, else one length for every row."""
     past = length_input(key.past.graph)
     rows = row_source(info.padded)
