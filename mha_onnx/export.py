@@ -244,10 +244,10 @@ def _torch_export(module: Any, config: MhaConfig, opset: int) -> onnx.ModelProto
                 verbose=False,
                 report=False,
             )
-            optimize_faithfully(program.model)
     except Exception as exc:  # torch raises many types here; all mean the export failed
         log.debug("torch.onnx output:\n%s", sink.getvalue())
         raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
+    optimize_faithfully(program.model)  # a failure here is ours, not the exporter's
     return program.model_proto
 
 

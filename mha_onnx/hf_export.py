@@ -167,12 +167,12 @@ def _torch_export(task: str, config: Any, model: Any, dtype: str, opset: int,
             program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic,
                                         opset_version=opset, input_names=inputs,
                                         output_names=outputs, optimize=False, verbose=False)
-            optimize_faithfully(program.model)  # torch's optimizer would drop eps <= 1e-8
     except Exception as exc:  # torch.export's own errors, whatever their class
         text = " ".join(str(exc).split())
         raise ExportError(f"torch.export cannot export {config.model_type} for {task}"
                           f"{f' ({part})' if part else ''}: "
                           f"{text[:700]}", hint="nothing was written") from None
+    optimize_faithfully(program.model)  # torch's optimizer would drop an epsilon <= 1e-8
     proto = program.model_proto
     for value in list(proto.graph.input) + list(proto.graph.output):
         for dim in value.type.tensor_type.shape.dim:  # torch.export cannot say past + new

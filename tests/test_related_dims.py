@@ -127,6 +127,7 @@ def test_input_lengths_at_which_computed_keys_cross_a_switch():
     assert input_length("2*x", 7) == ("x", 4)
     assert input_length("past + seq", 5) is None  # two input dims: not one answer
     assert input_length("x - 100000000", 3) is None  # never within the limit
+    assert input_length("frames (unknown)", 3) is None  # not an expression
 
 
 def test_verification_runs_where_computed_keys_cross_each_switch():

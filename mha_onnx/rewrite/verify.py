@@ -179,8 +179,11 @@ def input_length(keys: str, n: int, limit: int = 1 << 24) -> tuple[str, int] | N
     """(input dim, its least value at which ``keys``, an expression of that one dim, is at
     least ``n``), or None where it has other symbols or never gets there (keys grow with
     the input: doubling, then bisecting)."""
-    names = {node.id for node in ast.walk(ast.parse(keys, mode="eval"))
-             if isinstance(node, ast.Name)} if len(keys) < 200 else set()
+    try:
+        tree = ast.parse(keys, mode="eval") if len(keys) < 200 else None
+    except SyntaxError:
+        tree = None
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)} if tree else set()
     if len(names) != 1:
         return None
     name = names.pop()
