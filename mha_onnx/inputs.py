@@ -192,7 +192,6 @@ def case_for(specs: Sequence[InputSpec], label: str, batch: int, lengths: Sequen
     return ShapeCase(label, dims, padding, pad_fraction)
 
 
-
 def default_cases(specs: Sequence[InputSpec], *, max_len: int = 64) -> list[ShapeCase]:
     """Cases that vary every dynamic dim: all ones, distinct odd sizes, a larger one with a
     fully padded batch entry. Batch dims stay small."""
