@@ -161,3 +161,13 @@ def onehot_dim(tape, axis: int, value: int = 1, rank: int = 4) -> ir.Value:
     array = np.full(rank, 1 - value, np.int64)
     array[axis] = value
     return tape.op("Constant", [], {"value": ir.tensor(array)})
+
+
+def take_output(graph: ir.Graph, old: ir.Value, new: ir.Value, suffix: str) -> None:
+    """``new`` as the graph output ``old`` was, under its name (``old`` renamed with
+    ``suffix``); nothing where ``old`` is no graph output. Other uses of ``old`` stay."""
+    for index, output in enumerate(graph.outputs):
+        if output is old:
+            name, old.name = old.name, f"{old.name}_{suffix}"
+            new.name = name
+            graph.outputs[index] = new

@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.blocks import all_graphs
-from mha_onnx.rewrite.irutil import const_array, dims
+from mha_onnx.rewrite.irutil import const_array, dims, take_output
 
 
 def merge_value_matmuls(model: ir.Model) -> int:
@@ -146,9 +146,5 @@ def _scaled_weights(value: ir.Value | None) -> tuple[ir.Value, ir.Value | None] 
 
 def _take_over(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
     """``new`` in place of ``old`` everywhere, as a graph output under its name too."""
-    name = old.name
-    for index, output in enumerate(graph.outputs):
-        if output is old:
-            graph.outputs[index] = new
-            old.name, new.name = f"{name}_replaced", name
+    take_output(graph, old, new, "replaced")
     ir.convenience.replace_all_uses_with(old, new)

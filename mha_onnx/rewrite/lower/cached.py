@@ -25,7 +25,13 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED, Form, either
-from mha_onnx.rewrite.irutil import MS_DOMAIN, ints_attr, onehot_dim, replace_shape
+from mha_onnx.rewrite.irutil import (
+    MS_DOMAIN,
+    ints_attr,
+    onehot_dim,
+    replace_shape,
+    take_output,
+)
 from mha_onnx.rewrite.lower.common import (
     TapeOps,
     dense_mha,
@@ -247,11 +253,7 @@ def route_presents(graph: ir.Graph) -> dict[str, str]:
         for old, new in zip(olds, node.outputs[1:3], strict=True):
             _shapes_from_parts(graph, old)
             new.shape, new.dtype = old.shape, old.dtype
-            for index, output in enumerate(graph.outputs):
-                if output is old:
-                    name, old.name = old.name, f"{old.name}_appended"
-                    new.name = name
-                    graph.outputs[index] = new
+            take_output(graph, old, new, "appended")  # its other uses stay (shapes rebuilt)
             past = old.producer().inputs[0]
             if past is not None and past.is_graph_input() and new.is_graph_output():
                 pairs[past.name] = new.name
