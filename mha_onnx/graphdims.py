@@ -107,11 +107,9 @@ def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int) -> 
     reasons = []
     with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
         for size in candidates:
-            square = {spec.dims[2]: size, spec.dims[3]: size}
-            try:
-                runner.infer({s.name: _trial_array(s, square) for s in specs})
-            except Exception as exc:  # noqa: BLE001 - a size the graph does not take
-                reasons.append(f"{size}: {str(exc)[:120]}")
+            failed = _trial(runner, specs, {spec.dims[2]: size, spec.dims[3]: size})
+            if failed:
+                reasons.append(f"{size}: {failed[:120]}")
                 continue
             log.info("input %s: images of %dx%d (the smallest size the model runs at)",
                      spec.name, size, size)
@@ -120,6 +118,20 @@ def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int) -> 
         f"input {spec.name!r} {list(spec.dims)}: the model runs at none of the image sizes "
         f"{candidates} ({reasons[0] if reasons else '?'})",
         hint="pass real inputs with --inputs FILE.npz")
+
+
+def _trial(runner, specs: Sequence, sizes: dict) -> str:
+    """One trial run at ``sizes`` (see _trial_array): '' when the graph ran, else why not."""
+    try:
+        runner.infer({s.name: _trial_array(s, sizes) for s in specs})
+    except Exception as exc:  # noqa: BLE001 - sizes the graph does not take
+        return str(exc) or type(exc).__name__
+    return ""
+
+
+def _external(model: onnx.ModelProto) -> bool:
+    """Weights in external files: not in memory here, so no trial run."""
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 
 
 def _size(dim: str, sizes: dict) -> int:
@@ -149,8 +161,8 @@ def floor_dims(model: onnx.ModelProto, specs: Sequence) -> list:
     leading = {s.dims[0] for s in specs if s.dims}
     names = sorted({d for s in specs for d in s.dims[1:] if isinstance(d, str) and "+" not in d}
                    - leading)
-    if not names or not any(n.op_type in WINDOWED for n in model.graph.node) or any(
-            t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+    if not names or not any(n.op_type in WINDOWED for n in model.graph.node) \
+            or _external(model):
         return list(specs)
     key = _structure(model)
     if key not in _FLOORS:
@@ -182,12 +194,12 @@ def _find_floors(model: onnx.ModelProto, specs: Sequence, names: list[str]) -> d
 
     with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
         def runs(sizes: dict) -> bool:
-            try:
-                runner.infer({s.name: _trial_array(s, sizes) for s in specs})
-            except Exception:  # noqa: BLE001 - sizes the graph does not take
-                return False
-            return True
+            return not _trial(runner, specs, sizes)
 
+        try:
+            runner.session  # noqa: B018 - a graph ORT cannot load is not about its sizes
+        except Exception:  # noqa: BLE001
+            return {}
         if runs({}):  # every symbolic dim 1: no floor
             return {}
         size = 2
@@ -252,27 +264,22 @@ def _needs_relating(model: onnx.ModelProto, specs: Sequence, related: list) -> b
     names = sorted({d for s in specs for d in s.dims if isinstance(d, str) and "+" not in d})
     rising = {name: 2 + n for n, name in enumerate(names)}  # distinct small sizes, both ways
     falling = {name: 2 + len(names) - n for n, name in enumerate(names)}
-    reasons = []
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-        return False  # weights not in memory here: no trial run, the dims as named
+    if _external(model):
+        return False  # no trial run: the dims as named
     with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
         try:
             runner.session  # noqa: B018 - a graph ORT cannot load is not about its dims
         except Exception:  # noqa: BLE001
             return False
-        for sizes in (rising, falling):
-            try:
-                runner.infer({s.name: _trial_array(s, sizes) for s in specs})
-            except Exception as exc:  # noqa: BLE001 - sizes the graph does not take
-                reasons.append(str(exc)[:160])
+        reasons = [failed[:160] for failed in (_trial(runner, specs, sizes)
+                                               for sizes in (rising, falling)) if failed]
         if not reasons:
             return False  # it runs at distinct sizes: the dims are free
-        try:
-            runner.infer({s.name: _trial_array(s, rising) for s in related})
+        failed = _trial(runner, related, rising)
+        if not failed:
             log.info("dims named apart related (the graph runs only so): %s", names)
             return True
-        except Exception as exc:  # noqa: BLE001
-            reasons.append(str(exc)[:160])
+        reasons.append(failed[:160])
     raise InputSpecError(
         f"the model runs neither at distinct sizes for its dims {names} nor with them "
         f"related ({reasons[0]})",
