@@ -115,23 +115,29 @@ def unguarded_norms(model: onnx.ModelProto) -> list[str]:
     found = []
     for graph in _graphs(model.graph):
         made = {out: node for node in graph.node for out in node.output}
+        weights = {t.name: t for t in graph.initializer}
         for node in graph.node:
             mean = made.get(node.input[0]) if node.op_type == "Sqrt" else None
-            square = made.get(mean.input[0]) if mean is not None \
-                and mean.op_type == "ReduceMean" else None
-            if square is not None and ((square.op_type == "Pow" and _is_two(square.input[1],
-                                                                              graph, made)) or (
-                    square.op_type == "Mul" and square.input[0] == square.input[1])):
+            if mean is None or mean.op_type != "ReduceMean":
+                continue
+            square = made.get(mean.input[0])
+            if square is None:
+                continue
+            squared = (square.op_type == "Mul" and square.input[0] == square.input[1]) or (
+                square.op_type == "Pow" and _scalar(square.input[1], weights, made) == 2.0)
+            if squared:
                 found.append(node.name or node.output[0])
     return found
 
 
-def _is_two(name: str, graph: onnx.GraphProto, made: dict[str, onnx.NodeProto]) -> bool:
-    tensor = next((t for t in graph.initializer if t.name == name), None)
+def _scalar(name: str, weights: dict[str, onnx.TensorProto],
+            made: dict[str, onnx.NodeProto]) -> float | None:
+    """The value of a one-element initializer or Constant, else None."""
+    tensor = weights.get(name)
     if tensor is None and name in made and made[name].op_type == "Constant":
         tensor = next((a.t for a in made[name].attribute if a.name == "value"), None)
-    return tensor is not None and onnx.numpy_helper.to_array(tensor).size == 1 \
-        and float(onnx.numpy_helper.to_array(tensor).reshape(())) == 2.0
+    array = onnx.numpy_helper.to_array(tensor) if tensor is not None else None
+    return float(array.reshape(())) if array is not None and array.size == 1 else None
 
 
 def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
