@@ -181,6 +181,11 @@ def dim_floors(specs: Sequence) -> dict[str, int]:
     return floors
 
 
+def lifted(size: int, least: int) -> int:
+    """``size``, or past a dim's floor ``least`` by as much (distinct sizes stay distinct)."""
+    return size if size >= least else size + least - 1
+
+
 def _structure(model: onnx.ModelProto) -> str:
     """A key of the graph's structure (inputs, ops, weight shapes), not of its weights."""
     digest = hashlib.sha1(model.graph.input.__repr__().encode())

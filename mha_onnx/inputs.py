@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.errors import InputSpecError
-from mha_onnx.graphdims import dim_floors, floor_dims, pin_dims, relate_dims
+from mha_onnx.graphdims import dim_floors, floor_dims, lifted, pin_dims, relate_dims
 from mha_onnx.input_roles import all_nodes, integer_roles
 
 NP_TYPES = {
@@ -186,9 +186,7 @@ def case_for(specs: Sequence[InputSpec], label: str, batch: int, lengths: Sequen
     floors = dim_floors(specs) if lift else {}
     dims = dict.fromkeys(batch_names, batch)
     for n, name in enumerate(seq_names):
-        length = lengths[min(n, len(lengths) - 1)]
-        least = floors.get(name, 1)
-        dims[name] = length if length >= least else length + least - 1
+        dims[name] = lifted(lengths[min(n, len(lengths) - 1)], floors.get(name, 1))
     return ShapeCase(label, dims, padding, pad_fraction)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from mha_onnx.graphdims import lifted
 from mha_onnx.inputs import resolve_dim
 from mha_onnx.rewrite.irutil import Dim, const_array, dims
 
@@ -42,8 +43,7 @@ def assignments(symbols: list[str], lengths: list[int], floors: dict[str, int] |
     for a, base in enumerate(lengths):
         step = 4 if a % 2 == 0 else -3
         values = {name: max(1, base + n * step) for n, name in enumerate(symbols)}
-        out.append({name: v if v >= floors.get(name, 1) else v + floors[name] - 1
-                    for name, v in values.items()})
+        out.append({name: lifted(v, floors.get(name, 1)) for name, v in values.items()})
     return out
 
 
