@@ -80,9 +80,10 @@ def optimize_faithfully(model: ir.Model, num_iterations: int = 2) -> None:
     """Constant folding and onnxscript's clean-up rules, in place, keeping every value the
     graph computes (the sequence of ``onnxscript.optimizer.optimize_ir``, exact no-ops)."""
     common_passes.InlinePass()(model)
+    rewrite = RewritePass(RewriteRuleSet([*_KEPT, *_exact_rules()]))
     for _ in range(num_iterations):
         folded = fold_constants_ir(model, onnx_shape_inference=True)
-        rewritten = RewritePass(RewriteRuleSet([*_KEPT, *_exact_rules()]))(model)
+        rewritten = rewrite(model)
         common_passes.RemoveUnusedNodesPass()(model)
         if not (folded.modified or rewritten.modified):
             break
