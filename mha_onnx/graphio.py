@@ -95,18 +95,30 @@ def for_checker(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` for onnx.checker: ORT's own default-domain ops moved to its contrib domain
     (whose ops the checker does not judge), so that what ORT runs is not refused as corrupt.
     The model itself is not changed."""
-    nodes = [n for n in model.graph.node if n.domain in ("", "ai.onnx")
-             and n.op_type in ORT_ONNX_DOMAIN_OPS]
-    if not nodes:
+    if not any(_ort_default_op(n) for n in _all_nodes(model.graph)):
         return model
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    for node in copy.graph.node:
-        if node.domain in ("", "ai.onnx") and node.op_type in ORT_ONNX_DOMAIN_OPS:
+    for node in _all_nodes(copy.graph):  # branches of If nodes too
+        if _ort_default_op(node):
             node.domain = "com.microsoft"
     if not any(o.domain == "com.microsoft" for o in copy.opset_import):
         copy.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     return copy
+
+
+def _ort_default_op(node: onnx.NodeProto) -> bool:
+    return node.domain in ("", "ai.onnx") and node.op_type in ORT_ONNX_DOMAIN_OPS
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+            for sub in attr.graphs:
+                yield from _all_nodes(sub)
 
 
 def check_structure(model: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:

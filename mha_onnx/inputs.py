@@ -32,6 +32,7 @@ NP_TYPES = {
     onnx.TensorProto.INT8: np.int8,
     onnx.TensorProto.UINT8: np.uint8,
 }
+COUNT_FROM = 3  # the first of positions counting up (ShapeCase.counted)
 # Dim names exporters give the batch axis; every other symbolic dim is a length.
 _BATCH_DIM = re.compile(r"batch|^b$|^n$", re.IGNORECASE)
 # Ops that pass an input's values on unchanged (as far as "is it a mask" goes).
@@ -65,6 +66,7 @@ class ShapeCase:
     padding: str = "some"
     pad_fraction: float = 0.0
     optional: bool = False
+    counted: tuple[str, ...] = ()  # integer inputs [B, S] given as positions counting up
 
     def describe(self) -> str:
         inner = ", ".join(f"{k}={v}" for k, v in self.dims.items())
@@ -279,6 +281,9 @@ def make_inputs(specs: Sequence[InputSpec], case: ShapeCase, *, seed: int = 0) -
         shape = tuple(_size(d, case.dims) for d in spec.dims)
         if spec.role == "mask":
             feeds[spec.name] = _mask_values(spec, shape, case, rng)
+        elif spec.name in case.counted and len(shape) == 2:  # a generation loop's positions
+            feeds[spec.name] = np.broadcast_to(COUNT_FROM + np.arange(shape[1]), shape
+                                               ).astype(spec.dtype)
         elif spec.dtype.kind in "iu":
             feeds[spec.name] = rng.integers(0, spec.bound, size=shape).astype(spec.dtype)
         else:

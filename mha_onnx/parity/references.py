@@ -20,12 +20,28 @@ from mha_onnx.preflight import preflight
 from mha_onnx.runtimes import OrtRunner
 
 
+def _weight(arrays: dict, packed: dict, name: str) -> np.ndarray | None:
+    """An initializer as float32, or its columns of the one fuse packed it into."""
+    from onnx import numpy_helper
+
+    if name in arrays:
+        return numpy_helper.to_array(arrays[name]).astype(np.float32)
+    try:
+        joined, start, end = packed[name]
+        whole = arrays.get(joined)
+        return None if whole is None else \
+            numpy_helper.to_array(whole).astype(np.float32)[:, int(start):int(end)]
+    except (KeyError, TypeError, ValueError) as exc:
+        if name not in packed:
+            return None
+        raise metadata.damaged("packed", f"entry {name!r}: {exc!r}") from exc
+
+
 class TorchReference:
     """The PyTorch reference rebuilt from an export's metadata and initializers (float32)."""
 
     def __init__(self, source: onnx.ModelProto, label: str) -> None:
         import torch
-        from onnx import numpy_helper
 
         from mha_onnx.reference import build_reference
         from mha_onnx.weights import checksum
@@ -36,16 +52,17 @@ class TorchReference:
         self.config = config
         params = metadata.loaded(source, "params") or {}
         arrays = {t.name: t for t in source.graph.initializer}
+        packed = metadata.loaded(source, "packed") or {}
         state = {}
         for name, where in params.items():
             try:
-                tensor, transposed = arrays.get(where["initializer"]), bool(where["transposed"])
+                initializer, transposed = where["initializer"], bool(where["transposed"])
             except (KeyError, TypeError) as exc:
                 raise metadata.damaged("params", f"entry {name!r}: {exc!r}") from exc
-            if tensor is None:
-                raise MhaOnnxError(f"{label}: initializer {where['initializer']!r} of {name} is missing",
+            array = _weight(arrays, packed, initializer)
+            if array is None:
+                raise MhaOnnxError(f"{label}: initializer {initializer!r} of {name} is missing",
                                    hint="the file was rewritten in a way mha-onnx cannot follow")
-            array = numpy_helper.to_array(tensor).astype(np.float32)
             state[name] = torch.from_numpy(np.ascontiguousarray(array.T if transposed else array))
         try:
             self.module = build_reference(self.config.replace(dtype="float32"), state)

@@ -13,7 +13,7 @@ the input lengths at which the keys cross each switch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Kinds of run that only some branch of a form takes.
 NO_PAST = "no past"  # a KV-cache model's prompt
@@ -21,6 +21,7 @@ ONE_TOKEN = "one new token"  # a decode step
 UNPADDED = "no key padded"  # a batch without padding
 LEFT_PADDED = "left-padded rows"  # rows padded before their first kept key (a batched prompt)
 SHARED = "shared cache buffer"  # a past that is a max-length buffer (lower/shared.py)
+COUNTED = "positions counted up"  # a prompt whose position ids count up (rotary.py)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Form:
     cases: frozenset[str] = field(default_factory=frozenset)
     reach: int = 0  # a sliding window: verification runs with more keys than this
     keys: str = ""  # the key length in input dims, where it is an expression of them
+    positions: str = ""  # the input whose values a branch reads as position ids (COUNTED)
 
     @property
     def label(self) -> str:
@@ -65,3 +67,14 @@ def either(guard: str, kernel: str, otherwise: Form | str, *, switch_at: tuple[i
     """``If(guard): kernel | otherwise``."""
     other = otherwise if isinstance(otherwise, Form) else Form(otherwise)
     return Form(kernel, guard, other, switch_at, frozenset(cases), reach)
+
+
+def rotating_form(form: Form, positions: str, prompts: bool = True) -> Form:
+    """``form`` whose first kernel rotates Q and K itself (rotary.py) where ``positions``
+    are inside its tables and, for a kernel that also runs prompts, count up (or the run adds
+    one token): ``If(guard, positions ...): kernel, rotary inside | If(guard): kernel | ...``,
+    the same kernel reading the exporter's rotation next."""
+    check = "positions counted" if prompts else "positions in the tables"
+    guard = f"{form.guard}, {check}" if form.guard else check
+    return replace(form, kernel=f"{form.kernel}, rotary inside", guard=guard, otherwise=form,
+                   cases=form.cases | {COUNTED}, positions=positions)

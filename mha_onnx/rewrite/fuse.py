@@ -37,11 +37,12 @@ from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.forms import ONE_TOKEN, SHARED, Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.layer import tighten_layers
 from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower.cached import route_presents
 from mha_onnx.rewrite.lower.ort import Forms, LowerMergedOutput, LowerSdpa
 from mha_onnx.rewrite.lower.shared import share_interface, shared_rows
-from mha_onnx.rewrite.norms import fuse_norms, unguarded_norms
+from mha_onnx.rewrite.norms import unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
@@ -127,6 +128,7 @@ def fuse_model(
     before = find_blocks(model.graph)
     blog = BlockLog()
     chosen: dict[str, Form] = {}
+    packed: dict[str, tuple[str, int, int]] = {}
     oracle = Oracle(model, floors=dim_floors(specs))
     RewriteRuleSet([SoftmaxAttention.rule(blog, _opset(model), oracle, target, policy)]
                    ).apply_to_model(model)
@@ -138,10 +140,8 @@ def fuse_model(
         pairs = route_presents(model.graph)
         rows = shared_rows(model.graph)
         shared = share_interface(model.graph)
-        normed = fuse_norms(model)
-        if normed:
-            notes.append(f"{normed} RMS normalisation(s) (with the residual Add where there is "
-                         "one) onto ORT's SimplifiedLayerNormalization kernels")
+        tightened, packed = tighten_layers(model, chosen)
+        notes += tightened
         if policy.kv_cache == "shared":
             notes.append(_shared_note(shared, chosen, rows))
         model.opset_imports.setdefault(MS_DOMAIN, 1)
@@ -152,6 +152,8 @@ def fuse_model(
     common_passes.NameFixPass()(model)
     results = _results(before, blog, chosen)
     fused = ir.to_proto(model)
+    if packed:  # validate rebuilds PyTorch references from weights: where each one went
+        metadata.write(fused, {"packed": {k: list(v) for k, v in packed.items()}})
     if target == "ort" and pairs:  # which outputs are which past's present, by any names
         cache = {"form": "shared" if shared else "appended", "pairs": pairs,
                  "past_dim": _past_dim(model_proto, pairs)}
@@ -376,12 +378,11 @@ def _mismatch_hint(original_nan: bool, unguarded: bool) -> str:
 def carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,
                     results: list[BlockResult], target: str, ep: str = "cpu") -> None:
     """Keep the original's metadata (mha-onnx's config among it) and record the fusion (and
-    the KV-cache interface fuse_model recorded)."""
-    cache = metadata.loaded(fused, "kv_cache")
+    the KV-cache interface and packed weights fuse_model recorded)."""
+    kept = {key: metadata.loaded(fused, key) for key in ("kv_cache", "packed")}
     del fused.metadata_props[:]
     fused.metadata_props.extend(original.metadata_props)
-    if cache is not None:
-        metadata.write(fused, {"kv_cache": cache})
+    metadata.write(fused, {key: value for key, value in kept.items() if value is not None})
     summary = {"version": __version__, "target": target, "ep": ep,
                "blocks": [r.to_dict() for r in results]}
     metadata.write(fused, {"fusion": summary})

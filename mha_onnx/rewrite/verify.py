@@ -25,7 +25,7 @@ from mha_onnx.inputs import (
     resolve_dim,
     split_dims,
 )
-from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED
+from mha_onnx.rewrite.forms import COUNTED, LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED
 from mha_onnx.runtimes import OrtRunner
 from mha_onnx.stats import ErrorStats, compare
 
@@ -249,6 +249,11 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
             axes = new if case is prompt else cache
             cases.append(replace(case, label=f"{case.label}, {label}", optional=True,
                                  dims={**case.dims, **dict.fromkeys(axes, longer)}))
+    if COUNTED in kinds:  # position ids a generation loop counts up (rotary.py)
+        counted = tuple(sorted({f.positions for form in forms for f in form.chain()
+                                if f.positions}))
+        cases += [replace(c, label=f"{c.label}, positions counted", counted=counted)
+                  for c in steps or [odd]]
     if LEFT_PADDED in kinds:  # per-row lengths: rows padded before their first key, batch 4
         batch = {n: 4 for n in split_dims(specs)[0]}
         cases += [replace(c, label=f"{c.label}, left-padded rows", padding="left",

@@ -154,7 +154,8 @@ def _decode_with_past(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Ap
     total = ops.Add(past, ops.Cast(ops.Reshape(seq_dim(ops, k3, 1), scalar_shape(ops)),
                                    to=ir.DataType.INT32))
     seqlens = ops.Expand(ops.Sub(total, int_const(ops, 1, np.int32)), seq_dim(ops, q3, 0))
-    return gqa_with_past(ops, info, q3, k3, v3, key.past, value.past, seqlens, total, bias)
+    return gqa_with_past(ops, info, q3, k3, v3, key.past, value.past, seqlens, total, bias,
+                         step=True)  # (both callers: under `decoding`)
 
 
 def _prefill(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import UNPADDED, Form, either
-from mha_onnx.rewrite.irutil import MS_DOMAIN, dims
+from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, dims
 from mha_onnx.rewrite.lower.common import (
     TapeOps,
     branch,
@@ -80,21 +80,28 @@ def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None, *,
     inputs = [q3, k3, v3, None, None, seqlens, total, None, None, None, bias]
     while inputs[-1] is None:
         inputs.pop()
-    return op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _outputs=3, **attrs)[0]
+    out = op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _outputs=3, **attrs)[0]
+    out.producer().meta[BLOCK] = info.block
+    return out
 
 
 def gqa_with_past(op, info: SdpaInfo, q3, k3, v3, past_key, past_value, seqlens, total,
-                  bias: ir.Value | None = None) -> tuple[ir.Value, ir.Value, ir.Value]:
+                  bias: ir.Value | None = None, *, step: bool = False
+                  ) -> tuple[ir.Value, ir.Value, ir.Value]:
     """One GroupQueryAttention node with a past (appended, or a shared buffer): (out,
     present_key, present_value); the block's window and soft-cap, ``bias`` [B, 1, 1, T]
-    the padded keys' additive mask."""
+    the padded keys' additive mask. ``step``: only one-token runs reach it (its guard says
+    so; rotary.py then needs no check of a prompt's positions)."""
     inputs = [q3, k3, v3, past_key, past_value, seqlens, total]
     if bias is not None:
         inputs += [None, None, None, bias]
-    return tuple(op.GroupQueryAttention(
+    outs = tuple(op.GroupQueryAttention(
         *inputs, num_heads=info.heads, kv_num_heads=info.kv_heads, scale=info.scale,
         local_window_size=info.window or None, softcap=info.softcap or None,
         _domain=MS_DOMAIN, _outputs=3))
+    outs[0].producer().meta[BLOCK] = info.block
+    outs[0].producer().meta[STEP] = step
+    return outs
 
 
 def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True

@@ -97,7 +97,8 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
     k3, v3 = to_bsd(op, key.new, info.kv_heads), to_bsd(op, value.new, info.kv_heads)
 
     def gqa(ops: TapeOps):
-        return gqa_with_past(ops, info, q3, k3, v3, key.past, value.past, seqlens, total)
+        return gqa_with_past(ops, info, q3, k3, v3, key.past, value.past, seqlens, total,
+                             step=True)  # under `decoding`
 
     def prompt_or_general(ops: TapeOps):
         cond = ops.And(ops.Equal(ops.Reshape(past, scalar_shape(ops)), int_const(ops, 0)),

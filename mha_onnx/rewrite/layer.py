@@ -1,0 +1,53 @@
+"""After the blocks are lowered onto ONNX Runtime's kernels: the rest of the layer, where a
+decode step's time goes once attention is fast.
+
+In order: RMS norms onto SimplifiedLayerNormalization (norms.py); projections of one input
+packed into one MatMul (packing.py); the exporter's rotary folded into GroupQueryAttention
+(rotary.py); a guard nested in a guard's fast branch merged into one condition, every
+layer's guard computed once (tidy.py); what only a guarded branch reads moved into it, and
+what only every layer's general branch reads computed behind one If (sink.py). A decode
+step of an Optimum Llama export runs about a third of the kernels it ran before.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from mha_onnx.rewrite.forms import Form, rotating_form
+from mha_onnx.rewrite.norms import fuse_norms
+from mha_onnx.rewrite.packing import pack_projections
+from mha_onnx.rewrite.rotary import MAX_POSITIONS, fold_rotary
+from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
+from mha_onnx.rewrite.tidy import share_guards
+
+_ROTATING = ("{} block(s) rotate Q and K inside GroupQueryAttention (do_rotary, with cos/sin "
+             "tables of {} positions taken from the graph's own rotation) where a run's "
+             "positions allow it (inside the tables; a prompt's counted up from the first "
+             "row's); other runs take the exporter's rotation")
+
+
+def tighten_layers(model: ir.Model, chosen: dict[str, Form]
+                   ) -> tuple[list[str], dict[str, tuple[str, int, int]]]:
+    """The passes above on a lowered model; ``chosen`` (block -> form) updated where a
+    block's form changed. Returns notes for the fuse report and where packed weights went
+    (packing.pack_projections)."""
+    notes = []
+    normed = fuse_norms(model)
+    if normed:
+        notes.append(f"{normed} RMS normalisation(s) (with the residual Add where there is "
+                     "one) onto ORT's SimplifiedLayerNormalization kernels")
+    packed = pack_projections(model)
+    if packed:
+        groups = len({packed_name for packed_name, _, _ in packed.values()})
+        notes.append(f"{groups} group(s) of MatMuls reading one input with constant weights "
+                     "(Q, K and V; gate and up) packed into one MatMul each")
+    rotating = fold_rotary(model)
+    for block, positions in rotating.blocks.items():
+        chosen[block] = rotating_form(chosen[block], positions, block in rotating.prompts)
+    if rotating.blocks:
+        notes.append(_ROTATING.format(len(rotating.blocks), MAX_POSITIONS))
+    merge_nested_guards(model.graph)
+    share_guards(model)  # (also drops the readers the rewrites left)
+    sink_into_branches(model.graph, rotating.copyable(model.graph))
+    hoist_by_condition(model.graph)
+    return notes, packed

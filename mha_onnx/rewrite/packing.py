@@ -1,0 +1,74 @@
+"""Projections of one input packed into one MatMul (Q, K and V; an MLP's gate and up).
+
+A decode step multiplies one token by each weight matrix: a matrix-vector product whose time
+is reading the weights, plus the cost of starting the kernel (waking the thread pool). Three
+MatMuls that read the same input with constant weights are one MatMul over the weights side
+by side, then a Split: the same products (each output column is the same dot product), one
+kernel start instead of three, as ORT GenAI's graphs pack QKV. A GroupQueryAttention that
+rotates Q and K itself reads the packed tensor directly (rotary.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from mha_onnx.rewrite.irutil import const_array
+
+
+def pack_projections(model: ir.Model) -> dict[str, tuple[str, int, int]]:
+    """Every group of >= 2 MatMuls of the main graph reading one input with constant 2-D
+    weights of one dtype becomes MatMul + Split. Returns where each packed weight went:
+    {its initializer: (the packed initializer, first column, end column)} (for the fused
+    model's metadata: validate rebuilds its PyTorch reference from the weights)."""
+    if model.opset_imports.get("", 0) < 13:  # Split's sizes are an input from opset 13
+        return {}
+    groups: dict[tuple[int, str], list[ir.Node]] = {}
+    for node in model.graph:
+        weight = _weight(node)
+        if weight is not None:
+            groups.setdefault((id(node.inputs[0]), str(weight.dtype)), []).append(node)
+    packed: dict[str, tuple[str, int, int]] = {}
+    for nodes in groups.values():
+        if len(nodes) >= 2:
+            packed.update(_pack(model.graph, nodes))
+    return packed
+
+
+def _weight(node: ir.Node) -> np.ndarray | None:
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    weight = const_array(node.inputs[1])
+    if weight is None or weight.ndim != 2 or node.inputs[0] is None:
+        return None
+    return weight
+
+
+def _pack(graph: ir.Graph, nodes: list[ir.Node]) -> dict[str, tuple[str, int, int]]:
+    weights = [_weight(node) for node in nodes]
+    names = [node.inputs[1].name for node in nodes]
+    joined = ir.Value(name=f"{nodes[0].inputs[1].name}_packed{len(nodes)}",
+                      const_value=ir.tensor(np.ascontiguousarray(np.concatenate(weights, 1))))
+    joined.type = ir.TensorType(ir.DataType.from_numpy(weights[0].dtype))
+    joined.shape = ir.Shape(joined.const_value.shape)
+    graph.register_initializer(joined)
+    sizes = ir.Value(name=f"{joined.name}_sizes",
+                     const_value=ir.tensor(np.array([w.shape[1] for w in weights], np.int64)))
+    sizes.type, sizes.shape = ir.TensorType(ir.DataType.INT64), ir.Shape([len(weights)])
+    graph.register_initializer(sizes)
+    first = nodes[0]  # (the group in graph order)
+    matmul = ir.Node("", "MatMul", [first.inputs[0], joined], name=f"{first.name}_packed")
+    split = ir.Node("", "Split", [matmul.outputs[0], sizes], [ir.AttrInt64("axis", -1)],
+                    num_outputs=len(nodes), name=f"{first.name}_split")
+    matmul.outputs[0].name = f"{joined.name}_out"
+    graph.insert_before(first, [matmul, split])  # its input exists there already
+    for node, out in zip(nodes, split.outputs, strict=True):
+        old = node.outputs[0]
+        out.name, out.type, out.shape = f"{old.name}_part", old.type, old.shape
+        if old.is_graph_output():  # the graph keeps its output names
+            out.name, old.name = old.name, f"{old.name}_unpacked"
+        ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+    ends = np.cumsum([w.shape[1] for w in weights]).tolist()
+    return {name: (joined.name, int(end - w.shape[1]), int(end))
+            for name, w, end in zip(names, weights, ends, strict=True) if name}

@@ -1,0 +1,340 @@
+"""Rotary embeddings folded into GroupQueryAttention (``do_rotary``), proven by evaluation.
+
+A decoder's Q and K reach a fused GroupQueryAttention as ``[B, S, H*D]`` after the exporter
+split their heads, rotated them (``x * cos + rotate_half(x) * sin``, Hugging Face's spelling,
+about seven ops each) and our lowering joined the heads again: a dozen small kernels per
+tensor per layer on every decode step. GroupQueryAttention rotates Q and K itself from
+``cos_cache`` / ``sin_cache`` tables ``[positions, D/2]`` and the ``position_ids`` input, as
+ORT GenAI's graphs do. The tables are not guessed from a config: the graph's own cos/sin
+values are cut out and run (slices.SliceRunner) with positions ``0 .. MAX_POSITIONS - 1``,
+and accepted only if they are a function of the positions alone (one integer input), equal
+in both halves (``rotate_half``'s layout) and equal, at random positions in a batch, to the
+table rows of those positions.
+
+GroupQueryAttention (onnxruntime 1.31, CPU) reads ``position_ids`` row by row for a one-token
+step, but a prompt's positions as the first row's first position counted up. So the rotating
+kernel runs behind ``If`` (one new token, or every row counted up from the first position;
+every position inside the tables), else the block's GroupQueryAttention as lowered, reading
+the exporter's rotation; the nodes only that branch reads can then move into it (sink.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, const_ints, dims, int_attr, producer
+from mha_onnx.rewrite.slices import Refused, SliceRunner, input_symbols
+
+ROTARY_MULTIPLE = 16  # onnxruntime 1.31's GroupQueryAttention rotates head sizes of 16*k only
+MAX_POSITIONS = 8192  # rows of the cos/sin tables; later positions take the exporter's rotation
+_CHECK_BATCH, _CHECK_SEQ = 3, 5  # random positions the tables are checked at
+
+
+@dataclass(frozen=True)
+class _Rotated:
+    """One rotated tensor: ``source`` [B, S, heads*D] before its heads were split, rotated by
+    ``cos`` and ``sin`` ([B, 1, S, D])."""
+
+    source: ir.Value
+    cos: ir.Value
+    sin: ir.Value
+
+
+@dataclass(frozen=True)
+class Folded:
+    """What fold_rotary changed: {block: positions input}, the blocks whose kernel also
+    runs prompts, and the values its guards read (``positions``) and are (``guards``), for
+    sink_into_branches' choice of what to copy."""
+
+    blocks: dict[str, str]
+    prompts: frozenset[str] = frozenset()  # blocks whose guard checks a prompt's positions
+    positions: tuple[ir.Value, ...] = ()
+    guards: tuple[ir.Value, ...] = ()
+
+    def copyable(self, graph: ir.Graph):
+        """Predicate: a node of ``graph`` computed from the positions inputs and constants
+        alone (the rotation's cos/sin, as big as the positions): copied into each layer's
+        branch. Not the guards (from their last node up), which every layer reads."""
+        sources = {id(v) for v in self.positions}
+        guarding = {id(v.producer()) for v in self.guards}
+        only: set[int] = set()
+        for node in graph:
+            if id(node) not in guarding and all(
+                    v is None or id(v) in sources or v.is_initializer()
+                    or v.const_value is not None
+                    or (v.producer() is not None and id(v.producer()) in only)
+                    for v in node.inputs):
+                only.add(id(node))
+        return lambda node: id(node) in only
+
+
+@dataclass(frozen=True)
+class _Tables:
+    cos: ir.Value  # [MAX_POSITIONS, D/2] initializers
+    sin: ir.Value
+    positions: ir.Value  # the graph input the rotation reads
+
+
+def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
+    """Every GroupQueryAttention whose Q and K arrive rotated by the exporter rotates them
+    itself where that is exact (guarded, see the module doc). The exporter's rotation stays
+    in the main graph: sink_into_branches(graph, folded.copyable(graph)) moves it into the
+    branches that read it, once nothing outside them does."""
+    graph = model.graph
+    if _opset(model) < 13:
+        return Folded({})
+    tables: dict[tuple[int, int], _Tables | None] = {}
+    guards: dict[tuple[int, bool], ir.Value] = {}
+    folded: dict[str, str] = {}
+    prompted: set[str] = set()
+    for node in list(ir.traversal.RecursiveGraphIterator(graph)):
+        if not _candidate(node):
+            continue
+        q = _rotated(node.inputs[0], int_attr(node, "num_heads", 0))
+        k = _rotated(node.inputs[1], int_attr(node, "kv_num_heads", 0))
+        if q is None or k is None or q.cos is not k.cos or q.sin is not k.sin:
+            continue
+        key = (id(q.cos), id(q.sin))
+        if key not in tables:
+            tables[key] = _tables(model, q, max_positions)
+        found = tables[key]
+        if found is None:
+            continue
+        prompts = not node.meta.get(STEP, False)  # else its guard admits one-token runs only
+        key = (id(found.positions), prompts)
+        if key not in guards:
+            guards[key] = _counted(graph, found.positions, max_positions, prompts)
+        _read_shapes_from(node.inputs[0], q.source)
+        _read_shapes_from(node.inputs[1], k.source)
+        _rotate_inside(node, q.source, k.source, found, guards[key])
+        block = str(node.meta.get(BLOCK, node.name))
+        folded[block] = found.positions.name or ""
+        if prompts:
+            prompted.add(block)
+    positions = tuple({id(t.positions): t.positions for t in tables.values() if t}.values())
+    return Folded(folded, frozenset(prompted), positions, tuple(guards.values()))
+
+
+def _opset(model: ir.Model) -> int:
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+
+
+def _candidate(node: ir.Node) -> bool:
+    if node.op_type != "GroupQueryAttention" or node.domain != MS_DOMAIN:
+        return False
+    extra = list(node.inputs[7:10])
+    return (int_attr(node, "do_rotary", 0) == 0 and len(node.inputs) >= 7
+            and node.inputs[1] is not None and all(v is None for v in extra))
+
+
+def _rotated(value: ir.Value | None, heads: int) -> _Rotated | None:
+    """``value`` = Reshape(Transpose(x * cos + rotate_half(x) * sin)) with x the heads of a
+    [B, S, heads*D] tensor split to [B, heads, S, D]; None otherwise."""
+    joined = producer(value, "Reshape")
+    back = producer(joined.inputs[0], "Transpose") if joined is not None else None
+    add = producer(back.inputs[0], "Add") if back is not None and _swaps(back) else None
+    if add is None or const_ints(joined.inputs[1]) not in ([0, 0, -1], None):
+        return None
+    for plain, turned in (add.inputs, add.inputs[::-1]):
+        first, second = producer(plain, "Mul"), producer(turned, "Mul")
+        if first is None or second is None:
+            continue
+        for x, cos in (first.inputs, first.inputs[::-1]):
+            source = _split_heads(x, heads)
+            if source is None:
+                continue
+            for half, sin in (second.inputs, second.inputs[::-1]):
+                if _rotate_half(half, x):
+                    return _Rotated(source, cos, sin)
+    return None
+
+
+def _swaps(node: ir.Node) -> bool:
+    perm = node.attributes.get("perm")
+    return perm is not None and list(perm.value) == [0, 2, 1, 3]
+
+
+def _split_heads(x: ir.Value, heads: int) -> ir.Value | None:
+    """The [B, S, heads*D] tensor ``x`` [B, heads, S, D] was split from, if it was."""
+    swap = producer(x, "Transpose")
+    split = producer(swap.inputs[0], "Reshape") if swap is not None and _swaps(swap) else None
+    shape = dims(x)
+    if split is None or shape is None or len(shape) != 4 or shape[1] != heads:
+        return None
+    source = split.inputs[0]
+    before = dims(source)
+    width = shape[3]
+    if (not isinstance(width, int) or width % ROTARY_MULTIPLE or before is None
+            or len(before) != 3
+            or before[2] != heads * width):
+        return None
+    return source
+
+
+def _rotate_half(value: ir.Value, x: ir.Value) -> bool:
+    """``value`` = Concat(-x[..., D/2:], x[..., :D/2]) on the last axis."""
+    cat = producer(value, "Concat")
+    width = (dims(x) or [None] * 4)[3]
+    if cat is None or len(cat.inputs) != 2 or int_attr(cat, "axis", 0) not in (-1, 3):
+        return False
+    neg = producer(cat.inputs[0], "Neg")
+    if neg is None or not isinstance(width, int):
+        return False
+    return (_half(neg.inputs[0], x, width // 2, width, width)
+            and _half(cat.inputs[1], x, 0, width // 2, width))
+
+
+def _half(value: ir.Value | None, x: ir.Value, start: int, end: int, width: int) -> bool:
+    """``value`` = x[..., start:end] (a Slice on the last axis; an end past D counts as D)."""
+    node = producer(value, "Slice")
+    if node is None or node.inputs[0] is not x or len(node.inputs) < 4:
+        return False
+    starts, ends, axes = (const_ints(v) for v in node.inputs[1:4])
+    steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
+    if None in (starts, ends, axes) or axes not in ([-1], [3]) or steps != [1]:
+        return False
+    return starts == [start] and (ends == [end] or (end == width and ends[0] >= width))
+
+
+def _tables(model: ir.Model, rotated: _Rotated, rows: int) -> _Tables | None:
+    """The cos/sin tables of the graph's own rotation, or None where it is not a lookup by
+    one integer positions input [B, S]."""
+    try:
+        runner = SliceRunner(model, [rotated.cos, rotated.sin], set(input_symbols(model.graph)))
+    except Refused:
+        return None
+    inputs = {v.name: v for v in model.graph.inputs}
+    if len(runner.inputs) != 1 or runner.inputs[0][0] not in inputs:
+        return None
+    name, dtype, shape = runner.inputs[0]
+    if dtype != ir.DataType.INT64 or len(shape) != 2:  # the kernel's position_ids: int64
+        return None
+    try:
+        cos, sin = _at(runner, name, shape, np.arange(rows)[None], dtype)
+        rng = np.random.default_rng(0)
+        check = rng.integers(0, rows, (_CHECK_BATCH, _CHECK_SEQ))
+        cos_at, sin_at = _at(runner, name, shape, check, dtype)
+    except Refused:
+        return None
+    width = cos.shape[-1] if cos.ndim == 4 else 0
+    half = width // 2
+    for table, at in ((cos, cos_at), (sin, sin_at)):
+        if (table.shape != (1, 1, rows, width) or at.shape != (_CHECK_BATCH, 1, _CHECK_SEQ, width)
+                or not np.array_equal(table[..., :half], table[..., half:])
+                or not np.allclose(at[:, 0], table[0, 0][check], rtol=0, atol=_atol(table))):
+            return None
+    graph = model.graph
+    made = []
+    for label, table in (("cos", cos), ("sin", sin)):
+        value = ir.Value(name=f"rotary_{label}_cache_{len(graph.initializers)}",
+                         const_value=ir.tensor(np.ascontiguousarray(table[0, 0, :, :half])))
+        value.type = ir.TensorType(ir.DataType.from_numpy(table.dtype))
+        value.shape = ir.Shape([rows, half])
+        graph.register_initializer(value)
+        made.append(value)
+    return _Tables(made[0], made[1], inputs[name])
+
+
+def _atol(table: np.ndarray) -> float:
+    return 1e-3 if table.dtype == np.float16 else 1e-6
+
+
+def _at(runner: SliceRunner, name: str, shape, positions: np.ndarray, dtype: ir.DataType
+        ) -> tuple[np.ndarray, np.ndarray]:
+    sizes = {d: n for d, n in zip(shape, positions.shape, strict=True) if isinstance(d, str)}
+    fed = positions.astype(dtype.numpy())
+    cos, sin = runner.run(sizes, {name: fed})
+    return np.asarray(cos), np.asarray(sin)
+
+
+def _counted(graph: ir.Graph, positions: ir.Value, rows: int, prompts: bool) -> ir.Value:
+    """bool: every position inside the tables, and (``prompts``: for a kernel that runs
+    more than one new token) one new token or every row counted up from the first row's
+    first position (what the kernel assumes of a prompt). Built once per positions input
+    and kind, at the top of the graph."""
+    tape = ir.tape.Tape()
+
+    def const(values) -> ir.Value:
+        return tape.op("Constant", [], {"value": ir.tensor(np.array(values, np.int64))})
+
+    pos = positions  # int64 (_tables)
+    inside = tape.op("And", [
+        tape.op("Less", [tape.op("ReduceMax", [pos], {"keepdims": 0}), const(rows)]),
+        tape.op("GreaterOrEqual", [tape.op("ReduceMin", [pos], {"keepdims": 0}), const(0)])])
+    if not prompts:
+        return _at_top(graph, tape, inside, f"{positions.name}_inside")
+    seq = tape.op("Squeeze", [tape.op("Shape", [pos], {"start": 1, "end": 2}), const([0])])
+    first = tape.op("Slice", [pos, const([0, 0]), const([1, 1]), const([0, 1])])
+    steps = tape.op("Unsqueeze", [tape.op("Range", [const(0), seq, const(1)]), const([0])])
+    counted = tape.op("Equal", [pos, tape.op("Add", [first, steps])])
+    every = tape.op("ReduceMin", [tape.op("Cast", [counted], {"to": ir.DataType.INT32})],
+                    {"keepdims": 0})
+    ok = tape.op("And", [inside, tape.op("Or", [
+        tape.op("Equal", [seq, const(1)]),
+        tape.op("Equal", [every, tape.op("Constant", [], {"value": ir.tensor(np.int32(1))})]),
+    ])])
+    return _at_top(graph, tape, ok, f"{positions.name}_counted")
+
+
+def _at_top(graph: ir.Graph, tape: ir.tape.Tape, value: ir.Value, name: str) -> ir.Value:
+    value.name = name
+    first = next(iter(graph), None)
+    if first is None:
+        graph.extend(tape.nodes)
+    else:
+        graph.insert_before(first, tape.nodes)
+    return value
+
+
+def _rotate_inside(node: ir.Node, q: ir.Value, k: ir.Value, tables: _Tables,
+                   ok: ir.Value) -> None:
+    """``node`` replaced by If(ok): the same kernel rotating ``q`` and ``k`` itself |
+    ``node`` as it was."""
+    graph = node.graph
+    inputs = list(node.inputs) + [None] * max(0, 10 - len(node.inputs))
+    inputs[0], inputs[1] = q, k
+    packed = _packed(q, k, inputs[2])
+    if packed is not None:  # Q, K and V split from one tensor: the kernel reads it whole
+        inputs[0], inputs[1], inputs[2] = packed, None, None
+    inputs[7], inputs[8], inputs[9] = tables.cos, tables.sin, tables.positions
+    attributes = [a for name, a in node.attributes.items() if name != "do_rotary"]
+    rotating = ir.Node(MS_DOMAIN, node.op_type, inputs, [*attributes, ir.AttrInt64("do_rotary", 1)],
+                       num_outputs=len(node.outputs), name=f"{node.name}_rotating")
+    rotating.meta.update(node.meta)
+    for new, old in zip(rotating.outputs, node.outputs, strict=True):
+        new.name, new.type, new.shape = f"{old.name}_rotating", old.type, old.shape
+    fast = ir.Graph([], rotating.outputs, nodes=[rotating], name=f"{node.name}_rotating")
+    written = ir.Graph([], [], nodes=[], name=f"{node.name}_as_exported")
+    choose = ir.Node("", "If", [ok], [ir.AttrGraph("then_branch", fast),
+                                       ir.AttrGraph("else_branch", written)],
+                     num_outputs=len(node.outputs), name=f"{node.name}_if_counted")
+    graph.insert_before(node, choose)
+    for new, old in zip(choose.outputs, node.outputs, strict=True):
+        new.name, new.type, new.shape = f"{old.name}_chosen", old.type, old.shape
+        if old.is_graph_output():  # the graph keeps its output names
+            new.name, old.name = old.name, f"{old.name}_as_exported"
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    graph.remove(node, safe=False)
+    written.append(node)
+    written.outputs.extend(node.outputs)
+
+
+def _packed(q: ir.Value, k: ir.Value, v: ir.Value | None) -> ir.Value | None:
+    """The tensor Q, K and V are the three parts of (packing.py), if they are."""
+    split = producer(q, "Split")
+    if (split is None or v is None or list(split.outputs) != [q, k, v]
+            or int_attr(split, "axis", 0) not in (-1, 2)):
+        return None
+    return split.inputs[0]
+
+
+def _read_shapes_from(joined: ir.Value, source: ir.Value) -> None:
+    """Shape nodes reading ``joined`` (the rotated heads joined again) read ``source`` (the
+    same [B, S, heads*D] before the rotation) instead, so that a guard's length check does
+    not keep the rotation running where nothing else needs it."""
+    for use in list(joined.uses()):
+        if use.node.op_type in ("Shape", "Size") and use.node.domain in ("", "ai.onnx"):
+            use.node.replace_input_with(use.idx, source)

@@ -1,0 +1,51 @@
+"""packing.pack_projections: MatMuls of one input with constant weights become one MatMul
+and a Split, with the same outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto, helper, numpy_helper
+
+from mha_onnx.rewrite.packing import pack_projections
+from mha_onnx.runtimes import OrtRunner
+
+
+def _model(widths: list[int], other_input: bool = False) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((8, w)).astype(np.float32), f"w{i}")
+               for i, w in enumerate(widths)]
+    nodes = [helper.make_node("MatMul", ["y" if other_input and i else "x", f"w{i}"],
+                              [f"out{i}"]) for i in range(len(widths))]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "S", 8])
+              for n in ("x", "y")]
+    outputs = [helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, None)
+               for i in range(len(widths))]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    return model
+
+
+def test_three_projections_of_one_input_are_one_matmul():
+    model = _model([16, 4, 4])
+    packed = ir.from_proto(model)
+    where = pack_projections(packed)
+    assert {name: columns for name, (_, *columns) in where.items()} == \
+        {"w0": [0, 16], "w1": [16, 20], "w2": [20, 24]}
+    assert len({joined for joined, _, _ in where.values()}) == 1
+    after = ir.to_proto(packed)
+    assert [n.op_type for n in after.graph.node] == ["MatMul", "Split"]
+    assert [o.name for o in after.graph.output] == ["out0", "out1", "out2"]
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.standard_normal((2, 3, 8)).astype(np.float32) for n in ("x", "y")}
+    want = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
+    got = OrtRunner(after.SerializeToString(), "cpu").infer(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
+
+
+def test_projections_of_different_inputs_stay_apart():
+    packed = ir.from_proto(_model([16, 4], other_input=True))
+    assert pack_projections(packed) == {}

@@ -1,0 +1,162 @@
+"""rotary.fold_rotary on a small graph spelt as Hugging Face's rotation exports: Q and K
+rotated inside GroupQueryAttention where a run's positions allow it, the exporter's rotation
+otherwise, and nothing folded where cos/sin are not a lookup by one positions input."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.rotary import fold_rotary
+from mha_onnx.rewrite.sink import sink_into_branches
+from mha_onnx.runtimes import OrtRunner
+
+N, G, D = 4, 2, 16  # query heads, K/V heads, head size
+
+
+def _const(name: str, values, dtype=np.int64) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=helper.make_tensor(
+        name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), np.shape(values),
+        np.asarray(values, dtype).reshape(-1).tolist()))
+
+
+def _rotation(x: str, heads: int, nodes: list) -> str:
+    """x [B, S, heads*D] -> heads split, rotated (x * cos + rotate_half(x) * sin), joined
+    again as our lowering feeds GroupQueryAttention; returns the joined name."""
+    nodes += [
+        _const(f"{x}_shape", [0, 0, heads, D]),
+        helper.make_node("Reshape", [x, f"{x}_shape"], [f"{x}_4"]),
+        helper.make_node("Transpose", [f"{x}_4"], [f"{x}_h"], perm=[0, 2, 1, 3]),
+        _const(f"{x}_lo", [0]), _const(f"{x}_mid", [D // 2]), _const(f"{x}_hi", [2**62]),
+        _const(f"{x}_ax", [-1]),
+        helper.make_node("Slice", [f"{x}_h", f"{x}_lo", f"{x}_mid", f"{x}_ax"], [f"{x}_a"]),
+        helper.make_node("Slice", [f"{x}_h", f"{x}_mid", f"{x}_hi", f"{x}_ax"], [f"{x}_b"]),
+        helper.make_node("Neg", [f"{x}_b"], [f"{x}_nb"]),
+        helper.make_node("Concat", [f"{x}_nb", f"{x}_a"], [f"{x}_rh"], axis=-1),
+        helper.make_node("Mul", [f"{x}_h", "cos4"], [f"{x}_c"]),
+        helper.make_node("Mul", [f"{x}_rh", "sin4"], [f"{x}_s"]),
+        helper.make_node("Add", [f"{x}_c", f"{x}_s"], [f"{x}_r"]),
+        helper.make_node("Transpose", [f"{x}_r"], [f"{x}_t"], perm=[0, 2, 1, 3]),
+        _const(f"{x}_join", [0, 0, -1]),
+        helper.make_node("Reshape", [f"{x}_t", f"{x}_join"], [f"{x}_3"]),
+    ]
+    return f"{x}_3"
+
+
+def _model(offset_input: bool = False) -> onnx.ModelProto:
+    """q [B, S, N*D], k/v [B, S, G*D], position_ids [B, S] -> GroupQueryAttention (no past)
+    of the rotated Q and K. ``offset_input``: cos/sin also read a second input (not a
+    lookup by the positions alone)."""
+    inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32).reshape(1, -1, 1)
+    nodes = [
+        helper.make_node("Constant", [], ["inv_freq"], value=helper.make_tensor(
+            "inv_freq", TensorProto.FLOAT, inv_freq.shape, inv_freq.reshape(-1).tolist())),
+        _const("one", [1]),
+        helper.make_node("Unsqueeze", ["position_ids", "one"], ["pos3"]),
+        helper.make_node("Cast", ["pos3"], ["posf"], to=TensorProto.FLOAT),
+    ]
+    positions = "posf"
+    if offset_input:
+        nodes.append(helper.make_node("Add", ["posf", "offset"], ["posf2"]))
+        positions = "posf2"
+    nodes += [
+        helper.make_node("MatMul", ["inv_freq", positions], ["freqs"]),
+        helper.make_node("Transpose", ["freqs"], ["freqs_t"], perm=[0, 2, 1]),
+        helper.make_node("Concat", ["freqs_t", "freqs_t"], ["emb"], axis=-1),
+        helper.make_node("Cos", ["emb"], ["cos"]), helper.make_node("Sin", ["emb"], ["sin"]),
+        helper.make_node("Unsqueeze", ["cos", "one"], ["cos4"]),
+        helper.make_node("Unsqueeze", ["sin", "one"], ["sin4"]),
+    ]
+    q3, k3 = _rotation("q", N, nodes), _rotation("k", G, nodes)
+    nodes += [
+        helper.make_node("Shape", ["k"], ["kshape"], start=1, end=2),
+        helper.make_node("Cast", ["kshape"], ["total1"], to=TensorProto.INT32),
+        _const("scalar", [], np.int64),
+        helper.make_node("Reshape", ["total1", "scalar"], ["total"]),
+        _const("one32", 1, np.int32),
+        helper.make_node("Sub", ["total", "one32"], ["last"]),
+        helper.make_node("Shape", ["k"], ["batch"], start=0, end=1),
+        helper.make_node("Expand", ["last", "batch"], ["seqlens"]),
+        helper.make_node("GroupQueryAttention", [q3, k3, "v", "", "", "seqlens", "total"],
+                         ["out", "present_key", "present_value"], domain=MS_DOMAIN,
+                         num_heads=N, kv_num_heads=G),
+    ]
+    inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, ["B", "S", N * D]),
+              helper.make_tensor_value_info("k", TensorProto.FLOAT, ["B", "S", G * D]),
+              helper.make_tensor_value_info("v", TensorProto.FLOAT, ["B", "S", G * D]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "S"])]
+    if offset_input:
+        inputs.append(helper.make_tensor_value_info("offset", TensorProto.FLOAT, []))
+    graph = helper.make_graph(nodes, "rotated", inputs,
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(MS_DOMAIN, 1)])
+    model.ir_version = 10
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _folded(proto: onnx.ModelProto, rows: int = 64):
+    model = ir.from_proto(proto)
+    folded = fold_rotary(model, max_positions=rows)
+    sink_into_branches(model.graph, folded.copyable(model.graph))
+    return folded, ir.to_proto(model)
+
+
+def _feeds(batch: int, seq: int, positions: np.ndarray, rng) -> dict[str, np.ndarray]:
+    return {"q": rng.standard_normal((batch, seq, N * D)).astype(np.float32),
+            "k": rng.standard_normal((batch, seq, G * D)).astype(np.float32),
+            "v": rng.standard_normal((batch, seq, G * D)).astype(np.float32),
+            "position_ids": positions.astype(np.int64)}
+
+
+def _ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node if n.op_type != "Constant"]
+
+
+def test_the_rotation_moves_into_the_kernel_behind_a_guard():
+    folded, model = _folded(_model())
+    assert list(folded.blocks.values()) == ["position_ids"]
+    gqa = []
+    for node in model.graph.node:
+        for attr in node.attribute:
+            gqa += [n for n in attr.g.node if n.op_type == "GroupQueryAttention"]
+    rotating = [n for n in gqa if any(a.name == "do_rotary" and a.i == 1 for a in n.attribute)]
+    assert len(gqa) == 2 and len(rotating) == 1
+    assert list(rotating[0].input[:3]) == ["q", "k", "v"]  # the projections, not rotated
+    assert "Neg" not in _ops(model) and "Cos" not in _ops(model)  # moved into the branch
+
+
+@pytest.mark.parametrize("positions", [
+    np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # a prompt counted up: the kernel rotates
+    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # a left-padded row: the exporter's rotation
+    np.array([[60, 61, 62, 63, 64], [60, 61, 62, 63, 64]]),  # past the tables: the exporter's
+    np.array([[3], [11]]),  # one token per row, each at its own position: the kernel
+], ids=["counted", "left-padded", "past-the-tables", "one-token"])
+def test_outputs_stay_the_same(positions):
+    original = _model()
+    _, model = _folded(original)
+    feeds = _feeds(*positions.shape, positions, np.random.default_rng(0))
+    want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
+    got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=2e-6, err_msg=name)
+
+
+def test_nothing_is_folded_where_cos_is_not_a_lookup_by_positions():
+    folded, model = _folded(_model(offset_input=True))
+    assert folded.blocks == {}
+    assert all(n.op_type != "If" for n in model.graph.node)
+
+
+def test_head_sizes_the_kernel_cannot_rotate_are_left():
+    global D
+    saved, D = D, 8  # onnxruntime 1.31: "head_size shall be a multiple of 16"
+    try:
+        folded, _ = _folded(_model())
+    finally:
+        D = saved
+    assert folded.blocks == {}
