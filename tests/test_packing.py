@@ -1,5 +1,5 @@
-"""packing.pack_projections: MatMuls of one input with constant weights become one MatMul
-and a Split, with the same outputs."""
+"""packing: MatMuls of one input with constant weights become one MatMul and a Split, with
+the same outputs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
-from mha_onnx.rewrite.packing import pack_projections
+from mha_onnx.rewrite.packing import pack, projections
 from mha_onnx.runtimes import OrtRunner
 
 
@@ -31,7 +31,9 @@ def _model(widths: list[int], other_input: bool = False) -> onnx.ModelProto:
 def test_three_projections_of_one_input_are_one_matmul():
     model = _model([16, 4, 4])
     packed = ir.from_proto(model)
-    where = pack_projections(packed)
+    nodes = projections([out.producer().outputs[0] for out in packed.graph.outputs])
+    whole, where = pack(nodes)
+    assert whole.producer().op_type == "MatMul"
     assert {name: columns for name, (_, *columns) in where.items()} == \
         {"w0": [0, 16], "w1": [16, 20], "w2": [20, 24]}
     assert len({joined for joined, _, _ in where.values()}) == 1
@@ -48,4 +50,4 @@ def test_three_projections_of_one_input_are_one_matmul():
 
 def test_projections_of_different_inputs_stay_apart():
     packed = ir.from_proto(_model([16, 4], other_input=True))
-    assert pack_projections(packed) == {}
+    assert projections([out for out in packed.graph.outputs]) is None

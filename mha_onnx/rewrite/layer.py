@@ -1,9 +1,9 @@
 """After the blocks are lowered onto ONNX Runtime's kernels: the rest of the layer, where a
 decode step's time goes once attention is fast.
 
-In order: RMS norms onto SimplifiedLayerNormalization (norms.py); projections of one input
-packed into one MatMul (packing.py); the exporter's rotary folded into GroupQueryAttention
-(rotary.py); a guard nested in a guard's fast branch merged into one condition, every
+In order: RMS norms onto SimplifiedLayerNormalization (norms.py); the exporter's rotary
+folded into GroupQueryAttention, its Q/K/V projections packed into one MatMul the kernel reads
+whole (rotary.py, packing.py); a guard nested in a guard's fast branch merged into one condition, every
 layer's guard computed once (tidy.py); what only a guarded branch reads moved into it, and
 what only every layer's general branch reads computed behind one If (sink.py). A decode
 step of an Optimum Llama export runs about a third of the kernels it ran before.
@@ -15,7 +15,6 @@ import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import Form, rotating_form
 from mha_onnx.rewrite.norms import fuse_norms
-from mha_onnx.rewrite.packing import pack_projections
 from mha_onnx.rewrite.rotary import MAX_POSITIONS, fold_rotary
 from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
 from mha_onnx.rewrite.tidy import share_guards
@@ -36,12 +35,12 @@ def tighten_layers(model: ir.Model, chosen: dict[str, Form]
     if normed:
         notes.append(f"{normed} RMS normalisation(s) (with the residual Add where there is "
                      "one) onto ORT's SimplifiedLayerNormalization kernels")
-    packed = pack_projections(model)
+    rotating = fold_rotary(model)
+    packed = rotating.packed
     if packed:
         groups = len({packed_name for packed_name, _, _ in packed.values()})
-        notes.append(f"{groups} group(s) of MatMuls reading one input with constant weights "
-                     "(Q, K and V; gate and up) packed into one MatMul each")
-    rotating = fold_rotary(model)
+        notes.append(f"{groups} Q/K/V projection(s) packed into one MatMul each, read whole "
+                     "by the kernel that rotates them")
     for block, positions in rotating.blocks.items():
         chosen[block] = rotating_form(chosen[block], positions, block in rotating.prompts)
     if rotating.blocks:

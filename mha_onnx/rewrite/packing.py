@@ -1,11 +1,14 @@
-"""Projections of one input packed into one MatMul (Q, K and V; an MLP's gate and up).
+"""Q, K and V projections packed into one MatMul, for a kernel that reads them packed.
 
 A decode step multiplies one token by each weight matrix: a matrix-vector product whose time
-is reading the weights, plus the cost of starting the kernel (waking the thread pool). Three
-MatMuls that read the same input with constant weights are one MatMul over the weights side
-by side, then a Split: the same products (each output column is the same dot product), one
-kernel start instead of three, as ORT GenAI's graphs pack QKV. A GroupQueryAttention that
-rotates Q and K itself reads the packed tensor directly (rotary.py).
+is reading the weights, plus the cost of starting the kernel (waking the thread pool). The
+MatMuls that read one input with constant weights are one MatMul over the weights side by
+side: the same products (each output column is the same dot product), one kernel start
+instead of three, as ORT GenAI's graphs pack QKV. A GroupQueryAttention that rotates Q and K
+itself reads the packed tensor whole (rotary.py packs where that is so); a Split gives the
+parts to what still reads them separately (a fallback branch: where that Split would run on
+every run, as for an MLP's gate and up, packing would only add its copy, so nothing else is
+packed).
 """
 
 from __future__ import annotations
@@ -16,23 +19,27 @@ import onnx_ir as ir
 from mha_onnx.rewrite.irutil import const_array
 
 
-def pack_projections(model: ir.Model) -> dict[str, tuple[str, int, int]]:
-    """Every group of >= 2 MatMuls of the main graph reading one input with constant 2-D
-    weights of one dtype becomes MatMul + Split. Returns where each packed weight went:
-    {its initializer: (the packed initializer, first column, end column)} (for the fused
-    model's metadata: validate rebuilds its PyTorch reference from the weights)."""
-    if model.opset_imports.get("", 0) < 13:  # Split's sizes are an input from opset 13
-        return {}
-    groups: dict[tuple[int, str], list[ir.Node]] = {}
-    for node in model.graph:
-        weight = _weight(node)
-        if weight is not None:
-            groups.setdefault((id(node.inputs[0]), str(weight.dtype)), []).append(node)
-    packed: dict[str, tuple[str, int, int]] = {}
-    for nodes in groups.values():
-        if len(nodes) >= 2:
-            packed.update(_pack(model.graph, nodes))
-    return packed
+def projections(values: list[ir.Value | None]) -> list[ir.Node] | None:
+    """The MatMuls of the main graph computing ``values``, when they read one input with
+    constant 2-D weights of one dtype (and opset >= 13: Split's sizes are an input)."""
+    nodes = [v.producer() if v is not None else None for v in values]
+    if any(n is None or _weight(n) is None for n in nodes) or len(set(map(id, nodes))) < 2:
+        return None
+    graph = nodes[0].graph
+    if graph is None or any(n.graph is not graph or n.inputs[0] is not nodes[0].inputs[0]
+                            or n.inputs[1].dtype != nodes[0].inputs[1].dtype for n in nodes):
+        return None
+    if getattr(graph, "opset_imports", {}).get("", 13) < 13:
+        return None
+    return nodes
+
+
+def pack(nodes: list[ir.Node]) -> tuple[ir.Value, dict[str, tuple[str, int, int]]]:
+    """``nodes`` (from :func:`projections`) become one MatMul and a Split whose parts replace
+    their outputs. Returns the packed output and where each weight went: {its initializer:
+    (the packed initializer, first column, end column)} (for the fused model's metadata:
+    validate rebuilds its PyTorch reference from the weights)."""
+    return _pack(nodes[0].graph, nodes)
 
 
 def _weight(node: ir.Node) -> np.ndarray | None:
@@ -44,7 +51,8 @@ def _weight(node: ir.Node) -> np.ndarray | None:
     return weight
 
 
-def _pack(graph: ir.Graph, nodes: list[ir.Node]) -> dict[str, tuple[str, int, int]]:
+def _pack(graph: ir.Graph, nodes: list[ir.Node]
+          ) -> tuple[ir.Value, dict[str, tuple[str, int, int]]]:
     weights = [_weight(node) for node in nodes]
     names = [node.inputs[1].name for node in nodes]
     joined = ir.Value(name=f"{nodes[0].inputs[1].name}_packed{len(nodes)}",
@@ -56,7 +64,7 @@ def _pack(graph: ir.Graph, nodes: list[ir.Node]) -> dict[str, tuple[str, int, in
                      const_value=ir.tensor(np.array([w.shape[1] for w in weights], np.int64)))
     sizes.type, sizes.shape = ir.TensorType(ir.DataType.INT64), ir.Shape([len(weights)])
     graph.register_initializer(sizes)
-    first = nodes[0]  # (the group in graph order)
+    first = min(nodes, key=lambda n: list(graph).index(n))  # its input exists before it
     matmul = ir.Node("", "MatMul", [first.inputs[0], joined], name=f"{first.name}_packed")
     split = ir.Node("", "Split", [matmul.outputs[0], sizes], [ir.AttrInt64("axis", -1)],
                     num_outputs=len(nodes), name=f"{first.name}_split")
@@ -70,5 +78,6 @@ def _pack(graph: ir.Graph, nodes: list[ir.Node]) -> dict[str, tuple[str, int, in
         ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
         graph.remove(node, safe=True)
     ends = np.cumsum([w.shape[1] for w in weights]).tolist()
-    return {name: (joined.name, int(end - w.shape[1]), int(end))
-            for name, w, end in zip(names, weights, ends, strict=True) if name}
+    return matmul.outputs[0], {name: (joined.name, int(end - w.shape[1]), int(end))
+                               for name, w, end in zip(names, weights, ends, strict=True)
+                               if name}

@@ -20,12 +20,13 @@ the exporter's rotation; the nodes only that branch reads can then move into it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, const_ints, dims, int_attr, producer
+from mha_onnx.rewrite.packing import pack, projections
 from mha_onnx.rewrite.slices import Refused, SliceRunner, input_symbols
 
 ROTARY_MULTIPLE = 16  # onnxruntime 1.31's GroupQueryAttention rotates head sizes of 16*k only
@@ -36,11 +37,13 @@ _CHECK_BATCH, _CHECK_SEQ = 3, 5  # random positions the tables are checked at
 @dataclass(frozen=True)
 class _Rotated:
     """One rotated tensor: ``source`` [B, S, heads*D] before its heads were split, rotated by
-    ``cos`` and ``sin`` ([B, 1, S, D])."""
+    ``cos`` and ``sin`` ([B, 1, S, D]); ``rows``: the Gather that reorders its rows before the
+    kernel (a batched prompt on a shared cache, kept keys first: lower/rows.py), or None."""
 
     source: ir.Value
     cos: ir.Value
     sin: ir.Value
+    rows: ir.Node | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Folded:
     prompts: frozenset[str] = frozenset()  # blocks whose guard checks a prompt's positions
     positions: tuple[ir.Value, ...] = ()
     guards: tuple[ir.Value, ...] = ()
+    packed: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # packing.pack
 
     def copyable(self, graph: ir.Graph):
         """Predicate: a node of ``graph`` computed from the positions inputs and constants
@@ -90,12 +94,14 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
     guards: dict[tuple[int, bool], ir.Value] = {}
     folded: dict[str, str] = {}
     prompted: set[str] = set()
+    packed: dict[str, tuple[str, int, int]] = {}
     for node in list(ir.traversal.RecursiveGraphIterator(graph)):
         if not _candidate(node):
             continue
         q = _rotated(node.inputs[0], int_attr(node, "num_heads", 0))
         k = _rotated(node.inputs[1], int_attr(node, "kv_num_heads", 0))
-        if q is None or k is None or q.cos is not k.cos or q.sin is not k.sin:
+        if q is None or k is None or q.cos is not k.cos or q.sin is not k.sin \
+                or (q.rows is None) != (k.rows is None):
             continue
         key = (id(q.cos), id(q.sin))
         if key not in tables:
@@ -109,13 +115,13 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
             guards[key] = _counted(graph, found.positions, max_positions, prompts)
         _read_shapes_from(node.inputs[0], q.source)
         _read_shapes_from(node.inputs[1], k.source)
-        _rotate_inside(node, q.source, k.source, found, guards[key])
+        packed.update(_rotate_inside(node, q, k, found, guards[key]))
         block = str(node.meta.get(BLOCK, node.name))
         folded[block] = found.positions.name or ""
         if prompts:
             prompted.add(block)
     positions = tuple({id(t.positions): t.positions for t in tables.values() if t}.values())
-    return Folded(folded, frozenset(prompted), positions, tuple(guards.values()))
+    return Folded(folded, frozenset(prompted), positions, tuple(guards.values()), packed)
 
 
 def _opset(model: ir.Model) -> int:
@@ -132,7 +138,16 @@ def _candidate(node: ir.Node) -> bool:
 
 def _rotated(value: ir.Value | None, heads: int) -> _Rotated | None:
     """``value`` = Reshape(Transpose(x * cos + rotate_half(x) * sin)) with x the heads of a
-    [B, S, heads*D] tensor split to [B, heads, S, D]; None otherwise."""
+    [B, S, heads*D] tensor split to [B, heads, S, D], or its rows gathered (Gather on the
+    rows of Reshape(it, [-1, C])); None otherwise."""
+    rows = producer(value, "Gather")
+    flat = producer(rows.inputs[0], "Reshape") if rows is not None else None
+    if rows is not None:
+        if flat is None or int_attr(rows, "axis", 0) != 0:
+            return None
+        inner = _rotated(flat.inputs[0], heads)
+        return None if inner is None or inner.rows is not None else \
+            _Rotated(inner.source, inner.cos, inner.sin, rows)
     joined = producer(value, "Reshape")
     back = producer(joined.inputs[0], "Transpose") if joined is not None else None
     add = producer(back.inputs[0], "Add") if back is not None and _swaps(back) else None
@@ -289,16 +304,25 @@ def _at_top(graph: ir.Graph, tape: ir.tape.Tape, value: ir.Value, name: str) -> 
     return value
 
 
-def _rotate_inside(node: ir.Node, q: ir.Value, k: ir.Value, tables: _Tables,
-                   ok: ir.Value) -> None:
-    """``node`` replaced by If(ok): the same kernel rotating ``q`` and ``k`` itself |
-    ``node`` as it was."""
+def _rotate_inside(node: ir.Node, q: _Rotated, k: _Rotated, tables: _Tables,
+                   ok: ir.Value) -> dict[str, tuple[str, int, int]]:
+    """``node`` replaced by If(ok): the same kernel rotating Q and K itself | ``node`` as it
+    was. The kernel reads the projections before their heads were split, packed into one
+    tensor where they are three MatMuls of one input (packing.py). Rows gathered before the
+    kernel (kept keys first) are read ungathered, the branch running only where the gather
+    changes nothing (every row keeps all its keys: seqlens_k = total - 1); the kernel
+    rotates a prompt's token s at the first position + s, which a reordered row is not.
+    Returns where packed weights went."""
     graph = node.graph
     inputs = list(node.inputs) + [None] * max(0, 10 - len(node.inputs))
-    inputs[0], inputs[1] = q, k
-    packed = _packed(q, k, inputs[2])
-    if packed is not None:  # Q, K and V split from one tensor: the kernel reads it whole
-        inputs[0], inputs[1], inputs[2] = packed, None, None
+    value = _unsplit(inputs[2], int_attr(node, "kv_num_heads", 0)) or inputs[2]
+    sources = [q.source, k.source, value]
+    whole, packed = _packed(*sources), {}
+    if whole is None and projections(sources) is not None:
+        whole, packed = pack(projections(sources))
+    inputs[:3] = [whole, None, None] if whole is not None else sources
+    if q.rows is not None:  # rows gathered kept first: the same rows while all are full
+        ok = _every_row_full(graph, node, ok)
     inputs[7], inputs[8], inputs[9] = tables.cos, tables.sin, tables.positions
     attributes = [a for name, a in node.attributes.items() if name != "do_rotary"]
     rotating = ir.Node(MS_DOMAIN, node.op_type, inputs, [*attributes, ir.AttrInt64("do_rotary", 1)],
@@ -320,6 +344,34 @@ def _rotate_inside(node: ir.Node, q: ir.Value, k: ir.Value, tables: _Tables,
     graph.remove(node, safe=False)
     written.append(node)
     written.outputs.extend(node.outputs)
+    return packed
+
+
+def _unsplit(value: ir.Value | None, heads: int) -> ir.Value | None:
+    """The [B, S, heads*D] tensor ``value`` is, its heads split and joined again by layout
+    ops (and its rows perhaps gathered, see _Rotated.rows); None where it is not that."""
+    rows = producer(value, "Gather")
+    if rows is not None:
+        flat = producer(rows.inputs[0], "Reshape")
+        value = flat.inputs[0] if flat is not None and int_attr(rows, "axis", 0) == 0 else None
+    joined = producer(value, "Reshape")
+    back = producer(joined.inputs[0], "Transpose") if joined is not None else None
+    if back is None or not _swaps(back) or const_ints(joined.inputs[1]) not in ([0, 0, -1], None):
+        shape = dims(value) if rows is not None else None  # gathered rows of [B, S, H*D]
+        return value if shape is not None and len(shape) == 3 else None
+    return _split_heads(back.inputs[0], heads)
+
+
+def _every_row_full(graph: ir.Graph, node: ir.Node, ok: ir.Value) -> ir.Value:
+    """ok and every row keeping all its keys (min(seqlens_k) = total_sequence_length - 1),
+    computed beside ``node``."""
+    tape = ir.tape.Tape()
+    one = tape.op("Constant", [], {"value": ir.tensor(np.int32(1))})
+    least = tape.op("ReduceMin", [node.inputs[5]], {"keepdims": 0})
+    full = tape.op("Equal", [least, tape.op("Sub", [node.inputs[6], one])])
+    both = tape.op("And", [ok, full])
+    graph.insert_before(node, tape.nodes)
+    return both
 
 
 def _packed(q: ir.Value, k: ir.Value, v: ir.Value | None) -> ir.Value | None:

@@ -252,8 +252,10 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
     if COUNTED in kinds:  # position ids a generation loop counts up (rotary.py)
         counted = tuple(sorted({f.positions for form in forms for f in form.chain()
                                 if f.positions}))
-        cases += [replace(c, label=f"{c.label}, positions counted", counted=counted)
-                  for c in steps or [odd]]
+        cases += [replace(c, label=f"{c.label}, positions counted{how}", counted=counted,
+                          padding=padding)
+                  for c in steps or [odd] for how, padding in (("", c.padding),
+                                                               (", no key padded", "none"))]
     if LEFT_PADDED in kinds:  # per-row lengths: rows padded before their first key, batch 4
         batch = {n: 4 for n in split_dims(specs)[0]}
         cases += [replace(c, label=f"{c.label}, left-padded rows", padding="left",
