@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--left-pad", type=float, default=0.0,
                         help="row b's first left_pad*b/batch of positions padded (0: none)")
     parser.add_argument("--op-shares", action="store_true",
-                        help="instead of timing: each graph's prompt kernel time by op type")
+                        help="instead of timing: kernels per call and kernel-time shares "
+                             "by op type, prompt and decode step")
     args = parser.parse_args(argv)
     if args.action == "make":
         make(args.folder)

@@ -134,27 +134,32 @@ def _time(runs: dict[str, Callable[[], None]], min_time: float) -> dict[str, flo
 
 
 def op_shares(graphs: dict[str, Path], args) -> None:
-    """Each graph's prompt under ORT's profiler: the share of kernel time per op type."""
+    """Each graph under ORT's profiler, for the prompt and for a decode step: kernels run
+    per call and the share of kernel time per op type (an If's branches counted, not it)."""
     import tempfile
     from collections import Counter
 
     from mha_onnx.runtimes import read_profile
 
-    for label, path in graphs.items():
-        with tempfile.TemporaryDirectory() as folder:
-            runner = OrtRunner(path, threads=args.threads, spinning=False, profile_dir=folder)
-            feeds, pasts = _feeds(_kind(label), runner.input_names, args.batch, args.prompt, 0,
-                                  np.random.default_rng(0), args.left_pad)
-            step, _ = _step(runner, _kind(label), feeds, pasts)
-            for _ in range(5):
-                step()
+    runs = 5
+    for phase, new, past in (("prompt", args.prompt, 0), ("decode", 1, args.context)):
+        for label, path in graphs.items():
+            with tempfile.TemporaryDirectory() as folder:
+                runner = OrtRunner(path, threads=args.threads, spinning=False,
+                                   profile_dir=folder)
+                feeds, pasts = _feeds(_kind(label), runner.input_names, args.batch, new, past,
+                                      np.random.default_rng(0), args.left_pad)
+                step, _ = _step(runner, _kind(label), feeds, pasts)
+                for _ in range(runs):  # (each call runs the same kernels)
+                    step()
+                events = [e for e in read_profile(runner.end_profiling()) if e.op_type != "If"]
             times: Counter = Counter()
-            for event in read_profile(runner.end_profiling()):
-                if event.op_type != "If":  # its branches' kernels are counted themselves
-                    times[event.op_type] += event.micros
-        total = sum(times.values())
-        shares = ", ".join(f"{op} {100 * t / total:.0f} %" for op, t in times.most_common(3))
-        print(f"prompt {args.prompt} tokens, {label}: {shares}", flush=True)
+            for event in events:
+                times[event.op_type] += event.micros
+            total = sum(times.values())
+            shares = ", ".join(f"{op} {100 * t / total:.0f} %" for op, t in times.most_common(3))
+            print(f"{phase}, {label}: {len(events) / runs:.0f} kernels per call; {shares}",
+                  flush=True)
 
 
 def run(args) -> None:
