@@ -53,7 +53,7 @@ class Folded:
     sink_into_branches' choice of what to copy."""
 
     blocks: dict[str, str]
-    prompts: frozenset[str] = frozenset()  # blocks whose guard checks a prompt's positions
+    prompts: frozenset[str] = frozenset()  # blocks folded only where prompts run too
     positions: tuple[ir.Value, ...] = ()
     guards: tuple[ir.Value, ...] = ()
     packed: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # packing.pack
@@ -94,6 +94,7 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
     guards: dict[tuple[int, bool], ir.Value] = {}
     folded: dict[str, str] = {}
     prompted: set[str] = set()
+    stepped: set[str] = set()  # (a block's step kernel is its form's first: its guard names)
     packed: dict[str, tuple[str, int, int]] = {}
     for node in list(ir.traversal.RecursiveGraphIterator(graph)):
         if not _candidate(node):
@@ -118,10 +119,9 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
         packed.update(_rotate_inside(node, q, k, found, guards[key]))
         block = str(node.meta.get(BLOCK, node.name))
         folded[block] = found.positions.name or ""
-        if prompts:
-            prompted.add(block)
+        (prompted if prompts else stepped).add(block)
     positions = tuple({id(t.positions): t.positions for t in tables.values() if t}.values())
-    return Folded(folded, frozenset(prompted), positions, tuple(guards.values()), packed)
+    return Folded(folded, frozenset(prompted - stepped), positions, tuple(guards.values()), packed)
 
 
 def _opset(model: ir.Model) -> int:
