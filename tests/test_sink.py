@@ -119,3 +119,21 @@ def test_a_guard_nested_in_a_fast_branch_merges_with_it():
     after, merged = _apply(model, merge_nested_guards)
     assert merged == 1 and _main_ops(after) == ["And", "If"]
     _same_outputs(model, after, ["c", "d"])
+
+
+def test_element_types_of_what_is_hoisted_come_from_the_ops():
+    from mha_onnx.rewrite.sink import _dtype
+
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": 18})
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT16))
+    graph.inputs.append(x)
+    tape = ir.tape.Tape()
+    shape = tape.op("Shape", [x])
+    zeros = tape.op("ConstantOfShape", [shape])
+    flags = tape.op("Less", [x, x])
+    top = tape.op_multi_out("TopK", [x, tape.op("Constant", [], {"value": ir.tensor(
+        np.array([1], np.int64))})], num_outputs=2)
+    for value, want in ((tape.op("Neg", [x]), ir.DataType.FLOAT16), (shape, ir.DataType.INT64),
+                        (zeros, ir.DataType.FLOAT), (flags, ir.DataType.BOOL),
+                        (top[1], None)):
+        assert _dtype(value) == want

@@ -171,10 +171,17 @@ def _other(branch: str) -> str:
 _BOOLEAN = {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Not",
             "Xor", "IsNaN", "IsInf"}
 _INT64 = {"Shape", "Size", "NonZero", "ArgMax", "ArgMin"}
+_SAME = {"Add", "Sub", "Mul", "Div", "Neg", "Abs", "Relu", "Exp", "Log", "Sqrt", "Pow", "Max",
+         "Min", "Mod", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Concat",
+         "Slice", "Gather", "GatherElements", "Tile", "Identity", "ReduceSum", "ReduceMax",
+         "ReduceMin", "ReduceMean", "CumSum", "Range", "Softmax", "Sigmoid", "Tanh", "Trilu",
+         "Pad", "Flatten", "Split", "MatMul", "Sin", "Cos", "Erf", "Floor", "Ceil", "Round",
+         "Reciprocal", "Clip", "Sign"}  # the element type of their first input
 
 
-def _dtype(value: ir.Value, depth: int = 8) -> ir.DataType | None:
-    """A value's element type: recorded, else what its op makes of its first input."""
+def _dtype(value: ir.Value, depth: int = 16) -> ir.DataType | None:
+    """A value's element type: recorded, else what its op makes of its inputs; None where
+    that is not known (then nothing is hoisted)."""
     if value.dtype is not None or depth == 0:
         return value.dtype
     node = value.producer()
@@ -182,14 +189,20 @@ def _dtype(value: ir.Value, depth: int = 8) -> ir.DataType | None:
         return None
     if node.op_type in _BOOLEAN:
         return ir.DataType.BOOL
-    if node.op_type in _INT64:
+    if node.op_type in _INT64 and value is node.outputs[0]:
         return ir.DataType.INT64
     if node.op_type == "Cast":
         return ir.DataType(node.attributes["to"].value)
-    if node.op_type == "Constant" and "value" in node.attributes:
-        return node.attributes["value"].value.dtype
-    data = node.inputs[1] if node.op_type == "Where" else (node.inputs[0] if node.inputs else None)
-    return _dtype(data, depth - 1) if data is not None else None
+    if node.op_type in ("Constant", "ConstantOfShape"):
+        attr = node.attributes.get("value")
+        if attr is None or attr.type != ir.AttributeType.TENSOR:
+            return ir.DataType.FLOAT if node.op_type == "ConstantOfShape" else None
+        return attr.value.dtype
+    data = {"Where": 1, "CastLike": 1}.get(node.op_type, 0) if node.op_type in _SAME | {
+        "Where", "CastLike"} else None
+    if data is None or len(node.inputs) <= data or node.inputs[data] is None:
+        return None
+    return _dtype(node.inputs[data], depth - 1)
 
 
 def merge_nested_guards(graph: ir.Graph) -> int:
