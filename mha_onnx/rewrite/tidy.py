@@ -20,9 +20,12 @@ from mha_onnx.rewrite.irutil import dims
 
 
 def share_guards(model: ir.Model) -> int:
-    """Shape reads moved onto graph inputs, then equal initializers and equal nodes merged;
+    """Shape reads moved onto graph inputs, constants cast like a tensor of known type cast
+    to that type (ORT folds a Cast of a constant, not a CastLike whose other input is a
+    graph input: it ran on every step), then equal initializers and equal nodes merged;
     returns how many Shape nodes now read a graph input."""
     moved = _shapes_from_inputs(model)
+    _constant_casts(model)
     for step in (common_passes.DeduplicateInitializersPass(),
                  common_passes.CommonSubexpressionEliminationPass(),
                  common_passes.RemoveUnusedNodesPass(), common_passes.OutputFixPass()):
@@ -53,6 +56,22 @@ def _shapes_from_inputs(model: ir.Model) -> int:
                 moved += 1
                 break
     return moved
+
+
+def _constant_casts(model: ir.Model) -> None:
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        if node.op_type != "CastLike" or node.domain not in ("", "ai.onnx"):
+            continue
+        source, like = node.inputs[0], node.inputs[1]
+        constant = source is not None and (source.const_value is not None or (
+            source.producer() is not None and source.producer().op_type == "Constant"))
+        if constant and like is not None and like.dtype is not None:
+            cast = ir.Node("", "Cast", [source], [ir.AttrInt64("to", like.dtype.value)])
+            node.graph.insert_before(node, cast)
+            cast.outputs[0].dtype = like.dtype
+            ir.convenience.replace_all_uses_with(node.outputs[0], cast.outputs[0],
+                                                 replace_graph_outputs=True)
+            node.graph.remove(node, safe=True)
 
 
 def _bounds(node: ir.Node, rank: int) -> tuple[int, int]:
