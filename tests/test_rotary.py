@@ -47,10 +47,10 @@ def _rotation(x: str, heads: int, nodes: list) -> str:
     return f"{x}_3"
 
 
-def _model(offset_input: bool = False) -> onnx.ModelProto:
+def _model(offset_input: bool = False, past: bool = False) -> onnx.ModelProto:
     """q [B, S, N*D], k/v [B, S, G*D], position_ids [B, S] -> GroupQueryAttention (no past)
     of the rotated Q and K. ``offset_input``: cos/sin also read a second input (not a
-    lookup by the positions alone)."""
+    lookup by the positions alone). ``past``: with past_key/past_value [B, G, P, D]."""
     inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32).reshape(1, -1, 1)
     nodes = [
         helper.make_node("Constant", [], ["inv_freq"], value=helper.make_tensor(
@@ -73,7 +73,11 @@ def _model(offset_input: bool = False) -> onnx.ModelProto:
     ]
     q3, k3 = _rotation("q", N, nodes), _rotation("k", G, nodes)
     nodes += [
-        helper.make_node("Shape", ["k"], ["kshape"], start=1, end=2),
+        helper.make_node("Shape", ["k"], ["knew"], start=1, end=2),
+        helper.make_node("Shape", ["past_key" if past else "k"], ["kpast"], start=2 if past else 1,
+                         end=3 if past else 1),
+        helper.make_node("ReduceSum", ["kpast"], ["kpast1"], keepdims=1),
+        helper.make_node("Add", ["knew", "kpast1"], ["kshape"]),
         helper.make_node("Cast", ["kshape"], ["total1"], to=TensorProto.INT32),
         _const("scalar", [], np.int64),
         helper.make_node("Reshape", ["total1", "scalar"], ["total"]),
@@ -81,7 +85,8 @@ def _model(offset_input: bool = False) -> onnx.ModelProto:
         helper.make_node("Sub", ["total", "one32"], ["last"]),
         helper.make_node("Shape", ["k"], ["batch"], start=0, end=1),
         helper.make_node("Expand", ["last", "batch"], ["seqlens"]),
-        helper.make_node("GroupQueryAttention", [q3, k3, "v", "", "", "seqlens", "total"],
+        helper.make_node("GroupQueryAttention", [q3, k3, "v", "past_key" if past else "",
+                                                 "past_value" if past else "", "seqlens", "total"],
                          ["out", "present_key", "present_value"], domain=MS_DOMAIN,
                          num_heads=N, kv_num_heads=G),
     ]
@@ -91,6 +96,9 @@ def _model(offset_input: bool = False) -> onnx.ModelProto:
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "S"])]
     if offset_input:
         inputs.append(helper.make_tensor_value_info("offset", TensorProto.FLOAT, []))
+    if past:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", G, "P", D])
+                   for n in ("past_key", "past_value")]
     graph = helper.make_graph(nodes, "rotated", inputs,
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
@@ -160,3 +168,19 @@ def test_head_sizes_the_kernel_cannot_rotate_are_left():
     finally:
         D = saved
     assert folded.blocks == {}
+
+
+@pytest.mark.parametrize("past, position", [(10, 3), (4, 5), (70, 3)],
+                         ids=["total-past-the-tables", "inside", "far-past"])
+def test_a_step_whose_total_passes_the_tables_takes_the_exporters_rotation(past, position):
+    """onnxruntime 1.31 refuses a cos_cache shorter than total_sequence_length, whatever the
+    positions (a left-padded row's position is below the total): guarded too."""
+    original = _model(past=True)
+    _, model = _folded(original, rows=8)
+    rng = np.random.default_rng(1)
+    feeds = _feeds(2, 1, np.array([[position], [position - 1]]), rng)
+    feeds["past_key"] = rng.standard_normal((2, G, past, D)).astype(np.float32)
+    feeds["past_value"] = rng.standard_normal((2, G, past, D)).astype(np.float32)
+    want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
+    got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
+    np.testing.assert_allclose(got["out"], want["out"], rtol=1e-5, atol=2e-6)

@@ -14,8 +14,9 @@ table rows of those positions.
 GroupQueryAttention (onnxruntime 1.31, CPU) reads ``position_ids`` row by row for a one-token
 step, but a prompt's positions as the first row's first position counted up. So the rotating
 kernel runs behind ``If`` (one new token, or every row counted up from the first position;
-every position inside the tables), else the block's GroupQueryAttention as lowered, reading
-the exporter's rotation; the nodes only that branch reads can then move into it (sink.py).
+every position inside the tables, and the total length too: ORT refuses a cos_cache shorter
+than total_sequence_length), else the block's GroupQueryAttention as lowered, reading the
+exporter's rotation; the nodes only that branch reads can then move into it (sink.py).
 """
 
 from __future__ import annotations
@@ -25,25 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, const_ints, dims, int_attr, producer
+from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, int_attr, producer
 from mha_onnx.rewrite.packing import pack, projections
+from mha_onnx.rewrite.rotation import Rotated, rotated, unsplit
 from mha_onnx.rewrite.slices import Refused, SliceRunner, input_symbols
 
-ROTARY_MULTIPLE = 16  # onnxruntime 1.31's GroupQueryAttention rotates head sizes of 16*k only
 MAX_POSITIONS = 8192  # rows of the cos/sin tables; later positions take the exporter's rotation
 _CHECK_BATCH, _CHECK_SEQ = 3, 5  # random positions the tables are checked at
-
-
-@dataclass(frozen=True)
-class _Rotated:
-    """One rotated tensor: ``source`` [B, S, heads*D] before its heads were split, rotated by
-    ``cos`` and ``sin`` ([B, 1, S, D]); ``rows``: the Gather that reorders its rows before the
-    kernel (a batched prompt on a shared cache, kept keys first: lower/rows.py), or None."""
-
-    source: ir.Value
-    cos: ir.Value
-    sin: ir.Value
-    rows: ir.Node | None = None
 
 
 @dataclass(frozen=True)
@@ -99,8 +88,8 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
     for node in list(ir.traversal.RecursiveGraphIterator(graph)):
         if not _candidate(node):
             continue
-        q = _rotated(node.inputs[0], int_attr(node, "num_heads", 0))
-        k = _rotated(node.inputs[1], int_attr(node, "kv_num_heads", 0))
+        q = rotated(node.inputs[0], int_attr(node, "num_heads", 0))
+        k = rotated(node.inputs[1], int_attr(node, "kv_num_heads", 0))
         if q is None or k is None or q.cos is not k.cos or q.sin is not k.sin \
                 or (q.rows is None) != (k.rows is None):
             continue
@@ -114,8 +103,9 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
         key = (id(found.positions), prompts)
         if key not in guards:
             guards[key] = _counted(graph, found.positions, max_positions, prompts)
-        _read_shapes_from(node.inputs[0], q.source)
-        _read_shapes_from(node.inputs[1], k.source)
+        if q.rows is None:  # (gathered rows: another tensor, left alone)
+            _read_shapes_from(node.inputs[0], q.source)
+            _read_shapes_from(node.inputs[1], k.source)
         packed.update(_rotate_inside(node, q, k, found, guards[key]))
         block = str(node.meta.get(BLOCK, node.name))
         folded[block] = found.positions.name or ""
@@ -136,89 +126,11 @@ def _candidate(node: ir.Node) -> bool:
             and node.inputs[1] is not None and all(v is None for v in extra))
 
 
-def _rotated(value: ir.Value | None, heads: int) -> _Rotated | None:
-    """``value`` = Reshape(Transpose(x * cos + rotate_half(x) * sin)) with x the heads of a
-    [B, S, heads*D] tensor split to [B, heads, S, D], or its rows gathered (Gather on the
-    rows of Reshape(it, [-1, C])); None otherwise."""
-    rows = producer(value, "Gather")
-    flat = producer(rows.inputs[0], "Reshape") if rows is not None else None
-    if rows is not None:
-        if flat is None or int_attr(rows, "axis", 0) != 0:
-            return None
-        inner = _rotated(flat.inputs[0], heads)
-        return None if inner is None or inner.rows is not None else \
-            _Rotated(inner.source, inner.cos, inner.sin, rows)
-    joined = producer(value, "Reshape")
-    back = producer(joined.inputs[0], "Transpose") if joined is not None else None
-    add = producer(back.inputs[0], "Add") if back is not None and _swaps(back) else None
-    if add is None or const_ints(joined.inputs[1]) not in ([0, 0, -1], None):
-        return None
-    for plain, turned in (add.inputs, add.inputs[::-1]):
-        first, second = producer(plain, "Mul"), producer(turned, "Mul")
-        if first is None or second is None:
-            continue
-        for x, cos in (first.inputs, first.inputs[::-1]):
-            source = _split_heads(x, heads)
-            if source is None:
-                continue
-            for half, sin in (second.inputs, second.inputs[::-1]):
-                if _rotate_half(half, x):
-                    return _Rotated(source, cos, sin)
-    return None
-
-
-def _swaps(node: ir.Node) -> bool:
-    perm = node.attributes.get("perm")
-    return perm is not None and list(perm.value) == [0, 2, 1, 3]
-
-
-def _split_heads(x: ir.Value, heads: int) -> ir.Value | None:
-    """The [B, S, heads*D] tensor ``x`` [B, heads, S, D] was split from, if it was."""
-    swap = producer(x, "Transpose")
-    split = producer(swap.inputs[0], "Reshape") if swap is not None and _swaps(swap) else None
-    shape = dims(x)
-    if split is None or shape is None or len(shape) != 4 or shape[1] != heads:
-        return None
-    source = split.inputs[0]
-    before = dims(source)
-    width = shape[3]
-    if (not isinstance(width, int) or width % ROTARY_MULTIPLE or before is None
-            or len(before) != 3
-            or before[2] != heads * width):
-        return None
-    return source
-
-
-def _rotate_half(value: ir.Value, x: ir.Value) -> bool:
-    """``value`` = Concat(-x[..., D/2:], x[..., :D/2]) on the last axis."""
-    cat = producer(value, "Concat")
-    width = (dims(x) or [None] * 4)[3]
-    if cat is None or len(cat.inputs) != 2 or int_attr(cat, "axis", 0) not in (-1, 3):
-        return False
-    neg = producer(cat.inputs[0], "Neg")
-    if neg is None or not isinstance(width, int):
-        return False
-    return (_half(neg.inputs[0], x, width // 2, width, width)
-            and _half(cat.inputs[1], x, 0, width // 2, width))
-
-
-def _half(value: ir.Value | None, x: ir.Value, start: int, end: int, width: int) -> bool:
-    """``value`` = x[..., start:end] (a Slice on the last axis; an end past D counts as D)."""
-    node = producer(value, "Slice")
-    if node is None or node.inputs[0] is not x or len(node.inputs) < 4:
-        return False
-    starts, ends, axes = (const_ints(v) for v in node.inputs[1:4])
-    steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
-    if None in (starts, ends, axes) or axes not in ([-1], [3]) or steps != [1]:
-        return False
-    return starts == [start] and (ends == [end] or (end == width and ends[0] >= width))
-
-
-def _tables(model: ir.Model, rotated: _Rotated, rows: int) -> _Tables | None:
+def _tables(model: ir.Model, found: Rotated, rows: int) -> _Tables | None:
     """The cos/sin tables of the graph's own rotation, or None where it is not a lookup by
     one integer positions input [B, S]."""
     try:
-        runner = SliceRunner(model, [rotated.cos, rotated.sin], set(input_symbols(model.graph)))
+        runner = SliceRunner(model, [found.cos, found.sin], set(input_symbols(model.graph)))
     except Refused:
         return None
     inputs = {v.name: v for v in model.graph.inputs}
@@ -304,7 +216,7 @@ def _at_top(graph: ir.Graph, tape: ir.tape.Tape, value: ir.Value, name: str) -> 
     return value
 
 
-def _rotate_inside(node: ir.Node, q: _Rotated, k: _Rotated, tables: _Tables,
+def _rotate_inside(node: ir.Node, q: Rotated, k: Rotated, tables: _Tables,
                    ok: ir.Value) -> dict[str, tuple[str, int, int]]:
     """``node`` replaced by If(ok): the same kernel rotating Q and K itself | ``node`` as it
     was. The kernel reads the projections before their heads were split, packed into one
@@ -315,12 +227,13 @@ def _rotate_inside(node: ir.Node, q: _Rotated, k: _Rotated, tables: _Tables,
     Returns where packed weights went."""
     graph = node.graph
     inputs = list(node.inputs) + [None] * max(0, 10 - len(node.inputs))
-    value = _unsplit(inputs[2], int_attr(node, "kv_num_heads", 0)) or inputs[2]
+    value = unsplit(inputs[2], int_attr(node, "kv_num_heads", 0)) or inputs[2]
     sources = [q.source, k.source, value]
     whole, packed = _packed(*sources), {}
     if whole is None and projections(sources) is not None:
         whole, packed = pack(projections(sources))
     inputs[:3] = [whole, None, None] if whole is not None else sources
+    ok = _within_tables(ok, inputs[6], tables.cos.shape[0])
     if q.rows is not None:  # rows gathered kept first: the same rows while all are full
         ok = _every_row_full(graph, node, ok)
     inputs[7], inputs[8], inputs[9] = tables.cos, tables.sin, tables.positions
@@ -347,19 +260,15 @@ def _rotate_inside(node: ir.Node, q: _Rotated, k: _Rotated, tables: _Tables,
     return packed
 
 
-def _unsplit(value: ir.Value | None, heads: int) -> ir.Value | None:
-    """The [B, S, heads*D] tensor ``value`` is, its heads split and joined again by layout
-    ops (and its rows perhaps gathered, see _Rotated.rows); None where it is not that."""
-    rows = producer(value, "Gather")
-    if rows is not None:
-        flat = producer(rows.inputs[0], "Reshape")
-        value = flat.inputs[0] if flat is not None and int_attr(rows, "axis", 0) == 0 else None
-    joined = producer(value, "Reshape")
-    back = producer(joined.inputs[0], "Transpose") if joined is not None else None
-    if back is None or not _swaps(back) or const_ints(joined.inputs[1]) not in ([0, 0, -1], None):
-        shape = dims(value) if rows is not None else None  # gathered rows of [B, S, H*D]
-        return value if shape is not None and len(shape) == 3 else None
-    return _split_heads(back.inputs[0], heads)
+def _within_tables(ok: ir.Value, total: ir.Value, rows: int) -> ir.Value:
+    """ok and total_sequence_length <= the tables' rows (onnxruntime 1.31 refuses a cos_cache
+    shorter than the total, whatever the positions), computed right after the total."""
+    tape = ir.tape.Tape()
+    limit = tape.op("Constant", [], {"value": ir.tensor(np.int32(rows))})
+    both = tape.op("And", [ok, tape.op("LessOrEqual", [total, limit])])
+    after = total.producer() or ok.producer()  # (a graph input: after the positions guard)
+    after.graph.insert_after(after, tape.nodes)
+    return both
 
 
 def _every_row_full(graph: ir.Graph, node: ir.Node, ok: ir.Value) -> ir.Value:

@@ -1,0 +1,121 @@
+"""The exporter's rotary embedding recognised around a GroupQueryAttention's inputs
+(for rotary.py): Hugging Face's ``x * cos + rotate_half(x) * sin`` on heads split from a
+``[B, S, heads*D]`` projection and joined again by our lowering, possibly with the rows
+gathered kept-first (lower/rows.py). Structure only: what cos and sin hold is proven by
+evaluation in rotary.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from mha_onnx.rewrite.irutil import const_ints, dims, int_attr, producer
+
+ROTARY_MULTIPLE = 16  # onnxruntime 1.31's GroupQueryAttention rotates head sizes of 16*k only
+
+
+@dataclass(frozen=True)
+class Rotated:
+    """One rotated tensor: ``source`` [B, S, heads*D] before its heads were split, rotated by
+    ``cos`` and ``sin`` ([B, 1, S, D]); ``rows``: the Gather that reorders its rows before the
+    kernel (a batched prompt on a shared cache, kept keys first: lower/rows.py), or None."""
+
+    source: ir.Value
+    cos: ir.Value
+    sin: ir.Value
+    rows: ir.Node | None = None
+
+
+def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
+    """``value`` = Reshape(Transpose(x * cos + rotate_half(x) * sin)) with x the heads of a
+    [B, S, heads*D] tensor split to [B, heads, S, D], or its rows gathered (Gather on the
+    rows of Reshape(it, [-1, C])); None otherwise."""
+    rows = producer(value, "Gather")
+    flat = producer(rows.inputs[0], "Reshape") if rows is not None else None
+    if rows is not None:
+        if flat is None or int_attr(rows, "axis", 0) != 0:
+            return None
+        inner = rotated(flat.inputs[0], heads)
+        return None if inner is None or inner.rows is not None else \
+            Rotated(inner.source, inner.cos, inner.sin, rows)
+    joined = producer(value, "Reshape")
+    back = producer(joined.inputs[0], "Transpose") if joined is not None else None
+    add = producer(back.inputs[0], "Add") if back is not None and _swaps(back) else None
+    if add is None or const_ints(joined.inputs[1]) not in ([0, 0, -1], None):
+        return None
+    for plain, turned in (add.inputs, add.inputs[::-1]):
+        first, second = producer(plain, "Mul"), producer(turned, "Mul")
+        if first is None or second is None:
+            continue
+        for x, cos in (first.inputs, first.inputs[::-1]):
+            source = _split_heads(x, heads)
+            if source is None:
+                continue
+            for half, sin in (second.inputs, second.inputs[::-1]):
+                if _rotate_half(half, x):
+                    return Rotated(source, cos, sin)
+    return None
+
+
+def _swaps(node: ir.Node) -> bool:
+    perm = node.attributes.get("perm")
+    return perm is not None and list(perm.value) == [0, 2, 1, 3]
+
+
+def _split_heads(x: ir.Value, heads: int) -> ir.Value | None:
+    """The [B, S, heads*D] tensor ``x`` [B, heads, S, D] was split from, if it was."""
+    swap = producer(x, "Transpose")
+    split = producer(swap.inputs[0], "Reshape") if swap is not None and _swaps(swap) else None
+    shape = dims(x)
+    if split is None or shape is None or len(shape) != 4 or shape[1] != heads:
+        return None
+    source = split.inputs[0]
+    before = dims(source)
+    width = shape[3]
+    if (not isinstance(width, int) or width % ROTARY_MULTIPLE or before is None
+            or len(before) != 3
+            or before[2] != heads * width):
+        return None
+    return source
+
+
+def _rotate_half(value: ir.Value, x: ir.Value) -> bool:
+    """``value`` = Concat(-x[..., D/2:], x[..., :D/2]) on the last axis."""
+    cat = producer(value, "Concat")
+    width = (dims(x) or [None] * 4)[3]
+    if cat is None or len(cat.inputs) != 2 or int_attr(cat, "axis", 0) not in (-1, 3):
+        return False
+    neg = producer(cat.inputs[0], "Neg")
+    if neg is None or not isinstance(width, int):
+        return False
+    return (_half(neg.inputs[0], x, width // 2, width, width)
+            and _half(cat.inputs[1], x, 0, width // 2, width))
+
+
+def _half(value: ir.Value | None, x: ir.Value, start: int, end: int, width: int) -> bool:
+    """``value`` = x[..., start:end] (a Slice on the last axis; an end past D counts as D)."""
+    node = producer(value, "Slice")
+    if node is None or node.inputs[0] is not x or len(node.inputs) < 4:
+        return False
+    starts, ends, axes = (const_ints(v) for v in node.inputs[1:4])
+    steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
+    if None in (starts, ends, axes) or axes not in ([-1], [3]) or steps != [1]:
+        return False
+    return starts == [start] and (ends == [end] or (end == width and ends[0] >= width))
+
+
+def unsplit(value: ir.Value | None, heads: int) -> ir.Value | None:
+    """The [B, S, heads*D] tensor ``value`` is, its heads split and joined again by layout
+    ops (and its rows perhaps gathered, see Rotated.rows); None where it is not that."""
+    rows = producer(value, "Gather")
+    if rows is not None:
+        flat = producer(rows.inputs[0], "Reshape")
+        value = flat.inputs[0] if flat is not None and int_attr(rows, "axis", 0) == 0 else None
+    joined = producer(value, "Reshape")
+    back = producer(joined.inputs[0], "Transpose") if joined is not None else None
+    if back is None or not _swaps(back) or const_ints(joined.inputs[1]) not in ([0, 0, -1], None):
+        shape = dims(value) if rows is not None else None  # gathered rows of [B, S, H*D]
+        return value if shape is not None and len(shape) == 3 else None
+    return _split_heads(back.inputs[0], heads)
