@@ -51,3 +51,17 @@ def test_three_projections_of_one_input_are_one_matmul():
 def test_projections_of_different_inputs_stay_apart():
     packed = ir.from_proto(_model([16, 4], other_input=True))
     assert projections([out for out in packed.graph.outputs]) is None
+
+
+def test_a_packed_weight_is_read_back_for_references():
+    from mha_onnx.parity.references import _weight
+
+    model = _model([16, 4, 4])
+    packed = ir.from_proto(model)
+    _, where = pack(projections([out.producer().outputs[0] for out in packed.graph.outputs]))
+    after = ir.to_proto(packed)
+    arrays = {t.name: t for t in after.graph.initializer if t.name not in where}  # (fuse
+    for name, tensor in ((t.name, t) for t in model.graph.initializer):  # drops them)
+        np.testing.assert_array_equal(_weight(arrays, where, name),
+                                      numpy_helper.to_array(tensor))
+    assert _weight(arrays, where, "nowhere") is None
