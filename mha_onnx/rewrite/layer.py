@@ -6,7 +6,7 @@ folded into GroupQueryAttention, its Q/K/V projections packed into one MatMul th
 whole (rotary.py, packing.py); a guard nested in a guard's fast branch merged into one condition, every
 layer's guard computed once (tidy.py); what only a guarded branch reads moved into it, and
 what only every layer's general branch reads computed behind one If (sink.py). A decode
-step of the Optimum Llama in docs/bench.md runs 47 kernels (the export: 269; ORT GenAI's
+step of the Optimum Llama in docs/bench.md runs 48 kernels (the export: 269; ORT GenAI's
 hand-built graph: 29).
 """
 
