@@ -2,10 +2,11 @@
 decode step's time goes once attention is fast.
 
 In order: RMS norms onto SimplifiedLayerNormalization (norms.py); the exporter's rotary
-folded into GroupQueryAttention, its Q/K/V projections packed into one MatMul the kernel reads
-whole (rotary.py, packing.py); a guard nested in a guard's fast branch merged into one condition, every
-layer's guard computed once (tidy.py); what only a guarded branch reads moved into it, and
-what only every layer's general branch reads computed behind one If (sink.py). A decode
+folded into GroupQueryAttention, its Q/K/V projections packed into one MatMul the kernel
+reads whole (rotary.py, packing.py); a guard nested in a guard's fast branch merged into one
+condition (sink.py); every layer's guard computed once (tidy.py); what only a guarded branch
+reads moved into it, and what only every layer's general branch reads computed behind one
+If (sink.py). A decode
 step of the Optimum Llama in docs/bench.md runs 48 kernels (the export: 269; ORT GenAI's
 hand-built graph: 29).
 """
@@ -30,7 +31,7 @@ def tighten_layers(model: ir.Model, chosen: dict[str, Form]
                    ) -> tuple[list[str], dict[str, tuple[str, int, int]]]:
     """The passes above on a lowered model; ``chosen`` (block -> form) updated where a
     block's form changed. Returns notes for the fuse report and where packed weights went
-    (packing.pack_projections)."""
+    (packing.pack)."""
     notes = []
     normed = fuse_norms(model)
     if normed:

@@ -20,10 +20,11 @@ from mha_onnx.rewrite.irutil import const_array
 
 
 def projections(values: list[ir.Value | None]) -> list[ir.Node] | None:
-    """The MatMuls of the main graph computing ``values``, when they read one input with
+    """The MatMuls of one graph computing ``values``, one each, when they read one input with
     constant 2-D weights of one dtype (and opset >= 13: Split's sizes are an input)."""
     nodes = [v.producer() if v is not None else None for v in values]
-    if any(n is None or _weight(n) is None for n in nodes) or len(set(map(id, nodes))) < 2:
+    if any(n is None or _weight(n) is None for n in nodes) or len(nodes) < 2 \
+            or len(set(map(id, nodes))) != len(nodes):
         return None
     graph = nodes[0].graph
     if graph is None or any(n.graph is not graph or n.inputs[0] is not nodes[0].inputs[0]
