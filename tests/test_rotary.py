@@ -184,3 +184,32 @@ def test_a_step_whose_total_passes_the_tables_takes_the_exporters_rotation(past,
     want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
     got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
     np.testing.assert_allclose(got["out"], want["out"], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_the_fold_is_only_for_the_cpu_kernel_it_was_measured_on(rotate):
+    """fuse --ep cuda (and tensorrt) passes rotate=False: how the GPU kernel reads
+    position_ids was never measured (issue 14: no GPU run of it)."""
+    from mha_onnx.rewrite.layer import tighten_layers
+
+    model = ir.from_proto(_model())
+    tighten_layers(model, {}, rotate=rotate)
+    nodes = ir.traversal.RecursiveGraphIterator(model.graph)
+    folded = [n for n in nodes if n.op_type == "GroupQueryAttention"
+              and n.attributes.get("do_rotary") is not None]
+    assert bool(folded) is rotate
+
+
+def test_fuse_for_a_gpu_does_not_fold():
+    from mha_onnx.rewrite import fuse
+    from mha_onnx.rewrite.lower.ort import Forms
+
+    calls = []
+    original = fuse.tighten_layers
+    fuse.tighten_layers = lambda model, chosen, rotate: calls.append(rotate) or ([], {})
+    try:
+        for ep in ("cpu", "cuda"):
+            fuse.fuse_model(_model(), forms=Forms.for_ep(ep))
+    finally:
+        fuse.tighten_layers = original
+    assert calls == [True, False]

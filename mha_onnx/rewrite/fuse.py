@@ -140,7 +140,7 @@ def fuse_model(
         pairs = route_presents(model.graph)
         rows = shared_rows(model.graph)
         shared = share_interface(model.graph)
-        tightened, packed = tighten_layers(model, chosen)
+        tightened, packed = tighten_layers(model, chosen, rotate=policy.ep == "cpu")
         notes += tightened
         if policy.kv_cache == "shared":
             notes.append(_shared_note(shared, chosen, rows))

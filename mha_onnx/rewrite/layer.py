@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import Form, rotating_form
 from mha_onnx.rewrite.norms import fuse_norms
-from mha_onnx.rewrite.rotary import MAX_POSITIONS, fold_rotary
+from mha_onnx.rewrite.rotary import MAX_POSITIONS, Folded, fold_rotary
 from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
 from mha_onnx.rewrite.tidy import share_guards
 
@@ -27,24 +27,26 @@ _ROTATING = ("{} block(s) rotate Q and K inside GroupQueryAttention (do_rotary, 
              "row's); other runs take the exporter's rotation")
 
 
-def tighten_layers(model: ir.Model, chosen: dict[str, Form]
+def tighten_layers(model: ir.Model, chosen: dict[str, Form], *, rotate: bool = True
                    ) -> tuple[list[str], dict[str, tuple[str, int, int]]]:
     """The passes above on a lowered model; ``chosen`` (block -> form) updated where a
-    block's form changed. Returns notes for the fuse report and where packed weights went
-    (packing.pack)."""
+    block's form changed. ``rotate=False``: no rotary fold (forms for a GPU: how its
+    GroupQueryAttention reads position_ids was measured on the CPU kernel only). Returns
+    notes for the fuse report and where packed weights went (packing.pack)."""
     notes = []
     normed = fuse_norms(model)
     if normed:
         notes.append(f"{normed} RMS normalisation(s) (with the residual Add where there is "
                      "one) onto ORT's SimplifiedLayerNormalization kernels")
-    rotating = fold_rotary(model)
+    rotating = fold_rotary(model) if rotate else Folded({})
     packed = rotating.packed
     if packed:
         groups = len({packed_name for packed_name, _, _ in packed.values()})
         notes.append(f"{groups} Q/K/V projection(s) packed into one MatMul each, read whole "
                      "by the kernel that rotates them")
     for block, positions in rotating.blocks.items():
-        chosen[block] = rotating_form(chosen[block], positions, block in rotating.prompts)
+        if block in chosen:  # (a kernel node not lowered from a recognised block: no form)
+            chosen[block] = rotating_form(chosen[block], positions, block in rotating.prompts)
     if rotating.blocks:
         notes.append(_ROTATING.format(len(rotating.blocks), MAX_POSITIONS))
     merge_nested_guards(model.graph)
