@@ -11,10 +11,12 @@ each only where ``shared`` allows it, since a run may take several of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
+
+from mha_onnx.rewrite.blocks import all_graphs
 
 
 def sink_into_branches(graph: ir.Graph,
@@ -24,7 +26,7 @@ def sink_into_branches(graph: ir.Graph,
     owners: dict[int, tuple[ir.Node, ir.Graph]] = {}  # any graph nested in an If's branch
     for node in graph:
         for branch in _branches(node):
-            for nested in _graphs_within(branch):
+            for nested in all_graphs(branch):
                 owners[id(nested)] = (node, branch)
     placed = 0
     for node in reversed(list(graph)):
@@ -46,17 +48,6 @@ def _branches(node: ir.Node) -> list[ir.Graph]:
         return []
     return [attr.value for attr in node.attributes.values()
             if attr.type == ir.AttributeType.GRAPH]
-
-
-def _graphs_within(graph: ir.Graph) -> Iterator[ir.Graph]:
-    yield graph
-    for node in graph:
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from _graphs_within(attr.value)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for sub in attr.value:
-                    yield from _graphs_within(sub)
 
 
 def _targets(node: ir.Node, graph: ir.Graph,
@@ -86,7 +77,7 @@ def _place(node: ir.Node, graph: ir.Graph, targets: list[ir.Graph]) -> None:
         copy = ir.Node(node.domain, node.op_type, node.inputs, node.attributes.values(),
                        num_outputs=len(node.outputs), version=node.version,
                        name=f"{node.name}_{n}" if node.name else None)
-        inside = {id(g) for g in _graphs_within(target)}
+        inside = {id(g) for g in all_graphs(target)}
         for old, new in zip(node.outputs, copy.outputs, strict=True):
             new.name = f"{old.name}_{n}" if old.name else None
             new.type, new.shape = old.type, old.shape
@@ -124,7 +115,7 @@ def _same_condition(graph: ir.Graph) -> dict[int, list[ir.Node]]:
 
 
 def _hoist(graph: ir.Graph, ifs: list[ir.Node], branch: str) -> int:
-    inside = {id(g) for node in ifs for g in _graphs_within(node.attributes[branch].value)}
+    inside = {id(g) for node in ifs for g in all_graphs(node.attributes[branch].value)}
     order = {id(node): n for n, node in enumerate(graph)}
     first = min(order[id(node)] for node in ifs)
     chosen: dict[int, ir.Node] = {}
