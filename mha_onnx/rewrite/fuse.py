@@ -36,7 +36,7 @@ from mha_onnx.rewrite.core import (
 from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.forms import ONE_TOKEN, SHARED, Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
-from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.irutil import MS_DOMAIN, opset
 from mha_onnx.rewrite.layer import tighten_layers
 from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower.cached import route_presents
@@ -58,19 +58,15 @@ log = logging.getLogger(__name__)
 TARGETS = ("ort", "onnx", "openvino")
 
 
-def _opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-
-
 def _prepare(model: ir.Model, target: str) -> list[str]:
     notes = []
     if model.functions:
         common_passes.InlinePass()(model)
     _unique_node_names(model)
-    if target == "onnx" and _opset(model) < ONNX_ATTENTION_OPSET:
+    if target == "onnx" and opset(model) < ONNX_ATTENTION_OPSET:
         from onnxscript.version_converter import convert_version
 
-        before = _opset(model)
+        before = opset(model)
         convert_version(model, ONNX_ATTENTION_OPSET, fallback=True)
         model.opset_imports[""] = ONNX_ATTENTION_OPSET
         notes.append(f"opset upgraded {before} -> {ONNX_ATTENTION_OPSET} for the ONNX Attention op")
@@ -130,7 +126,7 @@ def fuse_model(
     chosen: dict[str, Form] = {}
     packed: dict[str, tuple[str, int, int]] = {}
     oracle = Oracle(model, floors=dim_floors(specs))
-    RewriteRuleSet([SoftmaxAttention.rule(blog, _opset(model), oracle, target, policy)]
+    RewriteRuleSet([SoftmaxAttention.rule(blog, opset(model), oracle, target, policy)]
                    ).apply_to_model(model)
     RewriteRuleSet([OnnxAttention.rule(blog, oracle, target, policy)]).apply_to_model(model)
     remove_unused_nodes(model)
@@ -226,7 +222,7 @@ def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
     for node in model.graph:
         try:
             if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
-                core = parse_softmax_attention(node, _opset(model), oracle)
+                core = parse_softmax_attention(node, opset(model), oracle)
             elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
                 core = parse_onnx_attention(node, node.name or "Attention", oracle)
             else:

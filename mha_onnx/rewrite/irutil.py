@@ -17,6 +17,11 @@ STEP = "mha_onnx.one_token"  # node.meta key: a kernel node only one-token runs 
 WALK_LIMIT = 32
 
 
+def opset(model: ir.Model) -> int:
+    """The model's default-domain opset."""
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+
+
 def producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
     """The node (default ONNX domain) producing ``value`` if its op is one of ``op_types``."""
     if value is None:

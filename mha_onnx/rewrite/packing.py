@@ -21,7 +21,8 @@ from mha_onnx.rewrite.irutil import const_array
 
 def projections(values: list[ir.Value | None]) -> list[ir.Node] | None:
     """The MatMuls of one graph computing ``values``, one each, when they read one input with
-    constant 2-D weights of one dtype (and opset >= 13: Split's sizes are an input)."""
+    constant 2-D weights of one dtype. (For opset >= 13, where Split takes its sizes as an
+    input: rotary.fold_rotary, the caller, checks it once for the model.)"""
     nodes = [v.producer() if v is not None else None for v in values]
     if any(n is None or _weight(n) is None for n in nodes) or len(nodes) < 2 \
             or len(set(map(id, nodes))) != len(nodes):
@@ -29,8 +30,6 @@ def projections(values: list[ir.Value | None]) -> list[ir.Node] | None:
     graph = nodes[0].graph
     if graph is None or any(n.graph is not graph or n.inputs[0] is not nodes[0].inputs[0]
                             or n.inputs[1].dtype != nodes[0].inputs[1].dtype for n in nodes):
-        return None
-    if getattr(graph, "opset_imports", {}).get("", 13) < 13:
         return None
     return nodes
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, int_attr, producer
+from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, int_attr, opset, producer
 from mha_onnx.rewrite.packing import pack, projections
 from mha_onnx.rewrite.rotation import Rotated, rotated, unsplit
 from mha_onnx.rewrite.slices import Refused, SliceRunner, input_symbols
@@ -77,7 +77,7 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
     in the main graph: sink_into_branches(graph, folded.copyable(graph)) moves it into the
     branches that read it, once nothing outside them does."""
     graph = model.graph
-    if _opset(model) < 13:
+    if opset(model) < 13:
         return Folded({})
     tables: dict[tuple[int, int], _Tables | None] = {}
     guards: dict[tuple[int, bool], ir.Value] = {}
@@ -112,10 +112,6 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
         (prompted if prompts else stepped).add(block)
     positions = tuple({id(t.positions): t.positions for t in tables.values() if t}.values())
     return Folded(folded, frozenset(prompted - stepped), positions, tuple(guards.values()), packed)
-
-
-def _opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
 
 
 def _candidate(node: ir.Node) -> bool:
