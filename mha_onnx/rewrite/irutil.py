@@ -170,6 +170,15 @@ def onehot_dim(tape, axis: int, value: int = 1, rank: int = 4) -> ir.Value:
     return tape.op("Constant", [], {"value": ir.tensor(array)})
 
 
+def insert_first(graph: ir.Graph, nodes: ir.Node | list[ir.Node]) -> None:
+    """``nodes`` at the front of ``graph`` (empty or not)."""
+    first = next(iter(graph), None)
+    if first is None:
+        graph.extend([nodes] if isinstance(nodes, ir.Node) else nodes)
+    else:
+        graph.insert_before(first, nodes)
+
+
 def take_output(graph: ir.Graph, old: ir.Value, new: ir.Value, suffix: str) -> None:
     """``new`` as the graph output ``old`` was, under its name (``old`` renamed with
     ``suffix``); nothing where ``old`` is no graph output. Other uses of ``old`` stay."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, int_attr, opset, producer
+from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, insert_first, int_attr, opset, producer
 from mha_onnx.rewrite.packing import pack, projections
 from mha_onnx.rewrite.rotation import Rotated, rotated, unsplit
 from mha_onnx.rewrite.slices import Refused, SliceRunner, input_symbols
@@ -204,11 +204,7 @@ def _counted(graph: ir.Graph, positions: ir.Value, rows: int, prompts: bool) -> 
 
 def _at_top(graph: ir.Graph, tape: ir.tape.Tape, value: ir.Value, name: str) -> ir.Value:
     value.name = name
-    first = next(iter(graph), None)
-    if first is None:
-        graph.extend(tape.nodes)
-    else:
-        graph.insert_before(first, tape.nodes)
+    insert_first(graph, list(tape.nodes))
     return value
 
 

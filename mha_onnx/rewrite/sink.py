@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.blocks import all_graphs
+from mha_onnx.rewrite.irutil import insert_first
 
 
 def sink_into_branches(graph: ir.Graph,
@@ -84,17 +85,9 @@ def _place(node: ir.Node, graph: ir.Graph, targets: list[ir.Graph]) -> None:
             for use in list(old.uses()):
                 if id(use.node.graph) in inside:
                     use.node.replace_input_with(use.idx, new)
-        _front(target, copy)
+        insert_first(target, copy)
     graph.remove(node, safe=False)
-    _front(targets[0], node)
-
-
-def _front(graph: ir.Graph, node: ir.Node) -> None:
-    first = next(iter(graph), None)
-    if first is None:
-        graph.append(node)
-    else:
-        graph.insert_before(first, node)
+    insert_first(targets[0], node)
 
 
 def hoist_by_condition(graph: ir.Graph) -> int:
