@@ -213,3 +213,18 @@ def test_fuse_for_a_gpu_does_not_fold():
     finally:
         fuse.tighten_layers = original
     assert calls == [True, False]
+
+
+def test_equal_tables_are_one_pair_of_initializers():
+    """An exporter that computes cos/sin once per layer gives each layer its own values; the
+    tables they hold are compared by content, so the model gets one pair, not one per layer."""
+    from mha_onnx.rewrite.rotary import _tables
+    from mha_onnx.rewrite.rotation import rotated
+
+    model = ir.from_proto(_model())
+    gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    found = rotated(gqa.inputs[0], N)
+    first = _tables(model, found, 64, [])
+    count = len(model.graph.initializers)
+    assert first is not None and _tables(model, found, 64, [first]) is first
+    assert len(model.graph.initializers) == count

@@ -95,7 +95,8 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
             continue
         key = (id(q.cos), id(q.sin))
         if key not in tables:
-            tables[key] = _tables(model, q, max_positions)
+            tables[key] = _tables(model, q, max_positions,
+                                  [t for t in tables.values() if t is not None])
         found = tables[key]
         if found is None:
             continue
@@ -122,9 +123,12 @@ def _candidate(node: ir.Node) -> bool:
             and node.inputs[1] is not None and all(v is None for v in extra))
 
 
-def _tables(model: ir.Model, found: Rotated, rows: int) -> _Tables | None:
+def _tables(model: ir.Model, found: Rotated, rows: int, known: list[_Tables]
+            ) -> _Tables | None:
     """The cos/sin tables of the graph's own rotation, or None where it is not a lookup by
-    one integer positions input [B, S]."""
+    one integer positions input [B, S]; one of ``known`` where it holds the same tables (an
+    exporter that computes cos/sin once per layer: one pair of initializers, not one per
+    layer)."""
     try:
         runner = SliceRunner(model, [found.cos, found.sin], set(input_symbols(model.graph)))
     except Refused:
@@ -149,11 +153,17 @@ def _tables(model: ir.Model, found: Rotated, rows: int) -> _Tables | None:
                 or not np.array_equal(table[..., :half], table[..., half:])
                 or not np.allclose(at[:, 0], table[0, 0][check], rtol=0, atol=_atol(table))):
             return None
+    halves = [np.ascontiguousarray(table[0, 0, :, :half]) for table in (cos, sin)]
+    for same in known:
+        if same.positions is inputs[name] and all(
+                np.array_equal(have.const_value.numpy(), want)
+                for have, want in zip((same.cos, same.sin), halves, strict=True)):
+            return same
     graph = model.graph
     made = []
-    for label, table in (("cos", cos), ("sin", sin)):
+    for label, table, values in (("cos", cos, halves[0]), ("sin", sin, halves[1])):
         value = ir.Value(name=f"rotary_{label}_cache_{len(graph.initializers)}",
-                         const_value=ir.tensor(np.ascontiguousarray(table[0, 0, :, :half])))
+                         const_value=ir.tensor(values))
         value.type = ir.TensorType(ir.DataType.from_numpy(table.dtype))
         value.shape = ir.Shape([rows, half])
         graph.register_initializer(value)
