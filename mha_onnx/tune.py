@@ -8,7 +8,10 @@ original is a candidate: where it wins, it runs). Lengths with the same winner f
 the boundaries lie at the geometric mean of the grid lengths on either side. The tuned model
 dispatches at run time on the length: ``If(L < b1)`` candidate 1, else ``If(L < b2)`` ...,
 each branch one candidate's graph (weights shared from the outer graph, so none is stored
-twice). The tuning table (machine, cores, ORT version, threads, times) is in the metadata,
+twice). That If costs a constant time of its own, which the candidates' timings do not hold:
+the dispatching model is timed itself at the grid's shortest length, and where it loses
+there while one candidate alone stays within MARGIN of the original everywhere, that
+candidate alone is written (``settle``). The tuning table (machine, cores, ORT version, threads, times) is in the metadata,
 so ``mha-onnx tune`` can time the same branches again on another machine.
 """
 
@@ -50,12 +53,16 @@ class TuneResult:
     table: dict[str, dict[str, float]]  # "batch x length" -> candidate -> p50 ms
     dim: str
     machine: dict[str, Any] = field(default_factory=dict)
+    # "batch x length" -> the dispatching model's paired ratio to the original, where it
+    # was timed itself (the shortest length: what its If costs)
+    dispatch: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"runs": self.describe(), "dim": self.dim,
                 "rules": [{"below": r.below, "candidate": r.name}
                                            for r in self.rules],
-                "table_ms": self.table, "machine": self.machine}
+                "table_ms": self.table, "dispatch_ratio": self.dispatch,
+                "machine": self.machine}
 
     def describe(self) -> str:
         parts = []
@@ -81,9 +88,11 @@ def choose(table: Mapping[tuple[int, int], Mapping[str, float]],
     ``original`` over the batches, if that is below 1 - ``margin`` (else the original),
     the default fusion instead where it is within ``margin`` of it; consecutive lengths
     with one winner merged, the boundary at the geometric mean of the lengths on either
-    side of it."""
+    side of it. A length the original wins between two that one candidate wins takes that
+    candidate where it is within ``margin`` of the original there: switching to the
+    original and back costs two Ifs for a difference that is noise."""
     lengths = sorted({length for _, length in table})
-    winners = []
+    winners, scores = [], []
     for length in lengths:
         rows = [times for (_, n), times in table.items() if n == length and original in times]
         names = sorted(set.intersection(*(set(r) for r in rows))) if rows else [original]
@@ -94,6 +103,12 @@ def choose(table: Mapping[tuple[int, int], Mapping[str, float]],
         elif DEFAULT in score and score[DEFAULT] <= min(score[best] + margin, 1 - margin):
             best = DEFAULT
         winners.append(best)
+        scores.append(score)
+    for i in range(1, len(lengths) - 1):
+        around = winners[i - 1]
+        if winners[i] == original and winners[i + 1] == around != original \
+                and scores[i].get(around, math.inf) <= 1 + margin:
+            winners[i] = around
     rules: list[Rule] = []
     for i, (length, name) in enumerate(zip(lengths, winners, strict=True)):
         if i + 1 < len(lengths) and winners[i + 1] == name:
@@ -102,6 +117,42 @@ def choose(table: Mapping[tuple[int, int], Mapping[str, float]],
                  else int(round(math.sqrt(length * lengths[i + 1]))))
         rules.append(Rule(below, name))
     return rules
+
+
+def settle(ratios: Mapping[tuple[int, int], Mapping[str, float]], rules: list[Rule],
+           probe: Mapping[tuple[int, int], float], original: str = ORIGINAL,
+           margin: float = MARGIN) -> tuple[list[Rule], str]:
+    """The rules to write, given ``probe``: the dispatching model's ratio to the original
+    where it was timed itself (the grid's shortest length, every batch). Its If costs a
+    constant time, which shows most there and which the candidates' own timings do not hold.
+    The rules stand unless the probe finds the dispatch more than ``margin`` slower than the
+    original. Then a candidate alone may replace them if it gives up nothing the dispatch
+    gains elsewhere (within ``margin`` of the dispatch's branch at every other point): one
+    within ``margin`` of the original everywhere (the fastest overall of those), else the
+    least slow at its worst if that is less slow than the dispatch. Returns the rules and,
+    where they changed, a sentence saying why."""
+    slow = max(probe.values(), default=1.0)
+    if len(rules) == 1 or slow <= 1 + margin:
+        return rules, ""
+    points = [p for p, row in ratios.items() if original in row]
+    rule_at = {p: next(r.name for r in rules if r.below is None or p[1] < r.below)
+               for p in points}
+    dispatched = {p: probe.get(p, ratios[p].get(rule_at[p], math.inf)) for p in points}
+    options = {name: {p: ratios[p][name] for p in points}
+               for name in sorted({n for row in ratios.values() for n in row} - {original})
+               if all(name in ratios[p] and (p in probe or ratios[p][name]
+                                             <= dispatched[p] + margin) for p in points)}
+    fits = [k for k in options if max(options[k].values()) <= 1 + margin]
+    if fits:
+        best = min(fits, key=lambda k: sum(math.log(v) for v in options[k].values()))
+    else:
+        best = min(options, key=lambda k: max(options[k].values()), default="")
+        if not best or max(options[best].values()) >= max(dispatched.values()):
+            return rules, ""
+    return [Rule(None, best)], (
+        f"the dispatch ran {slow:.2f}x the original at the shortest length (its If); {best} "
+        f"alone {'stays within' if fits else 'is less slow at its worst, though not within'} "
+        f"{margin:.0%} of the original and gives up nothing the dispatch gained: {best} alone")
 
 
 # -- the dispatching model --------------------------------------------------------------------

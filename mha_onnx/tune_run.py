@@ -16,7 +16,16 @@ from mha_onnx.config import FORM_CHOICES
 from mha_onnx.errors import ConfigError, InputSpecError
 from mha_onnx.graphio import prepare_output, read_model, write_model
 from mha_onnx.inputs import case_for, input_specs, split_dims
-from mha_onnx.tune import ORIGINAL, TUNING, TuneConfig, TuneResult, choose, dispatch
+from mha_onnx.tune import (
+    ORIGINAL,
+    TUNING,
+    Rule,
+    TuneConfig,
+    TuneResult,
+    choose,
+    dispatch,
+    settle,
+)
 
 # A point is skipped when its attention scores alone would pass this many elements (a batch
 # of 32 at 4096 keys holds 32 * H * 4096^2 floats): what the grid cannot time here.
@@ -103,6 +112,25 @@ def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
     return table, ratios
 
 
+def _settle(models: dict[str, onnx.ModelProto], paths: dict[str, str], rules: list[Rule],
+            ratios, dim: str, cfg: TuneConfig, heads: int, progress: Callable[[str], None]
+            ) -> tuple[list[Rule], str, dict[tuple[int, int], float]]:
+    """``rules``, or one candidate alone where the dispatching model's own If makes it lose
+    at the grid's shortest length (timed there against the original: ``tune.settle``), and
+    the dispatching model's ratios to the original there."""
+    if len(rules) == 1:
+        return rules, "", {}
+    path = str(Path(paths[ORIGINAL]).with_name("dispatch.onnx"))
+    onnx.save(dispatch(models, rules, dim), path)
+    shortest = min(n for _, n in ratios)
+    progress(f"timing the dispatching model itself at length {shortest}")
+    probe_cfg = replace(cfg, seq_lens=(shortest,))
+    _, probe = _time({ORIGINAL: paths[ORIGINAL], "dispatch": path}, probe_cfg,
+                     heads, progress)
+    mine = {p: r["dispatch"] for p, r in probe.items() if "dispatch" in r}
+    return (*settle(ratios, rules, mine), mine)
+
+
 def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force: bool = False,
                progress: Callable[[str], None] = lambda _: None) -> TuneReport:
     """Fuse every candidate, time them here, write the dispatching model (verified)."""
@@ -130,12 +158,16 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
             paths[name] = str(Path(tmp) / f"c{n}.onnx")
             onnx.save(model, paths[name])
         table, ratios = _time(paths, cfg, heads, progress)
-    if not table:
-        raise ConfigError("--tune: every point of the grid was skipped",
-                          hint="smaller --tune-batch / --tune-seq-lens")
-    rules = choose(ratios)
+        if not table:
+            raise ConfigError("--tune: every point of the grid was skipped",
+                              hint="smaller --tune-batch / --tune-seq-lens")
+        rules, why, probe = _settle(models, paths, choose(ratios), ratios, dim, cfg, heads,
+                                     progress)
+    if why:
+        notes.append(why)
     result = TuneResult(rules, {f"{b}x{n}": t for (b, n), t in table.items()}, dim,
-                        {**machine_info(), "threads": cfg.threads})
+                        {**machine_info(), "threads": cfg.threads},
+                        {f"{b}x{n}": round(r, 4) for (b, n), r in probe.items()})
     tuned = dispatch(models, rules, dim)
     labelled = [replace(r, form=f"tuned: {result.describe()}") if r.status == "fused" else r
                 for r in results]
