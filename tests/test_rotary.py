@@ -10,7 +10,9 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
+from mha_onnx.rewrite.forms import COUNTED, NO_PAST, ONE_TOKEN, either, rotating_kernels
 from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.norms import fuse_norms
 from mha_onnx.rewrite.rotary import fold_rotary
 from mha_onnx.rewrite.sink import sink_into_branches
 from mha_onnx.runtimes import OrtRunner
@@ -24,13 +26,31 @@ def _const(name: str, values, dtype=np.int64) -> onnx.NodeProto:
         np.asarray(values, dtype).reshape(-1).tolist()))
 
 
-def _rotation(x: str, heads: int, nodes: list) -> str:
-    """x [B, S, heads*D] -> heads split, rotated (x * cos + rotate_half(x) * sin), joined
-    again as our lowering feeds GroupQueryAttention; returns the joined name."""
+def _rotation(x: str, heads: int, nodes: list, norm: bool = False) -> str:
+    """x [B, S, heads*D] -> heads split, (``norm``: each head RMS-normalised over D, Qwen3's
+    q_norm spelt as Hugging Face's RMSNorm exports) rotated (x * cos + rotate_half(x) * sin),
+    joined again as our lowering feeds GroupQueryAttention; returns the joined name."""
     nodes += [
         _const(f"{x}_shape", [0, 0, heads, D]),
         helper.make_node("Reshape", [x, f"{x}_shape"], [f"{x}_4"]),
-        helper.make_node("Transpose", [f"{x}_4"], [f"{x}_h"], perm=[0, 2, 1, 3]),
+    ]
+    split = f"{x}_4"
+    if norm:
+        weight = np.linspace(0.5, 1.5, D)
+        nodes += [
+            _const(f"{x}_two", 2.0, np.float32), _const(f"{x}_eps", 1e-6, np.float32),
+            _const(f"{x}_axes", [-1]), _const(f"{x}_w", weight, np.float32),
+            helper.make_node("Pow", [split, f"{x}_two"], [f"{x}_sq"]),
+            helper.make_node("ReduceMean", [f"{x}_sq", f"{x}_axes"], [f"{x}_ms"]),
+            helper.make_node("Add", [f"{x}_ms", f"{x}_eps"], [f"{x}_mse"]),
+            helper.make_node("Sqrt", [f"{x}_mse"], [f"{x}_rms"]),
+            helper.make_node("Reciprocal", [f"{x}_rms"], [f"{x}_inv"]),
+            helper.make_node("Mul", [split, f"{x}_inv"], [f"{x}_unit"]),
+            helper.make_node("Mul", [f"{x}_w", f"{x}_unit"], [f"{x}_normed"]),
+        ]
+        split = f"{x}_normed"
+    nodes += [
+        helper.make_node("Transpose", [split], [f"{x}_h"], perm=[0, 2, 1, 3]),
         _const(f"{x}_lo", [0]), _const(f"{x}_mid", [D // 2]), _const(f"{x}_hi", [2**62]),
         _const(f"{x}_ax", [-1]),
         helper.make_node("Slice", [f"{x}_h", f"{x}_lo", f"{x}_mid", f"{x}_ax"], [f"{x}_a"]),
@@ -47,10 +67,12 @@ def _rotation(x: str, heads: int, nodes: list) -> str:
     return f"{x}_3"
 
 
-def _model(offset_input: bool = False, past: bool = False) -> onnx.ModelProto:
+def _model(offset_input: bool = False, past: bool = False, norm: bool = False
+           ) -> onnx.ModelProto:
     """q [B, S, N*D], k/v [B, S, G*D], position_ids [B, S] -> GroupQueryAttention (no past)
     of the rotated Q and K. ``offset_input``: cos/sin also read a second input (not a
-    lookup by the positions alone). ``past``: with past_key/past_value [B, G, P, D]."""
+    lookup by the positions alone). ``past``: with past_key/past_value [B, G, P, D].
+    ``norm``: Q's and K's heads RMS-normalised before the rotation (Qwen3)."""
     inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32).reshape(1, -1, 1)
     nodes = [
         helper.make_node("Constant", [], ["inv_freq"], value=helper.make_tensor(
@@ -71,7 +93,7 @@ def _model(offset_input: bool = False, past: bool = False) -> onnx.ModelProto:
         helper.make_node("Unsqueeze", ["cos", "one"], ["cos4"]),
         helper.make_node("Unsqueeze", ["sin", "one"], ["sin4"]),
     ]
-    q3, k3 = _rotation("q", N, nodes), _rotation("k", G, nodes)
+    q3, k3 = _rotation("q", N, nodes, norm), _rotation("k", G, nodes, norm)
     nodes += [
         helper.make_node("Shape", ["k"], ["knew"], start=1, end=2),
         helper.make_node("Shape", ["past_key" if past else "k"], ["kpast"], start=2 if past else 1,
@@ -109,6 +131,7 @@ def _model(offset_input: bool = False, past: bool = False) -> onnx.ModelProto:
 
 def _folded(proto: onnx.ModelProto, rows: int = 64):
     model = ir.from_proto(proto)
+    fuse_norms(model)  # (as rewrite/layer.py runs them: the norms first)
     folded = fold_rotary(model, max_positions=rows)
     sink_into_branches(model.graph, folded.copyable(model.graph))
     return folded, ir.to_proto(model)
@@ -152,6 +175,34 @@ def test_outputs_stay_the_same(positions):
     got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("positions", [
+    np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # counted up: the kernel rotates
+    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # not: the exporter's rotation
+    np.array([[3], [11]]),  # one token per row: the kernel
+], ids=["counted", "left-padded", "one-token"])
+def test_heads_normalised_before_the_rotation_are_read_normalised(positions):
+    """Qwen3: q_norm / k_norm over each head's D, then the rotation. The kernel rotates the
+    normalised heads joined again (the norm stays, on [B, S, heads, D]); same outputs."""
+    original = _model(norm=True)
+    folded, model = _folded(original)
+    assert list(folded.blocks.values()) == ["position_ids"]
+    branches = [a.g for node in model.graph.node for a in node.attribute if a.type == a.GRAPH]
+    fast = [g for g in branches if any(x.name == "do_rotary" and x.i for n in g.node
+                                       for x in n.attribute)]
+    assert len(fast) == 1
+    made = {out: n for n in fast[0].node for out in n.output}
+    rotating = next(n for n in fast[0].node if n.op_type == "GroupQueryAttention")
+    for read in rotating.input[:2]:  # Q and K: the norm's output, heads joined again
+        assert made[read].op_type == "Reshape"
+        assert made[made[read].input[0]].op_type == "SimplifiedLayerNormalization"
+    assert rotating.input[2] == "v" and "Neg" not in [n.op_type for n in fast[0].node]
+    feeds = _feeds(*positions.shape, positions, np.random.default_rng(1))
+    want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
+    got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=5e-6, err_msg=name)
 
 
 def test_nothing_is_folded_where_cos_is_not_a_lookup_by_positions():
@@ -228,3 +279,23 @@ def test_equal_tables_are_one_pair_of_initializers():
     count = len(model.graph.initializers)
     assert first is not None and _tables(model, found, 64, [first]) is first
     assert len(model.graph.initializers) == count
+
+
+def test_forms_mark_each_kernel_that_rotates():
+    """A cached block's step kernel and its prompt kernel (the form with NO_PAST) each get a
+    rotating form in front of them; a block without a cache has one kernel, for both."""
+    prompt = either("no past", "GQA (causal)", "MHA + bias", cases=(NO_PAST,))
+    cached = either("one new token", "GQA with past", prompt, cases=(ONE_TOKEN,))
+    both = rotating_kernels(cached, "position_ids", step=True, prompt=True)
+    assert both.label == ("If(one new token, positions in the tables): GQA with past, rotary "
+                          "inside | If(one new token): GQA with past | If(no past, positions "
+                          "counted): GQA (causal), rotary inside | If(no past): GQA (causal) | "
+                          "MHA + bias")
+    assert [COUNTED in f.cases for f in both.chain()] == [True, False, True, False, False]
+    only_prompt = rotating_kernels(cached, "p", step=False, prompt=True)
+    assert [f.kernel for f in only_prompt.chain()][:3] == [
+        "GQA with past", "GQA (causal), rotary inside", "GQA (causal)"]
+    plain = rotating_kernels(either("right padding", "GQA", "MHA"), "p", step=False,
+                             prompt=True)
+    assert plain.label == ("If(right padding, positions counted): GQA, rotary inside | "
+                           "If(right padding): GQA | MHA")

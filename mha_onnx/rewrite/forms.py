@@ -78,3 +78,19 @@ def rotating_form(form: Form, positions: str, prompts: bool = True) -> Form:
     guard = f"{form.guard}, {check}" if form.guard else check
     return replace(form, kernel=f"{form.kernel}, rotary inside", guard=guard, otherwise=form,
                    cases=form.cases | {COUNTED}, positions=positions)
+
+
+def rotating_kernels(form: Form, positions: str, *, step: bool, prompt: bool) -> Form:
+    """``form`` with the kernels rotary.py folded marked (rotating_form): the one-token step's
+    (``step``: the form's first) and the prompt's (``prompt``: the form that runs without
+    a past, NO_PAST among its cases, else the first: a model without a cache)."""
+    chain = form.chain()
+    at = next((i for i, f in enumerate(chain) if NO_PAST in f.cases), 0) if prompt else -1
+    if at > 0:
+        out = rotating_form(chain[at], positions, prompts=True)
+        for earlier in reversed(chain[:at]):
+            out = replace(earlier, otherwise=out)
+        form = out
+    if at == 0:
+        return rotating_form(form, positions, prompts=True)
+    return rotating_form(form, positions, prompts=False) if step else form

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mha_onnx.rewrite.forms import Form, rotating_form
+from mha_onnx.rewrite.forms import Form, rotating_kernels
 from mha_onnx.rewrite.norms import fuse_norms
 from mha_onnx.rewrite.rotary import MAX_POSITIONS, Folded, fold_rotary
 from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
@@ -46,7 +46,9 @@ def tighten_layers(model: ir.Model, chosen: dict[str, Form], *, rotate: bool = T
                      "by the kernel that rotates them")
     for block, positions in rotating.blocks.items():
         if block in chosen:  # (a kernel node not lowered from a recognised block: no form)
-            chosen[block] = rotating_form(chosen[block], positions, block in rotating.prompts)
+            chosen[block] = rotating_kernels(chosen[block], positions,
+                                             step=block in rotating.steps,
+                                             prompt=block in rotating.prompts)
     if rotating.blocks:
         notes.append(_ROTATING.format(len(rotating.blocks), MAX_POSITIONS))
     merge_nested_guards(model.graph)

@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, insert_first, int_attr, opset, producer
 from mha_onnx.rewrite.packing import pack, projections
-from mha_onnx.rewrite.rotation import Rotated, rotated, unsplit
+from mha_onnx.rewrite.rotation import Rotated, joined, rotated, unsplit
 from mha_onnx.rewrite.slices import Refused, SliceRunner, input_symbols
 
 MAX_POSITIONS = 8192  # rows of the cos/sin tables; later positions take the exporter's rotation
@@ -42,7 +42,8 @@ class Folded:
     sink_into_branches' choice of what to copy."""
 
     blocks: dict[str, str]
-    prompts: frozenset[str] = frozenset()  # blocks folded only where prompts run too
+    prompts: frozenset[str] = frozenset()  # blocks whose kernel for prompts was folded
+    steps: frozenset[str] = frozenset()  # blocks whose kernel for one-token steps was
     positions: tuple[ir.Value, ...] = ()
     guards: tuple[ir.Value, ...] = ()
     packed: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # packing.pack
@@ -83,7 +84,7 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
     guards: dict[tuple[int, bool], ir.Value] = {}
     folded: dict[str, str] = {}
     prompted: set[str] = set()
-    stepped: set[str] = set()  # (a block's step kernel is its form's first: its guard names)
+    stepped: set[str] = set()
     packed: dict[str, tuple[str, int, int]] = {}
     for node in list(ir.traversal.RecursiveGraphIterator(graph)):
         if not _candidate(node):
@@ -112,7 +113,8 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
         folded[block] = found.positions.name or ""
         (prompted if prompts else stepped).add(block)
     positions = tuple({id(t.positions): t.positions for t in tables.values() if t}.values())
-    return Folded(folded, frozenset(prompted - stepped), positions, tuple(guards.values()), packed)
+    return Folded(folded, frozenset(prompted), frozenset(stepped), positions,
+                  tuple(guards.values()), packed)
 
 
 def _candidate(node: ir.Node) -> bool:
@@ -230,7 +232,7 @@ def _rotate_inside(node: ir.Node, q: Rotated, k: Rotated, tables: _Tables,
     graph = node.graph
     inputs = list(node.inputs) + [None] * max(0, 10 - len(node.inputs))
     value = unsplit(inputs[2], int_attr(node, "kv_num_heads", 0)) or inputs[2]
-    sources = [q.source, k.source, value]
+    sources = [joined(q), joined(k), value]
     whole, packed = _packed(*sources), {}
     if whole is None and projections(sources) is not None:
         whole, packed = pack(projections(sources))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import const_ints, dims, int_attr, producer
@@ -20,12 +21,16 @@ ROTARY_MULTIPLE = 16  # onnxruntime 1.31's GroupQueryAttention rotates head size
 class Rotated:
     """One rotated tensor: ``source`` [B, S, heads*D] before its heads were split, rotated by
     ``cos`` and ``sin`` ([B, 1, S, D]); ``rows``: the Gather that reorders its rows before the
-    kernel (a batched prompt on a shared cache, kept keys first: lower/rows.py), or None."""
+    kernel (a batched prompt on a shared cache, kept keys first: lower/rows.py), or None;
+    ``norm``: an RMS norm over each head's D between the split and the rotation (Qwen3's
+    q_norm / k_norm, a SimplifiedLayerNormalization on [B, S, heads, D]), or None: then the
+    kernel reads its output with the heads joined again (``joined``), not ``source``."""
 
     source: ir.Value
     cos: ir.Value
     sin: ir.Value
     rows: ir.Node | None = None
+    norm: ir.Node | None = None
 
 
 def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
@@ -39,7 +44,7 @@ def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
             return None
         inner = rotated(flat.inputs[0], heads)
         return None if inner is None or inner.rows is not None else \
-            Rotated(inner.source, inner.cos, inner.sin, rows)
+            Rotated(inner.source, inner.cos, inner.sin, rows, inner.norm)
     joined = producer(value, "Reshape")
     back = producer(joined.inputs[0], "Transpose") if joined is not None else None
     add = producer(back.inputs[0], "Add") if back is not None and _swaps(back) else None
@@ -50,13 +55,28 @@ def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
         if first is None or second is None:
             continue
         for x, cos in (first.inputs, first.inputs[::-1]):
-            source = _split_heads(x, heads)
+            source, norm = _split_heads(x, heads), None
+            if source is None:
+                source, norm = _normed_heads(x, heads) or (None, None)
             if source is None:
                 continue
             for half, sin in (second.inputs, second.inputs[::-1]):
                 if _rotate_half(half, x):
-                    return Rotated(source, cos, sin)
+                    return Rotated(source, cos, sin, norm=norm)
     return None
+
+
+def joined(found: Rotated) -> ir.Value:
+    """What the kernel reads: ``source``, or the norm's output with its heads joined again
+    (a Reshape to [B, S, heads*D] put right after the norm)."""
+    if found.norm is None:
+        return found.source
+    tape = ir.tape.Tape()
+    shape = tape.op("Constant", [], {"value": ir.tensor(np.array([0, 0, -1], np.int64))})
+    flat = tape.op("Reshape", [found.norm.outputs[0], shape])
+    flat.type, flat.shape = found.source.type, found.source.shape
+    found.norm.graph.insert_after(found.norm, tape.nodes)
+    return flat
 
 
 def _swaps(node: ir.Node) -> bool:
@@ -64,10 +84,31 @@ def _swaps(node: ir.Node) -> bool:
     return perm is not None and list(perm.value) == [0, 2, 1, 3]
 
 
-def _split_heads(x: ir.Value, heads: int) -> ir.Value | None:
-    """The [B, S, heads*D] tensor ``x`` [B, heads, S, D] was split from, if it was."""
+def _normed_heads(x: ir.Value, heads: int) -> tuple[ir.Value, ir.Node] | None:
+    """(the [B, S, heads*D] tensor, the norm) where ``x`` [B, heads, S, D] is its heads split
+    and RMS-normalised over D (SimplifiedLayerNormalization on the last axis, a weight of
+    D values: each head's vector on its own, as before the rotation), then transposed."""
     swap = producer(x, "Transpose")
-    split = producer(swap.inputs[0], "Reshape") if swap is not None and _swaps(swap) else None
+    norm = producer(swap.inputs[0], "SimplifiedLayerNormalization") \
+        if swap is not None and _swaps(swap) else None
+    if norm is None or norm.domain not in ("", "ai.onnx") or len(norm.outputs) != 1 \
+            or int_attr(norm, "axis", -1) not in (-1, 3):
+        return None
+    width = (dims(x) or [None] * 4)[3]
+    weight = dims(norm.inputs[1]) if len(norm.inputs) > 1 else None
+    if weight != [width]:
+        return None
+    source = _split_heads(x, heads, producer(norm.inputs[0], "Reshape"))
+    return None if source is None else (source, norm)
+
+
+def _split_heads(x: ir.Value, heads: int, split: ir.Node | None = None) -> ir.Value | None:
+    """The [B, S, heads*D] tensor ``x`` [B, heads, S, D] was split from, if it was (``split``:
+    the Reshape that split it, where something lies between it and the Transpose)."""
+    if split is None:
+        swap = producer(x, "Transpose")
+        split = producer(swap.inputs[0], "Reshape") if swap is not None and _swaps(swap) \
+            else None
     shape = dims(x)
     if split is None or shape is None or len(shape) != 4 or shape[1] != heads:
         return None
