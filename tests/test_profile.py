@@ -212,3 +212,15 @@ def test_comparisons_interleave_by_default(tmp_path):
         report = json.loads(result.output[result.output.index("{"):])
         assert report["interleaved"] is interleaved
         assert all(s["speedup"] > 0 for s in report["speedups"])
+
+
+def test_each_round_of_an_interleaved_timing_starts_one_model_later():
+    """A fixed order measured whichever ran first up to 15 % slower than the same graph
+    later in the round: the rounds rotate, so each callable leads as often as the others."""
+    from mha_onnx.profile.worker import timed_loop
+
+    calls: list[int] = []
+    times = timed_loop([lambda n=n: calls.append(n) for n in range(3)], warmup=0, iters=3,
+                       min_time=None)
+    assert [len(t) for t in times] == [3, 3, 3]
+    assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 1]

@@ -100,15 +100,22 @@ def device_used() -> int | None:
 def timed_loop(runs: list[Callable[[], Any]], *, warmup: int, iters: int | None,
                min_time: float | None) -> list[list[float]]:
     """Seconds per run of each callable, interleaved, until each has ``iters`` runs and
-    ``min_time`` seconds (defaults: 10 runs, or 3 when only a time is given)."""
+    ``min_time`` seconds (defaults: 10 runs, or 3 when only a time is given). Each round
+    starts one callable later than the last: in a fixed order, whichever runs first (after
+    the last one's work) was measured up to 15 % slower than the same graph later in the
+    round (docs/bench.md, "the same graph three times")."""
     for run in runs:
         for _ in range(warmup):
             run()
     target = iters if iters else (3 if min_time else 10)
     times: list[list[float]] = [[] for _ in runs]
     spent = [0.0] * len(runs)
+    rounds = 0
     while min(len(t) for t in times) < target or min(spent) < (min_time or 0.0):
-        for n, run in enumerate(runs):
+        first = rounds % len(runs)
+        rounds += 1
+        for n in [*range(first, len(runs)), *range(first)]:
+            run = runs[n]
             start = time.perf_counter()
             run()
             elapsed = time.perf_counter() - start
