@@ -98,7 +98,8 @@ def _normed_heads(x: ir.Value, heads: int) -> tuple[ir.Value, ir.Node] | None:
     weight = dims(norm.inputs[1]) if len(norm.inputs) > 1 else None
     if weight != [width]:
         return None
-    source = _split_heads(x, heads, producer(norm.inputs[0], "Reshape"))
+    split = producer(norm.inputs[0], "Reshape")
+    source = _split_heads(x, heads, split) if split is not None else None
     return None if source is None else (source, norm)
 
 
