@@ -117,6 +117,20 @@ def test_report_shows_a_decode_step_against_the_bandwidth(export_cache, tmp_path
     assert re.search(r" ms / [\d,]+ / \d+ % bw / ", row), row
 
 
+def test_a_kv_model_profiled_without_decode_runs_prompts_with_nothing_cached(export_cache):
+    """Without --decode, a point's length is a prompt's: that many new tokens after an
+    empty cache (every length dim set to it would time a chunk after as many cached)."""
+    from mha_onnx.profile.worker import PointSpec, _feeds
+
+    proto = onnx.load(export_cache(CFG))
+    feeds = _feeds(PointSpec(models=("m",), batch=2, seq_len=5, threads=1), proto)
+    pasts = [f for name, f in feeds.items() if "past" in name]
+    assert pasts and all(p.shape[2] == 0 for p in pasts)
+    assert feeds["query"].shape[:2] == (2, 5)
+    result = cli("profile", export_cache(CFG), "--seq-lens", "8", "--iters", "2", "--no-ops")
+    assert result.exit_code == 0, result.output
+
+
 def test_decode_profile_needs_a_cache(export_cache):
     result = cli("profile", export_cache(CFG.replace(kv_cache=False)), "--decode",
                  "--context", "16", "--iters", "1", "--no-ops")

@@ -141,13 +141,24 @@ def _feeds(spec: PointSpec, proto) -> dict[str, np.ndarray]:
     if spec.decode:
         return decode_feeds(proto, spec.batch, spec.seq_len)
     padding = "tail" if spec.pad_fraction else "none"
+    if _cached(proto):  # a prompt: seq_len new tokens, nothing cached
+        return decode_feeds(proto, spec.batch, 0, new=spec.seq_len, padding=padding,
+                            pad_fraction=spec.pad_fraction)
     case = case_for(specs, "profile", spec.batch, [spec.seq_len], padding, spec.pad_fraction)
     return make_inputs(specs, case)
 
 
-def decode_feeds(proto, batch: int, context: int) -> dict[str, np.ndarray]:
-    """One new token after ``context`` cached positions (every cache input's length dim; a
-    shared buffer: one position longer, ``context`` of them cached)."""
+def _cached(proto) -> bool:
+    from mha_onnx.cache import cache_pairs
+
+    return bool(cache_pairs(proto))
+
+
+def decode_feeds(proto, batch: int, context: int, *, new: int = 1, padding: str = "none",
+                 pad_fraction: float = 0.0) -> dict[str, np.ndarray]:
+    """``new`` tokens (one: a decode step) after ``context`` cached positions (every cache
+    input's length dim; a shared buffer: as many positions longer as the run writes,
+    ``context`` of them cached). ``context`` 0: a prompt."""
     from mha_onnx.cache import is_shared, row_layout, shared_view, to_shared
     from mha_onnx.inputs import ShapeCase, case_for, make_inputs
 
@@ -159,8 +170,8 @@ def decode_feeds(proto, batch: int, context: int) -> dict[str, np.ndarray]:
 
         raise InputSpecError("--decode needs a model with a KV cache (past_* inputs whose "
                              "present_* outputs it returns)")
-    dims = {**case_for(specs, "decode", batch, [1]).dims, **dict.fromkeys(past, context)}
-    feeds = make_inputs(specs, ShapeCase("decode", dims, "none"))
+    dims = {**case_for(specs, "decode", batch, [new]).dims, **dict.fromkeys(past, context)}
+    feeds = make_inputs(specs, ShapeCase("decode", dims, padding, pad_fraction))
     return to_shared(feeds, specs, pairs, headroom=0, rows=row_layout(proto)) if shared \
         else feeds
 
