@@ -10,9 +10,10 @@ dispatches at run time on the length: ``If(L < b1)`` candidate 1, else ``If(L < 
 each branch one candidate's graph (weights shared from the outer graph, so none is stored
 twice). That If costs a constant time of its own, which the candidates' timings do not hold:
 the dispatching model is timed itself at the grid's shortest length, and where it loses
-there while one candidate alone stays within MARGIN of the original everywhere, that
-candidate alone is written (``settle``). The tuning table (machine, cores, ORT version, threads, times) is in the metadata,
-so ``mha-onnx tune`` can time the same branches again on another machine.
+there, one candidate alone is written instead if it stays within MARGIN of the original
+everywhere and gives up nothing the dispatch gains elsewhere (``settle``). The tuning table
+(machine, cores, ORT version, threads, times) is in the metadata, so ``mha-onnx tune`` can
+time the same branches again on another machine.
 """
 
 from __future__ import annotations
