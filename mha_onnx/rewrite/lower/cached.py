@@ -158,21 +158,28 @@ def _decode_with_past(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Ap
                          step=True)  # (both callers: under `decoding`)
 
 
-def _prefill(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
-    """S > 1: without past the causal mask is square (GQA); with past, the original mask."""
+def _prefill(ops: TapeOps, info: SdpaInfo, q3: ir.Value,
+             fresh: tuple[ir.Value, ir.Value] | None = None) -> ir.Value:
+    """S > 1: without past the causal mask is square (GQA); with past, the original mask.
+    ``fresh``: the new keys and values alone, which are the whole of an appended cache
+    where there is no past: the prompt's kernel reads them, not Concat(empty past, new)
+    (so that nothing lies between it and the exporter's rotation: rotary.py folds it)."""
     square = dataclasses.replace(info, alignment="square")
     if not gqa_ok(square):
         return dense_mha(ops, info, q3, lazy=True)
     seq_q, seq_kv = seq_dim(ops, q3, 1), seq_dim(ops, info.key, 2)
     no_past = ops.Reshape(ops.Equal(seq_q, seq_kv), scalar_shape(ops))
-    return if_forms(ops, info, no_past, lambda o: lower_gqa(o, square, q3)[0],
+    prompt = square if fresh is None else dataclasses.replace(square, key=fresh[0],
+                                                              value=fresh[1])
+    return if_forms(ops, info, no_past, lambda o: lower_gqa(o, prompt, q3)[0],
                     lambda o: dense_mha(o, info, q3, lazy=True), "prompt")
 
 
 def _prefill_appending(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Appended):
     """The other branch when the presents come out of the If: the Concats are made here."""
     k, v = key.rebuilt(ops), value.rebuilt(ops)
-    return _prefill(ops, dataclasses.replace(info, key=k, value=v), q3), k, v
+    return _prefill(ops, dataclasses.replace(info, key=k, value=v), q3,
+                    (key.new, value.new)), k, v
 
 
 def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
@@ -219,7 +226,8 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: Form
         k, v = (c.rebuilt(ops) for c in cache)
         wide = dataclasses.replace(info, key=k, value=v)
         out = if_forms(ops, wide, decoding, lambda o: _decode(o, wide, q3),
-                       lambda o: _prefill(o, wide, q3), "padded")
+                       lambda o: _prefill(o, wide, q3, (cache[0].new, cache[1].new)),
+                       "padded")
         return out, k, v
 
     def step(ops: TapeOps):
