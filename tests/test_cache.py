@@ -131,6 +131,21 @@ def test_a_kv_model_profiled_without_decode_runs_prompts_with_nothing_cached(exp
     assert result.exit_code == 0, result.output
 
 
+def test_a_shared_cache_model_profiles_prompts_on_its_buffers(export_cache, tmp_path):
+    """A --kv-cache shared model's prompt writes its buffers in place from position 0."""
+    from mha_onnx.profile.worker import PointSpec, _feeds
+
+    out = tmp_path / "shared.onnx"
+    assert cli("fuse", export_cache(CFG), "-o", out, "--kv-cache", "shared").exit_code == 0
+    feeds = _feeds(PointSpec(models=("m",), batch=2, seq_len=5, threads=1), onnx.load(out))
+    assert int(feeds["past_sequence_length"]) == 0
+    assert all(f.shape[2] == 5 for name, f in feeds.items() if "past" in name and f.ndim == 4)
+    result = cli("profile", out, "--seq-lens", "8", "--iters", "2", "--no-ops", "--json")
+    assert result.exit_code == 0, result.output
+    point = json.loads(result.output[result.output.index("{"):])["points"][0]
+    assert point["seq_len"] == 8 and point["p50_ms"] > 0
+
+
 def test_decode_profile_needs_a_cache(export_cache):
     result = cli("profile", export_cache(CFG.replace(kv_cache=False)), "--decode",
                  "--context", "16", "--iters", "1", "--no-ops")

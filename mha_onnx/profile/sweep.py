@@ -12,9 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_onnx.cache import is_shared
 from mha_onnx.config import MhaConfig
-from mha_onnx.errors import InputSpecError
 from mha_onnx.graphio import check_readable, read_model
 from mha_onnx.inputs import case_for, input_specs
 from mha_onnx.memory import ensure_fits
@@ -100,9 +98,6 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
             from mha_onnx.profile.worker import decode_feeds
 
             decode_feeds(model, 1, 1)  # refuses a model without a cache
-        elif is_shared(model):
-            raise InputSpecError(f"{path}: a model with a shared KV-cache buffer is profiled "
-                                 "by decode steps", hint="use --decode --context ...")
     check_memory(paths, config)
     _check_sessions(paths, config)
     if config.trace_dir:
