@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from mha_onnx.errors import InputSpecError
+
 CONTROL_FLOW = ("Loop", "If", "Scan")
 
 
@@ -103,7 +105,7 @@ def timed_loop(runs: list[Callable[[], Any]], *, warmup: int, iters: int | None,
     ``min_time`` seconds (defaults: 10 runs, or 3 when only a time is given). Each round
     starts one callable later than the last: in a fixed order, whichever runs first (after
     the last one's work) was measured up to 15 % slower than the same graph later in the
-    round (docs/bench.md, "the same graph three times")."""
+    round (docs/bench.md, "Each run's own noise floor")."""
     for run in runs:
         for _ in range(warmup):
             run()
@@ -142,8 +144,11 @@ def _feeds(spec: PointSpec, proto) -> dict[str, np.ndarray]:
         return decode_feeds(proto, spec.batch, spec.seq_len)
     padding = "tail" if spec.pad_fraction else "none"
     if _cached(proto):  # a prompt: seq_len new tokens, nothing cached
-        return decode_feeds(proto, spec.batch, 0, new=spec.seq_len, padding=padding,
-                            pad_fraction=spec.pad_fraction)
+        try:
+            return decode_feeds(proto, spec.batch, 0, new=spec.seq_len, padding=padding,
+                                pad_fraction=spec.pad_fraction)
+        except InputSpecError:  # no cache length to set: the inputs as they are
+            pass
     case = case_for(specs, "profile", spec.batch, [spec.seq_len], padding, spec.pad_fraction)
     return make_inputs(specs, case)
 
@@ -166,8 +171,6 @@ def decode_feeds(proto, batch: int, context: int, *, new: int = 1, padding: str 
     shared = is_shared(proto)
     past = {s.dims[2] for s in specs if s.name in pairs and isinstance(s.dims[2], str)}
     if not past:
-        from mha_onnx.errors import InputSpecError
-
         raise InputSpecError("--decode needs a model with a KV cache (past_* inputs whose "
                              "present_* outputs it returns)")
     dims = {**case_for(specs, "decode", batch, [new]).dims, **dict.fromkeys(past, context)}
