@@ -4,7 +4,6 @@ tools/bench_optimum.py)."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,22 +124,13 @@ def _step(runner: OrtRunner, kind: str, feeds, pasts) -> tuple[Callable[[], None
 
 
 def _time(runs: dict[str, Callable[[], None]], min_time: float) -> dict[str, float]:
-    """Median ms of each run, taken in turn (one of each per round, each round starting one
-    run later: profile.worker.timed_loop) for >= min_time each."""
-    times = {k: [] for k in runs}
-    for run in runs.values():
-        run()
-    spent = dict.fromkeys(runs, 0.0)
-    order = list(runs.items())
-    while min(spent.values()) < min_time or min(len(t) for t in times.values()) < 5:
-        order = order[1:] + order[:1]
-        for label, run in order:
-            start = time.perf_counter()
-            run()
-            took = time.perf_counter() - start
-            times[label].append(took)
-            spent[label] += took
-    return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    """Median ms of each run, taken in turn for >= min_time each (profile's timed_loop: one
+    of each per round, each round starting one run later)."""
+    from mha_onnx.profile.worker import timed_loop
+
+    labels = list(runs)
+    times = timed_loop([runs[k] for k in labels], warmup=1, iters=5, min_time=min_time)
+    return {k: 1e3 * float(np.median(t)) for k, t in zip(labels, times, strict=True)}
 
 
 def op_shares(graphs: dict[str, Path], args) -> None:
