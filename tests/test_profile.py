@@ -215,8 +215,8 @@ def test_comparisons_interleave_by_default(tmp_path):
 
 
 def test_each_round_of_an_interleaved_timing_starts_one_model_later():
-    """A fixed order measured whichever ran first up to 15 % slower than the same graph
-    later in the round: the rounds rotate, so each callable leads as often as the others."""
+    """In a fixed order whichever runs first always follows the last one's work: the
+    rounds rotate, so each callable leads as often as the others."""
     from mha_onnx.profile.worker import timed_loop
 
     calls: list[int] = []

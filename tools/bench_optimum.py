@@ -21,7 +21,7 @@ then times each graph in turn in one process (sleeping thread pools, ``--threads
 - decode: one token after ``--context`` cached positions (GenAI's graph and the shared form
   with their cache buffers bound as past and present, the others with an appended cache);
 - the export and GenAI's graph a second time each, in sessions of their own: the noise
-  floor of the run (two sessions of one graph have read up to 15 % apart here);
+  floor of the run (two sessions of one graph have read up to 8 % apart here);
 - ``--left-pad F``: row b's first F*b/batch positions padded (attention_mask 0, position_ids
   counted over kept positions; GenAI's and the shared buffers hold each row's kept keys
   first, its per-row lengths), logits compared where the mask keeps.

@@ -45,7 +45,7 @@ def _graphs(folder: Path) -> dict[str, Path]:
     out["ORT transformers optimizer (gpt2, O1)"] = ort_opt
     out["ORT GenAI builder"] = folder / "genai" / "model.onnx"
     # the same two graphs again, each in a session of its own: how far two sessions of one
-    # graph read apart in this run (up to 15 % at a decode step on a 2-core machine)
+    # graph read apart in this run (8 % at a batch-8 decode step in docs/bench.md)
     out[f"Optimum export {AGAIN}"] = original
     out[f"ORT GenAI builder {AGAIN}"] = out["ORT GenAI builder"]
     return out
