@@ -19,6 +19,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from mha_onnx.errors import ModelFileError, OutputExistsError
+from mha_onnx.input_roles import all_nodes
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +96,11 @@ def for_checker(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` for onnx.checker: ORT's own default-domain ops moved to its contrib domain
     (whose ops the checker does not judge), so that what ORT runs is not refused as corrupt.
     The model itself is not changed."""
-    if not any(_ort_default_op(n) for n in _all_nodes(model.graph)):
+    if not any(_ort_default_op(n) for n in all_nodes(model.graph)):
         return model
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    for node in _all_nodes(copy.graph):  # branches of If nodes too
+    for node in all_nodes(copy.graph):  # branches of If nodes too
         if _ort_default_op(node):
             node.domain = "com.microsoft"
     if not any(o.domain == "com.microsoft" for o in copy.opset_import):
@@ -109,16 +110,6 @@ def for_checker(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _ort_default_op(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx") and node.op_type in ORT_ONNX_DOMAIN_OPS
-
-
-def _all_nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(attr.g)
-            for sub in attr.graphs:
-                yield from _all_nodes(sub)
 
 
 def check_structure(model: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:

@@ -61,3 +61,5 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
                 yield from all_nodes(attr.g)
+            for sub in attr.graphs:
+                yield from all_nodes(sub)
