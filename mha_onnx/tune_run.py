@@ -112,16 +112,16 @@ def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
     return table, ratios
 
 
-def _settle(models: dict[str, onnx.ModelProto], paths: dict[str, str], rules: list[Rule],
-            ratios, dim: str, cfg: TuneConfig, heads: int, progress: Callable[[str], None]
+def _settle(tuned: onnx.ModelProto, paths: dict[str, str], rules: list[Rule], ratios,
+            cfg: TuneConfig, heads: int, progress: Callable[[str], None]
             ) -> tuple[list[Rule], str, dict[tuple[int, int], float]]:
-    """``rules``, or one candidate alone where the dispatching model's own If makes it lose
-    at the grid's shortest length (timed there against the original: ``tune.settle``), and
-    the dispatching model's ratios to the original there."""
+    """``rules``, or one candidate alone where ``tuned`` (their dispatching model) loses at
+    the grid's shortest length because of its own If (timed there against the original:
+    ``tune.settle``), and its ratios to the original there."""
     if len(rules) == 1:
         return rules, "", {}
     path = str(Path(paths[ORIGINAL]).with_name("dispatch.onnx"))
-    onnx.save(dispatch(models, rules, dim), path)
+    onnx.save(tuned, path)
     shortest = min(n for _, n in ratios)
     progress(f"timing the dispatching model itself at length {shortest}")
     probe_cfg = replace(cfg, seq_lens=(shortest,))
@@ -161,14 +161,15 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
         if not table:
             raise ConfigError("--tune: every point of the grid was skipped",
                               hint="smaller --tune-batch / --tune-seq-lens")
-        rules, why, probe = _settle(models, paths, choose(ratios), ratios, dim, cfg, heads,
-                                     progress)
-    if why:
+        chosen = choose(ratios)
+        tuned = dispatch(models, chosen, dim)
+        rules, why, probe = _settle(tuned, paths, chosen, ratios, cfg, heads, progress)
+    if why:  # one candidate alone instead
         notes.append(why)
+        tuned = dispatch(models, rules, dim)
     result = TuneResult(rules, {f"{b}x{n}": t for (b, n), t in table.items()}, dim,
                         {**machine_info(), "threads": cfg.threads},
                         {f"{b}x{n}": round(r, 4) for (b, n), r in probe.items()})
-    tuned = dispatch(models, rules, dim)
     labelled = [replace(r, form=f"tuned: {result.describe()}") if r.status == "fused" else r
                 for r in results]
     carry_metadata(original, tuned, labelled, "ort", "cpu")  # the original's, and the fusion
