@@ -16,6 +16,8 @@ from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.lower.rules import Stage2, lower_to_ort
 from mha_onnx.rewrite.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 
@@ -84,6 +86,15 @@ def sdpa_model(m: Meaning, *, dense: bool = True, keys: str = "T") -> ir.Model:
     graph = ir.Graph(inputs, [out], nodes=[node],
                      opset_imports={"": 23, FUSION_DOMAIN: 1, MS_DOMAIN: 1})
     return ir.Model(graph, ir_version=10)
+
+
+def lower_for_ort(model: ir.Model, forms: Forms) -> Stage2:
+    """Stage 2 for ONNX Runtime (every rule, as fuse runs it); what it made."""
+    stage = lower_to_ort(model, forms)
+    assert stage.forms, "the lowering did not apply"
+    model.opset_imports.pop(FUSION_DOMAIN, None)
+    remove_unused_nodes(model)
+    return stage
 
 
 def lower(model: ir.Model, rule_class, *args) -> dict[str, Form]:

@@ -1,21 +1,20 @@
 """lower_cache: a causal layer with an appended KV cache (keys = Concat(past, new), also the
 presents) onto ORT's attention with past for a decode step, GQA for the prompt and the
-original mask for chunks after a past; route_presents then takes the presents from the
-kernel. Checked for each run the If can take: outputs and presents against numpy."""
+original mask for chunks after a past; the rule that matched the appended caches returns
+the kernel's presents in place of the Concats. Checked for each run the If can take: outputs and presents against numpy."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mha_onnx.rewrite.lower.cached import route_presents
-from mha_onnx.rewrite.lower.ort import Forms, LowerSdpa
+from mha_onnx.rewrite.lower.ort import Forms
 from tests.sdpa_graphs import (
     Meaning,
     assert_matches,
     cached_feeds,
     cached_model,
-    lower,
+    lower_for_ort,
     ops,
     reference,
     run_all,
@@ -26,9 +25,8 @@ RUNS = {"prompt": (0, 5), "decode step": (6, 1), "chunk after a past": (4, 3)}
 
 def _lowered(meaning: Meaning):
     model = cached_model(meaning)
-    form = lower(model, LowerSdpa, Forms())["block0"]
-    pairs = route_presents(model.graph)
-    return model, form, pairs
+    stage = lower_for_ort(model, Forms())
+    return model, stage.forms["block0"], stage.pairs(model.graph)
 
 
 def _check(model, meaning: Meaning, past: int, s: int, padded=None) -> None:

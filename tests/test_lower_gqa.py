@@ -9,14 +9,23 @@ import onnx_ir as ir
 import pytest
 
 from mha_onnx.rewrite.lower.gqa import gqa_ok
-from mha_onnx.rewrite.lower.ort import Forms, LowerSdpa
+from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.sdpa import SdpaInfo
-from tests.sdpa_graphs import Meaning, assert_matches, feeds, lower, ops, reference, run, sdpa_model
+from tests.sdpa_graphs import (
+    Meaning,
+    assert_matches,
+    feeds,
+    lower_for_ort,
+    ops,
+    reference,
+    run,
+    sdpa_model,
+)
 
 
 def _lowered(meaning: Meaning):
     model = sdpa_model(meaning)
-    form = lower(model, LowerSdpa, Forms())["block0"]
+    form = lower_for_ort(model, Forms()).forms["block0"]
     return model, form
 
 

@@ -7,8 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_onnx.rewrite.lower.ort import Forms, LowerSdpa
-from tests.sdpa_graphs import Meaning, assert_matches, feeds, lower, ops, reference, run, sdpa_model
+from mha_onnx.rewrite.lower.ort import Forms
+from tests.sdpa_graphs import (
+    Meaning,
+    assert_matches,
+    feeds,
+    lower_for_ort,
+    ops,
+    reference,
+    run,
+    sdpa_model,
+)
 
 MIN32 = float(np.finfo(np.float32).min)
 
@@ -24,7 +33,7 @@ def _padding(batch: int, t: int) -> np.ndarray:
 
 def _check(meaning: Meaning, forms: Forms, s: int, t: int, padded=None):
     model = sdpa_model(meaning)
-    chosen = lower(model, LowerSdpa, forms)
+    chosen = lower_for_ort(model, forms).forms
     f = feeds(meaning, 4, s, t, padded)
     assert_matches(run(model, f), reference(meaning, f))
     return model, chosen["block0"]
@@ -90,7 +99,7 @@ def test_a_form_switching_on_computed_keys_says_how_they_are_computed():
     """Keys that are an expression of input dims (a speech encoder's frames): the form
     carries it, so verification can run the input lengths that cross each switch."""
     model = sdpa_model(Meaning(padded=True), keys="samples // 10 - 1")
-    form = lower(model, LowerSdpa, Forms())["block0"]
+    form = lower_for_ort(model, Forms()).forms["block0"]
     assert form.switches() and form.keys == "samples // 10 - 1"
-    plain = lower(sdpa_model(Meaning(padded=True)), LowerSdpa, Forms())["block0"]
+    plain = lower_for_ort(sdpa_model(Meaning(padded=True)), Forms()).forms["block0"]
     assert plain.keys == ""  # keys that are an input dim need nothing more

@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 
 from mha_onnx.cache import LENGTH_INPUT
-from mha_onnx.rewrite.lower.cached import route_presents
-from mha_onnx.rewrite.lower.ort import Forms, LowerSdpa
+from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.lower.shared import share_interface
 from tests.sdpa_graphs import (
     Meaning,
     assert_matches,
     cached_feeds,
     cached_model,
-    lower,
+    lower_for_ort,
     ops,
     reference,
     run_all,
@@ -29,10 +28,9 @@ MAX = 16
 
 def _shared(meaning: Meaning):
     model = cached_model(meaning)
-    form = lower(model, LowerSdpa, Forms(kv_cache="shared"))["block0"]
-    route_presents(model.graph)
-    assert share_interface(model.graph) == 1
-    return model, form
+    stage = lower_for_ort(model, Forms(kv_cache="shared"))
+    assert share_interface(model.graph, stage.layers) == 1
+    return model, stage.forms["block0"]
 
 
 def _check(model, meaning: Meaning, past: int, s: int) -> None:

@@ -39,8 +39,8 @@ from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import MS_DOMAIN, opset
 from mha_onnx.rewrite.layer import tighten_layers
 from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
-from mha_onnx.rewrite.lower.cached import route_presents
-from mha_onnx.rewrite.lower.ort import Forms, LowerMergedOutput, LowerSdpa
+from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.lower.rules import lower_to_ort
 from mha_onnx.rewrite.lower.shared import share_interface, shared_rows
 from mha_onnx.rewrite.norms import unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
@@ -131,11 +131,11 @@ def fuse_model(
     RewriteRuleSet([OnnxAttention.rule(blog, oracle, target, policy)]).apply_to_model(model)
     remove_unused_nodes(model)
     if target == "ort":
-        RewriteRuleSet([LowerMergedOutput.rule(chosen, policy)]).apply_to_model(model)
-        RewriteRuleSet([LowerSdpa.rule(chosen, policy)]).apply_to_model(model)
-        pairs = route_presents(model.graph)
-        rows = shared_rows(model.graph)
-        shared = share_interface(model.graph)
+        stage = lower_to_ort(model, policy)
+        chosen.update(stage.forms)
+        pairs = stage.pairs(model.graph)
+        rows = shared_rows(stage.layers)
+        shared = share_interface(model.graph, stage.layers)
         tightened, packed = tighten_layers(model, chosen, rotate=policy.ep == "cpu")
         notes += tightened
         if policy.kv_cache == "shared":

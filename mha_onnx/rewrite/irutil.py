@@ -160,7 +160,11 @@ def replace_shape(graph: ir.Graph, shape_node: ir.Node, whole) -> None:
     ends = tape.op("Constant", [], {"value_ints": [end.as_int() if end else 4]})
     sliced = tape.op("Slice", [full, starts, ends])
     graph.insert_before(shape_node, tape.nodes)
-    ir.convenience.replace_all_uses_with(shape_node.outputs[0], sliced)
+    old = shape_node.outputs[0]
+    if old.is_graph_output():  # the model's output keeps its name
+        name, old.name = old.name, f"{old.name}_replaced"
+        sliced.name = name
+    ir.convenience.replace_all_uses_with(old, sliced, replace_graph_outputs=True)
 
 
 def onehot_dim(tape, axis: int, value: int = 1, rank: int = 4) -> ir.Value:

@@ -14,7 +14,8 @@ At run time an ``If`` picks the form:
   other (with key padding behind its right-padding check);
 - new tokens after a past (chunked prefill): MultiHeadAttention with the original mask.
 
-``route_presents`` (run after the rules) points the model's present outputs at the If's.
+Where the stage-2 rule matched the layer's appended caches (lowered.present_caches), the
+presents come out of the If and the rule returns them in place of the Concats.
 """
 
 from __future__ import annotations
@@ -25,13 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED, Form, either
-from mha_onnx.rewrite.irutil import (
-    MS_DOMAIN,
-    ints_attr,
-    onehot_dim,
-    replace_shape,
-    take_output,
-)
+from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower.common import (
     TapeOps,
     dense_mha,
@@ -49,10 +44,9 @@ from mha_onnx.rewrite.lower.gqa import (
     if_forms,
     lower_gqa,
 )
+from mha_onnx.rewrite.lower.lowered import Appended, Caches, Lowered
 from mha_onnx.rewrite.lower.shared import lower_shared, shareable
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
-
-PRESENTS = "mha_onnx.presents"  # node.meta key: the If's present outputs replace these values
 
 
 def cached_ok(info: SdpaInfo) -> bool:
@@ -62,59 +56,6 @@ def cached_ok(info: SdpaInfo) -> bool:
 def _gqa_only(info: SdpaInfo) -> bool:
     """A sliding window or a soft-cap: only GQA computes it (MHA with past does not)."""
     return bool(info.window or info.softcap)
-
-
-@dataclasses.dataclass(frozen=True)
-class Appended:
-    """x = Concat(past, new) along the sequence axis of [B, G, T, D]."""
-
-    concat: ir.Value
-    past: ir.Value
-    new: ir.Value
-
-    def rebuilt(self, ops, past: ir.Value | None = None) -> ir.Value:
-        """The Concat made again where it is needed (in a branch), of ``past`` (default:
-        the whole past) and the new positions, typed as the original."""
-        made = ops.Concat(self.past if past is None else past, self.new, axis=2)
-        made.shape, made.dtype = self.concat.shape, self.concat.dtype
-        return made
-
-
-def _undo_transposes(x: ir.Value) -> ir.Value:
-    """``x`` = Transpose(Transpose(y)) whose perms cancel (K^T transposed back, as a K^T
-    export such as GPT-2's reaches stage 2) -> y."""
-    outer = x.producer()
-    if outer is None or outer.op_type != "Transpose" or outer.domain not in ("", "ai.onnx"):
-        return x
-    inner = outer.inputs[0].producer() if outer.inputs[0] is not None else None
-    if inner is None or inner.op_type != "Transpose" or inner.domain not in ("", "ai.onnx"):
-        return x
-    first, second = ints_attr(inner, "perm"), ints_attr(outer, "perm")
-    if first is None or second is None or len(first) != len(second):
-        return x
-    return inner.inputs[0] if [first[i] for i in second] == list(range(len(first))) else x
-
-
-def appended(x: ir.Value) -> Appended | None:
-    x = _undo_transposes(x)
-    node = x.producer()
-    if node is None or node.op_type != "Concat" or node.domain not in ("", "ai.onnx") \
-            or len(node.inputs) != 2 or any(v is None for v in node.inputs):
-        return None
-    axis = node.attributes["axis"].as_int()
-    if x.shape is None or len(x.shape) != 4 or axis not in (2, -2):
-        return None
-    past, new = node.inputs
-    return Appended(x, past, new)
-
-
-def _cache(info: SdpaInfo) -> tuple[Appended, Appended] | None:
-    """The key and value caches, when both are appended Concats that are model outputs (the
-    presents)."""
-    k, v = appended(info.key), appended(info.value)
-    if k is None or v is None or not (k.concat.is_graph_output() and v.concat.is_graph_output()):
-        return None
-    return k, v
 
 
 def _decode(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
@@ -182,17 +123,16 @@ def _prefill_appending(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: A
                     (key.new, value.new)), k, v
 
 
-def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
-                 ) -> tuple[ir.Value, Form]:
-    """``kv_cache``: appended (the presents are the pasts with the new keys appended) or
-    shared (max-length buffers, see lower/shared.py; where a layer's caches are not plain model
-    inputs and outputs it stays appended, which fuse then refuses)."""
-    cache = _cache(info)
+def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
+                 kv_cache: str = "appended") -> Lowered:
+    """``cache``: the layer's appended caches where the rule returns the presents (else the
+    form reads the keys as they are); ``kv_cache``: appended (the presents are the pasts
+    with the new keys appended) or shared (max-length buffers, see lower/shared.py; where a
+    layer's caches are not plain model inputs and outputs it stays appended, which fuse
+    then refuses)."""
     # a window counts logical positions, which per-row buffers do not keep: appended only
     if kv_cache == "shared" and cache is not None and shareable(*cache) and not _gqa_only(info):
-        outs, label = lower_shared(op, info, q3, *cache)
-        outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
-        return outs[0], label
+        return lower_shared(op, info, q3, *cache)
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
     rest = either("no past", "GroupQueryAttention (causal)", "MHA + attention_bias",
                   cases=(NO_PAST,), reach=info.window)
@@ -202,19 +142,20 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, kv_cache: str = "appended"
     if cache is not None:
         outs = if_forms(op, info, decoding, lambda o: _decode_with_past(o, info, q3, *cache),
                         lambda o: _prefill_appending(o, info, q3, *cache), "decode", outputs=3)
-        outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
         kernel = "MultiHeadAttention" if info.kv_heads == info.heads and not _gqa_only(info) \
             else "GroupQueryAttention"
-        return outs[0], either("one new token", f"{kernel} with past (presents from it)", rest,
-                               cases=(ONE_TOKEN,))
+        form = either("one new token", f"{kernel} with past (presents from it)", rest,
+                      cases=(ONE_TOKEN,))
+        return Lowered(outs[0], form, cache, (outs[1], outs[2]))
     out = if_forms(op, info, decoding, lambda o: _decode(o, info, q3),
                    lambda o: _prefill(o, info, q3), "decode")
     head = "MHA key_padding_mask" if info.padded is not None else "MultiHeadAttention"
-    return out, either("one new token", f"{head} over the cache", rest, cases=(ONE_TOKEN,))
+    return Lowered(out, either("one new token", f"{head} over the cache", rest,
+                               cases=(ONE_TOKEN,)))
 
 
-def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: Form
-                    ) -> tuple[ir.Value, Form]:
+def _grouped_padded(op, info: SdpaInfo, q3, cache: Caches, decoding, rest: Form
+                    ) -> Lowered:
     """Grouped K/V with a key padding mask: MHA with past takes no grouped K/V, so a step
     whose new token every row keeps runs GQA with past and the padding as an additive bias
     (no key padded: a zero bias); other runs take MHA over the cache's heads repeated.
@@ -235,48 +176,17 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache, decoding, rest: Form
                                  bias=None if half else padding_bias(ops, info))
 
     outs = if_forms(op, info, fast, step, padded, "decode", outputs=3)
-    outs[0].producer().meta[PRESENTS] = (cache[0].concat, cache[1].concat)
     over = "MHA + attention_bias" if _gqa_only(info) else "MHA key_padding_mask"
     padded = either("one new token", f"{over} over the cache", rest, cases=(ONE_TOKEN,),
                     reach=info.window)
     extra = f", window {info.window}" if info.window else ""
     extra += f", softcap {info.softcap:g}" if info.softcap else ""
     if half:
-        return outs[0], either("one new token, no key padded",
-                               f"GroupQueryAttention with past{extra} (presents from it)",
-                               padded, cases=(ONE_TOKEN, UNPADDED))
-    return outs[0], either("one new token, kept in every row",
-                           f"GroupQueryAttention with past + padding bias{extra} (presents "
-                           "from it)", padded, cases=(ONE_TOKEN, LEFT_PADDED))
-
-
-def route_presents(graph: ir.Graph) -> dict[str, str]:
-    """The model's present outputs taken from the Ifs that compute them (the old Concats are
-    then unused, but for their shapes, which are rebuilt from the Concat's inputs); returns
-    {past input: present output} of the routed layers whose pasts are model inputs."""
-    pairs = {}
-    for node in list(graph):
-        olds = node.meta.pop(PRESENTS, None)
-        if olds is None:
-            continue
-        for old, new in zip(olds, node.outputs[1:3], strict=True):
-            _shapes_from_parts(graph, old)
-            new.shape, new.dtype = old.shape, old.dtype
-            take_output(graph, old, new, "appended")  # its other uses stay (shapes rebuilt)
-            past = old.producer().inputs[0]
-            if past is not None and past.is_graph_input() and new.is_graph_output():
-                pairs[past.name] = new.name
-    return pairs
-
-
-def _shapes_from_parts(graph: ir.Graph, concat: ir.Value) -> None:
-    """Shape(Concat(past, new)) -> Shape(past) + Shape(new) on the sequence axis, so that a
-    mask built from the keys' shape does not keep the Concat alive."""
-    producer = concat.producer()
-    assert producer is not None
-    past, new = producer.inputs
-    for user, _ in list(concat.uses()):
-        if user.op_type == "Shape" and user.graph is graph:
-            replace_shape(graph, user, lambda tape: tape.op("Add", [
-                tape.op("Shape", [past]),
-                tape.op("Mul", [tape.op("Shape", [new]), onehot_dim(tape, 2)])]))
+        form = either("one new token, no key padded",
+                      f"GroupQueryAttention with past{extra} (presents from it)",
+                      padded, cases=(ONE_TOKEN, UNPADDED))
+    else:
+        form = either("one new token, kept in every row",
+                      f"GroupQueryAttention with past + padding bias{extra} (presents "
+                      "from it)", padded, cases=(ONE_TOKEN, LEFT_PADDED))
+    return Lowered(outs[0], form, cache, (outs[1], outs[2]))

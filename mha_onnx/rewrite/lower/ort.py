@@ -21,12 +21,11 @@ from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, pattern
 
 from mha_onnx.config import EP_CHOICES, FORM_CHOICES, form_help
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.forms import Form, either
-from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, same_dim
+from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower.cached import cached_ok, lower_cached
 from mha_onnx.rewrite.lower.common import (
     causal_bias,
@@ -43,10 +42,9 @@ from mha_onnx.rewrite.lower.gqa import (
     lower_gqa,
 )
 from mha_onnx.rewrite.lower.loop import padding_loop
+from mha_onnx.rewrite.lower.lowered import Caches, Lowered
 from mha_onnx.rewrite.sdpa import (
-    FUSION_DOMAIN,
     SdpaInfo,
-    from_bsd,
     seq_dim,
     to_bsd,
 )
@@ -121,24 +119,37 @@ def _mha(op, q3, k, v, info: SdpaInfo, bias: ir.Value | None = None) -> ir.Value
                                  _domain=MS_DOMAIN)
 
 
-def lower_ort(op, node: ir.Node, forms: Forms = Forms()) -> tuple[ir.Value, Form]:
-    """The fused [B, S, H*Dv] output of one Sdpa node and the form used."""
+def lower_ort(op, node: ir.Node, forms: Forms = Forms(), cache: Caches | None = None
+              ) -> Lowered:
+    """One Sdpa node onto its kernel: the fused [B, S, H*Dv] output and the form used;
+    ``cache``: the layer's appended caches, whose presents the rule returns (lowered.py)."""
     info = SdpaInfo.of(node)
     q3 = to_bsd(op, info.query, info.heads)
-    if info.causal and forms.gqa_for(softcap=bool(info.softcap), window=bool(info.window)) \
-            and gqa_ok(info):
-        return lower_gqa(op, info, q3, right_padded=forms.ep == "cpu")
-    if (forms.causal == "gqa" or forms.ep != "cpu") and cached_ok(info):
-        return lower_cached(op, info, q3, forms.kv_cache)
+    if _on_gqa(info, forms):
+        return Lowered(*lower_gqa(op, info, q3, right_padded=forms.ep == "cpu"))
+    if takes_presents(info, forms):
+        return lower_cached(op, info, q3, cache, forms.kv_cache)
     kind = info.mask_kind
     if kind == "none":
         k, v, _ = kv_operands(op, info)
-        return _mha(op, q3, k, v, info), Form("MultiHeadAttention")
+        return Lowered(_mha(op, q3, k, v, info), Form("MultiHeadAttention"))
     if kind == "causal" and info.padded is None and info.bias is None and not info.window:
-        return _causal_mha(op, info, q3, forms)
+        return Lowered(*_causal_mha(op, info, q3, forms))
     if kind == "key_padding":
-        return _key_padding(op, info, q3, forms)
-    return dense_mha(op, info, q3, lazy=False), Form("MultiHeadAttention + attention_bias")
+        return Lowered(*_key_padding(op, info, q3, forms))
+    return Lowered(dense_mha(op, info, q3, lazy=False), Form("MultiHeadAttention + attention_bias"))
+
+
+def _on_gqa(info: SdpaInfo, forms: Forms) -> bool:
+    return info.causal and gqa_ok(info) \
+        and forms.gqa_for(softcap=bool(info.softcap), window=bool(info.window))
+
+
+def takes_presents(info: SdpaInfo, forms: Forms) -> bool:
+    """Whether the block runs on a kernel with past and present (lower/cached.py), so that
+    given its appended caches it returns the presents."""
+    return not _on_gqa(info, forms) and (forms.causal == "gqa" or forms.ep != "cpu") \
+        and cached_ok(info)
 
 
 def _causal_mha(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, Form]:
@@ -209,63 +220,3 @@ def _padding_form(op, info: SdpaInfo, q3: ir.Value, form: str) -> ir.Value:
                          op.Constant(value_ints=[1]), axis=0)
         out = _mha(op, q3, k, v, info, op.Expand(bias, full))
     return fix_all_padded(op, info, out, v, k3d)
-
-
-class LowerMergedOutput(pattern.RewriteRuleClassBase):
-    """Reshape(Transpose(Sdpa, [0,2,1,3]), [B, S, H*Dv]) -> the kernel's 3-D output directly."""
-
-    def __init__(self, forms: dict[str, Form], policy: Forms) -> None:
-        super().__init__("LowerMergedOutput")
-        self.forms, self.policy = forms, policy
-
-    def pattern(self, op, q, k, v, shape):
-        sdpa = op.Sdpa(q, k, v, _domain=FUSION_DOMAIN, _allow_other_inputs=True,
-                       _allow_other_attributes=True, _outputs=["sdpa"])
-        merged = op.Transpose(sdpa, perm=[0, 2, 1, 3])
-        return op.Reshape(merged, shape, _allow_other_attributes=True, _outputs=["merged"])
-
-    def check(self, context, sdpa, merged, **_):
-        result = MatchResult()
-        info = SdpaInfo.of(sdpa.producer())
-        out, src = dims(merged), dims(sdpa)
-        if out is None or src is None or len(out) != 3 or len(src) != 4:
-            return result.fail("merged output shape unknown")
-        if not (same_dim(out[0], src[0]) and same_dim(out[1], src[2])
-                and out[2] == info.heads * info.dv):
-            return result.fail("reshape does not merge heads into [B, S, H*Dv]")
-        return result
-
-    def rewrite(self, op, sdpa, merged, **_):
-        out, form = lower_ort(op, sdpa.producer(), self.policy)
-        info = SdpaInfo.of(sdpa.producer())
-        self.forms[info.block] = with_keys(form, info)
-        return out
-
-
-class LowerSdpa(pattern.RewriteRuleClassBase):
-    """Sdpa -> kernel, then back to [B, H, S, Dv] for whatever consumes it."""
-
-    def __init__(self, forms: dict[str, Form], policy: Forms) -> None:
-        super().__init__("LowerSdpa")
-        self.forms, self.policy = forms, policy
-
-    def pattern(self, op, q, k, v):
-        return op.Sdpa(q, k, v, _domain=FUSION_DOMAIN, _allow_other_inputs=True,
-                       _allow_other_attributes=True, _outputs=["sdpa"])
-
-    def rewrite(self, op, sdpa, **_):
-        node = sdpa.producer()
-        info = SdpaInfo.of(node)
-        out, form = lower_ort(op, node, self.policy)
-        self.forms[info.block] = with_keys(form, info)
-        return from_bsd(op, out, info.heads)
-
-
-def with_keys(form: Form, info: SdpaInfo) -> Form:
-    """``form`` knowing its key length as an expression of input dims, where it has length
-    switches and the keys are not an input dim (Form.keys)."""
-    shape = dims(info.key)
-    length = shape[2] if shape is not None and len(shape) == 4 else None
-    if not form.switches() or not isinstance(length, str) or length.isidentifier():
-        return form
-    return replace(form, keys=length)

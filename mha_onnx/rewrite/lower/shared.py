@@ -30,7 +30,7 @@ import onnx_ir as ir
 
 from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import ConfigError
-from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, Form, either
+from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, either
 from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
 from mha_onnx.rewrite.irutil import onehot_dim, replace_shape
 from mha_onnx.rewrite.lower.common import (
@@ -41,16 +41,16 @@ from mha_onnx.rewrite.lower.common import (
     scalar_shape,
 )
 from mha_onnx.rewrite.lower.gqa import gqa_with_past, if_forms
+from mha_onnx.rewrite.lower.lowered import Appended, Lowered
 from mha_onnx.rewrite.lower.rows import RowSource, lower_rows, row_source
 from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
 
-SHARED = "mha_onnx.shared"  # node.meta key: this If's presents are the shared buffers
-ROWS = "mha_onnx.rows"  # node.meta key: its buffers hold each row's kept keys first
 
-
-def shareable(key, value) -> bool:
-    """Both caches are model inputs appended to by a Concat that is a model output."""
-    return all(x.past.is_graph_input() and x.concat.is_graph_output() for x in (key, value))
+def shareable(key: Appended, value: Appended) -> bool:
+    """Both caches are inputs of the model (not of a subgraph) appended to by a Concat that
+    is an output of the model."""
+    return all(x.past.is_graph_input() and x.concat.is_graph_output()
+               and x.past.graph is x.concat.graph for x in (key, value))
 
 
 def length_input(graph: ir.Graph) -> ir.Value:
@@ -66,16 +66,16 @@ def length_input(graph: ir.Graph) -> ir.Value:
     return value
 
 
-def lower_shared(op, info: SdpaInfo, q3: ir.Value, key, value) -> tuple[list[ir.Value], Form]:
-    """(out, present_key, present_value) and the form: with per-row lengths (rows.py)
+def lower_shared(op, info: SdpaInfo, q3: ir.Value, key: Appended, value: Appended
+                 ) -> Lowered:
+    """The output, the presents (buffers) and the form: with per-row lengths (rows.py)
     where the key padding is read from a model input, else one length for every row."""
     past = length_input(key.past.graph)
     rows = row_source(info.padded)
     if rows is not None:
         outs, form = lower_rows(op, info, q3, key, value, past)
-        outs[0].producer().meta[SHARED] = (key, value)
-        outs[0].producer().meta[ROWS] = rows
-        return outs, form
+        return Lowered(outs[0], form, (key, value), (outs[1], outs[2]), shared=True,
+                       rows=rows)
     past32 = op.Cast(past, to=ir.DataType.INT32)
     new32 = op.Cast(op.Reshape(seq_dim(op, q3, 1), scalar_shape(op)), to=ir.DataType.INT32)
     total = op.Add(past32, new32)
@@ -91,11 +91,11 @@ def lower_shared(op, info: SdpaInfo, q3: ir.Value, key, value) -> tuple[list[ir.
 
     outs = if_forms(op, info, fast, gqa, lambda o: _general(o, info, q3, key, value, past),
                     "shared", outputs=3)
-    outs[0].producer().meta[SHARED] = (key, value)
     guard = "no past or one new token" + (", no key padded" if info.padded is not None else "")
     cases = (SHARED_RUN, NO_PAST, ONE_TOKEN) + ((UNPADDED,) if info.padded is not None else ())
-    return list(outs), either(guard, "GroupQueryAttention on a shared cache buffer",
-                              "MHA + attention_bias over the cache's valid part", cases=cases)
+    form = either(guard, "GroupQueryAttention on a shared cache buffer",
+                  "MHA + attention_bias over the cache's valid part", cases=cases)
+    return Lowered(outs[0], form, (key, value), (outs[1], outs[2]), shared=True)
 
 
 def _general(ops: TapeOps, info: SdpaInfo, q3, key, value, past: ir.Value):
@@ -114,18 +114,15 @@ def _general(ops: TapeOps, info: SdpaInfo, q3, key, value, past: ir.Value):
     return dense_mha(ops, wide, q3, lazy=True), buffers[0], buffers[1]
 
 
-def share_interface(graph: ir.Graph) -> int:
-    """After ``route_presents``: the pasts and presents of every shared If become buffers of
+def share_interface(graph: ir.Graph, layers: list[Lowered]) -> int:
+    """The pasts and presents of every shared layer become buffers of
     ``max_sequence_length`` positions, and every other ``Shape`` of a past reads its logical
     length. Returns how many layers share; refuses a past read by anything but shapes."""
+    shared = [layer for layer in layers if layer.shared]
     pasts: dict[int, ir.Value] = {}
-    shared = 0
-    for node in graph:
-        caches = node.meta.get(SHARED)
-        if caches is None:
-            continue
-        shared += 1
-        for cache, present in zip(caches, node.outputs[1:3], strict=True):
+    for layer in shared:
+        assert layer.caches is not None and layer.presents is not None
+        for cache, present in zip(layer.caches, layer.presents, strict=True):
             pasts[id(cache.past)] = cache.past
             dims = list(cache.past.shape) if cache.past.shape is not None else [None] * 4
             cache.past.shape = ir.Shape(dims[:2] + [MAX_LENGTH] + dims[3:])
@@ -137,18 +134,18 @@ def share_interface(graph: ir.Graph) -> int:
         for user, _ in list(past.uses()):
             if user.op_type == "Shape" and user.graph is graph:
                 _logical_shape(graph, user, length)
-            elif user.graph is graph and not user.meta.get(SHARED) and _live(user):
+            elif user.graph is graph and _live(user):
                 raise ConfigError(f"--kv-cache shared: {past.name!r} is read by {user.op_type} "
                                   f"node {user.name!r}, not only by attention",
                                   hint="use the default appended cache for this model")
-    return shared
+    return len(shared)
 
 
-def shared_rows(graph: ir.Graph) -> RowSource | None:
+def shared_rows(layers: list[Lowered]) -> RowSource | None:
     """The padding input every shared layer's buffers are laid out by (per-row lengths), or
     None (one length for every row); refuses layers that disagree, which one interface
     cannot serve."""
-    layouts = {node.meta.get(ROWS) for node in graph if node.meta.get(SHARED) is not None}
+    layouts = {layer.rows for layer in layers if layer.shared}
     if len(layouts) > 1:
         raise ConfigError("--kv-cache shared: the layers read their key padding from "
                           "different inputs, so their buffers cannot share one layout",
@@ -157,7 +154,7 @@ def shared_rows(graph: ir.Graph) -> RowSource | None:
 
 
 def _live(node: ir.Node) -> bool:
-    """Whether anything reads the node (the appended Concats a shared If replaced do not)."""
+    """Whether anything reads the node (a Shape the rewrite above replaced does not)."""
     return any(out.uses() or out.is_graph_output() for out in node.outputs)
 
 
