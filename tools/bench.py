@@ -1,6 +1,6 @@
 """One benchmark for every attention variant: mha-onnx's fused graph against its peers.
 
-    .venv/bin/python -m tools.bench [--seq-lens 128,512,2048,8192] [--out docs/bench.md]
+    .venv/bin/python -m tools.benchmark attention [--seq-lens 128,512,2048,8192] [--out FILE]
                                     [--plot docs/bench.png] [--threads 2] [--iters 5]
 
 Variants: self-attention, cross-attention, key padding (the last 25 % of keys padded) and
@@ -16,13 +16,9 @@ RSS growth while running).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import logging
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +26,7 @@ import numpy as np
 from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.profile import ProfileConfig, attention_flops, profile_models
 from mha_onnx.table import human_bytes
+from tools import suite
 
 VARIANTS = {
     "self": dict(attention="self", mask="none"),
@@ -131,30 +128,25 @@ def build_graphs(cfg: MhaConfig, folder: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = suite.parser(__doc__)
     parser.add_argument("--seq-lens", default="128,512,2048,8192")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5, help="at least this many timed runs")
-    parser.add_argument("--min-time", type=float, default=1.0, help="and at least this long")
-    parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.torch_worker:
         print(json.dumps(torch_worker(json.loads(sys.stdin.read()))))
         return 0
-    logging.basicConfig(level=logging.ERROR)
-    for noisy in ("onnxscript", "onnx_ir", "torch"):
-        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    suite.quiet()
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     results: dict[str, dict[int, dict[str, dict]]] = {}
     roofline = None
     for variant in args.variants.split(","):
         cfg = load_preset("base").replace(**VARIANTS[variant])
         results[variant] = {}
-        with tempfile.TemporaryDirectory(prefix="mha_bench_") as folder:
-            paths = build_graphs(cfg, Path(folder))
+        with suite.scratch("attention") as folder:
+            paths = build_graphs(cfg, folder)
             by_path = {v: k for k, v in paths.items()}
             for seq in seq_lens:
                 row: dict[str, dict] = {}
@@ -177,24 +169,19 @@ def main(argv: list[str] | None = None) -> int:
                 row["roofline"] = {"ms": flops / (roofline * 1e9) * 1e3, "mem": None}
                 results[variant][seq] = row
                 print(variant, seq, {k: round(v.get("ms", -1), 2) for k, v in row.items()}, flush=True)
-    lines = render(results, roofline, args, argv)
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    suite.emit(render(results, roofline, args, suite.command("attention", argv)), args.out)
     if args.plot:
         plot(results, args.plot)
     return 0
 
 
-def render(results, roofline, args, argv) -> list[str]:
+def render(results, roofline, args, command: str) -> list[str]:
     peers = [FUSED, *ORT_PEERS, *TORCH_PEERS]
     lines = [
-        f"Measured {datetime.date.today()} with `.venv/bin/python -m tools.bench "
-        f"{' '.join(argv if argv is not None else sys.argv[1:])}` on {_cpu()} "
-        f"({args.threads} threads, base preset, batch 1, fp32, median of >= {args.iters} runs "
-        f"and >= {args.min_time:g} s per point after 2 warm-ups, "
-        f"key padding pads the last {int(PAD * 100)} % of keys). Matmul roofline "
-        f"{roofline:.0f} GFLOP/s (measured in the same run).",
+        suite.measured(command, f"{args.threads} threads, base preset, batch 1, fp32, median "
+                       f"of >= {args.iters} runs and >= {args.min_time:g} s per point after 2 "
+                       f"warm-ups, key padding pads the last {int(PAD * 100)} % of keys")
+        + f" Matmul roofline {roofline:.0f} GFLOP/s (measured in the same run).",
         "",
         "Cells: p50 ms / peak working memory; the ratio is the fused time over the best peer's "
         "(below 1: mha-onnx is faster). Roofline: the layer's FLOPs (attended pairs only) at "
@@ -243,12 +230,6 @@ def plot(results, path) -> None:
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-
-
-def _cpu() -> str:
-    from mha_onnx.profile.roofline import cpu_name
-
-    return f"{cpu_name()}, {os.cpu_count()} CPUs"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Decoder attention fused vs unfused vs this project's own causal export, time and memory.
 
-    .venv/bin/python -m tools.bench_decoders [--seq-lens 512,1024,2048,4096,8192]
+    .venv/bin/python -m tools.benchmark decoders [--seq-lens 512,1024,2048,4096,8192]
         [--threads 2] [--out FILE.md]
 
 Graphs (one layer each, d_model 512, 8 heads, batch 1, fp32, random weights):
@@ -18,11 +18,7 @@ Memory: peak RSS growth of a child process per graph while running.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import logging
 import sys
-import tempfile
 from pathlib import Path
 
 import onnx
@@ -33,11 +29,11 @@ from mha_onnx.config import load_preset
 from mha_onnx.export import export_model
 from mha_onnx.graphio import write_model
 from mha_onnx.profile import ProfileConfig, profile_models
-from mha_onnx.profile.roofline import cpu_name
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.table import human_bytes
 from tests.models import RelativeBiasCausal
+from tools import suite
 
 D, H = 512, 8
 
@@ -176,11 +172,11 @@ def measure(paths: dict[str, str], seq_lens: list[int], threads: int, min_time: 
 
 def render(paths: dict[str, str], results: dict, seq_lens: list[int], command: str,
            threads: int) -> list[str]:
-    lines = [f"Measured {datetime.date.today()} with `{command}` on {cpu_name()} ({threads} "
-             f"threads, batch 1, fp32; p50 of the graphs of one family (one row group) timed in "
-             f"turn in one process up to L={INTERLEAVE_MAX}, of a child process per graph "
-             "beyond; memory: peak RSS growth of a child process per graph; '-': not run, its "
-             "O(L^2) scores would not fit in half the free memory).", "",
+    lines = [suite.measured(command, f"{threads} threads, batch 1, fp32; p50 of the graphs of "
+                            "one family (one row group) timed in turn in one process up to "
+                            f"L={INTERLEAVE_MAX}, of a child process per graph beyond; memory: "
+                            "peak RSS growth of a child process per graph; '-': not run, its "
+                            "O(L^2) scores would not fit in half the free memory"), "",
              "| graph | " + " | ".join(f"L={n}" for n in seq_lens) + " |",
              "|---|" + "---|" * len(seq_lens)]
     for label in paths:
@@ -201,26 +197,16 @@ def render(paths: dict[str, str], results: dict, seq_lens: list[int], command: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", default="512,1024,2048,4096,8192")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--min-time", type=float, default=1.0)
-    parser.add_argument("--out", default=None)
+    parser = suite.parser(__doc__)
+    parser.add_argument("--seq-lens", type=suite.ints, default=(512, 1024, 2048, 4096, 8192))
     parser.add_argument("--only", default="", help="comma list of row-group prefixes")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR)
-    for noisy in ("onnxscript", "onnx_ir", "torch"):
-        logging.getLogger(noisy).setLevel(logging.CRITICAL)
-    seq_lens = [int(x) for x in args.seq_lens.split(",")]
-    with tempfile.TemporaryDirectory(prefix="mha_dec_") as folder:
-        paths = build(Path(folder), tuple(p for p in args.only.split(",") if p))
-        results = measure(paths, seq_lens, args.threads, args.min_time)
-    command = ".venv/bin/python -m tools.bench_decoders " + " ".join(
-        argv if argv is not None else sys.argv[1:])
-    lines = render(paths, results, seq_lens, command, args.threads)
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    suite.quiet()
+    with suite.scratch("decoders") as folder:
+        paths = build(folder, tuple(p for p in args.only.split(",") if p))
+        results = measure(paths, list(args.seq_lens), args.threads, args.min_time)
+    suite.emit(render(paths, results, list(args.seq_lens), suite.command("decoders", argv),
+                      args.threads), args.out)
     return 0
 
 

@@ -2,7 +2,7 @@
 as Optimum-style past/present inputs and outputs): unfused, fused with the appended
 interface kept, and fused with ``--kv-cache shared``, timed in turn.
 
-    .venv/bin/python -m tools.bench_kv [--family qwen2] [--kv-heads 2]
+    .venv/bin/python -m tools.benchmark kv [--family qwen2] [--kv-heads 2]
         [--context 128,1024,4096,16384] [--batch 1,8] [--threads 2] [--out FILE.md]
 
 One layer, hidden 512, 8 query heads of 64 (``--kv-heads`` K/V heads), fp32, random
@@ -13,19 +13,14 @@ place. Both fused models are verified by fuse before they are timed.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import logging
 import sys
-import tempfile
-import warnings
 from pathlib import Path
 
 import onnx
 
 from mha_onnx.profile import ProfileConfig, profile_models
-from mha_onnx.profile.roofline import cpu_name
 from mha_onnx.rewrite import fuse_file
+from tools import suite
 
 FORMS = ("unfused", "fused, appended", "fused, shared")
 
@@ -46,43 +41,34 @@ def build(folder: Path, family: str, kv_heads: int, longest: int) -> dict[str, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = suite.parser(__doc__)
     parser.add_argument("--family", default="qwen2")
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--context", default="128,1024,4096,16384")
-    parser.add_argument("--batch", default="1,8")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--min-time", type=float, default=1.0)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--context", type=suite.ints, default=(128, 1024, 4096, 16384))
+    parser.add_argument("--batch", type=suite.ints, default=(1, 8))
     args = parser.parse_args(argv)
-    logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore")
-    contexts = [int(c) for c in args.context.split(",")]
-    batches = [int(b) for b in args.batch.split(",")]
-    with tempfile.TemporaryDirectory(prefix="mha_kv_") as folder:
-        paths = build(Path(folder), args.family, args.kv_heads, max(contexts))
-        config = ProfileConfig(batches=tuple(batches), seq_lens=tuple(contexts),
+    suite.quiet()
+    with suite.scratch("kv") as folder:
+        paths = build(folder, args.family, args.kv_heads, max(args.context))
+        config = ProfileConfig(batches=args.batch, seq_lens=args.context,
                                threads=(args.threads,), min_time=args.min_time, iters=None,
                                interleave=True, decode=True, op_breakdown=False,
                                memory_check=False)
         report = profile_models([paths[f] for f in FORMS], config)
     form_of = {v: k for k, v in paths.items()}
     ms = {(form_of[p.model], p.batch, p.seq_len): p.p50_ms for p in report.points}
-    command = "python -m tools.bench_kv " + " ".join(sys.argv[1:] if argv is None else argv)
-    lines = [f"Measured {datetime.date.today()} with `{command}` on {cpu_name()} "
-             f"({args.threads} threads; HF {args.family} layer, hidden 512, 8 query heads, "
-             f"{args.kv_heads} K/V heads, fp32; p50 ms per step, models timed in turn).", "",
+    lines = [suite.measured(suite.command("kv", argv),
+                            f"{args.threads} threads; HF {args.family} layer, hidden 512, 8 "
+                            f"query heads, {args.kv_heads} K/V heads, fp32; p50 ms per step, "
+                            "models timed in turn"), "",
              "| batch | context | unfused | fused, appended | fused, shared | appended / unfused "
              "| shared / unfused |", "|---|---|---|---|---|---|---|"]
-    for batch in batches:
-        for context in contexts:
+    for batch in args.batch:
+        for context in args.context:
             u, a, s = (ms[(f, batch, context)] for f in FORMS)
             lines.append(f"| {batch} | {context} | {u:.3f} | {a:.3f} | {s:.3f} | {a / u:.2f} | "
                          f"{s / u:.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    suite.emit(lines, args.out)
     return 0
 
 

@@ -6,8 +6,9 @@ folder:
 
     .venv-optimum/bin/python -m tools.bench_optimum make DIR   # HF folder + Optimum export
     .venv-genai/bin/python -m tools.bench_optimum genai DIR    # ORT GenAI's builder
-    .venv/bin/python -m tools.bench_optimum run DIR [--threads 2] [--prompt 1024]
+    .venv/bin/python -m tools.benchmark optimum run DIR [--threads 2] [--prompt 1024]
         [--context 4096] [--batch 1] [--left-pad 0.5] [--min-time 1] [--op-shares]
+        [--out FILE.md]
 
 The model: Llama, hidden 1024, 16 query / 4 K/V heads (head 64), 2 layers, fp32, random
 weights (seed 0), a vocabulary of 512 (a BPE trained on a few sentences: GenAI's builder
@@ -29,9 +30,10 @@ then times each graph in turn in one process (sleeping thread pools, ``--threads
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+from tools import suite
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB, MAX_POS = 1024, 16, 4, 2, 512, 8192
 
@@ -72,14 +74,12 @@ def genai(folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = suite.parser(__doc__)
     parser.add_argument("action", choices=("make", "genai", "run"))
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--min-time", type=float, default=1.0)
     parser.add_argument("--left-pad", type=float, default=0.0,
                         help="row b's first left_pad*b/batch of positions padded (0: none)")
     parser.add_argument("--op-shares", action="store_true",
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from tools.bench_optimum_run import run
 
-        run(args)
+        run(args, suite.command("optimum", argv))
     return 0
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from mha_onnx.cache import LENGTH_INPUT
 from mha_onnx.runtimes import OrtRunner
+from tools import suite
 
 KV, D = 4, 64
 HEADROOM = 8
@@ -164,7 +165,7 @@ def op_shares(graphs: dict[str, Path], args) -> None:
                   flush=True)
 
 
-def run(args) -> None:
+def run(args, command: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     folder = Path(args.folder)
     graphs = _graphs(folder)
@@ -189,10 +190,13 @@ def run(args) -> None:
             print(f"{phase}: {label}: logits max abs vs the export {err:.2e}", flush=True)
         rows[phase] = _time(runs, args.min_time)
     padded = f", rows left-padded by up to {args.left_pad:.0%}" if args.left_pad else ""
-    print(f"\nbatch {args.batch}{padded}, {args.threads} threads")
-    print(f"\n| graph | prompt {args.prompt} tokens ms | ratio | decode step, context "
-          f"{args.context} ms | ratio |\n|---|---|---|---|---|")
+    lines = [suite.measured(command, f"batch {args.batch}{padded}, {args.threads} threads, "
+                            "fp32, every graph timed in turn in one process, sleeping thread "
+                            "pools"), "",
+             f"| graph | prompt {args.prompt} tokens ms | ratio | decode step, context "
+             f"{args.context} ms | ratio |", "|---|---|---|---|---|"]
     for label in graphs:
         p, d = rows["prompt"][label], rows["decode"][label]
-        print(f"| {label} | {p:.1f} | {p / rows['prompt']['Optimum export']:.2f}x | {d:.2f} | "
-              f"{d / rows['decode']['Optimum export']:.2f}x |")
+        lines.append(f"| {label} | {p:.1f} | {p / rows['prompt']['Optimum export']:.2f}x | "
+                     f"{d:.2f} | {d / rows['decode']['Optimum export']:.2f}x |")
+    suite.emit(["", *lines], args.out)

@@ -1,6 +1,6 @@
 """`fuse --tune` against the untuned fusion and the original, on this machine.
 
-    .venv/bin/python -m tools.bench_tune OUT_DIR [--threads 2] [--batches 1,8,32]
+    .venv/bin/python -m tools.benchmark tune OUT_DIR [--threads 2] [--batches 1,8,32]
         [--seq-lens 16,32,64,128,512,2048] [--models causal,key-padding,none,bert]
 
 For each model (the base preset's causal, key-padding and no-mask exports, and a BERT-style
@@ -11,10 +11,10 @@ the default fusion and the tuned model interleaved in one process (`mha-onnx pro
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
+
+from tools import suite
 
 
 def _models(folder: Path, names: list[str]) -> dict[str, Path]:
@@ -43,18 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     from mha_onnx.tune import TuneConfig
     from mha_onnx.tune_run import tune_model
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = suite.parser(__doc__)
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--seq-lens", default="16,32,64,128,512,2048")
+    parser.add_argument("--batches", type=suite.ints, default=(1, 8, 32))
+    parser.add_argument("--seq-lens", type=suite.ints, default=(16, 32, 64, 128, 512, 2048))
     parser.add_argument("--models", default="causal,key-padding,none,bert")
-    parser.add_argument("--min-time", type=float, default=1.0, help="per model per point")
     args = parser.parse_args(argv)
+    suite.quiet()
     args.folder.mkdir(parents=True, exist_ok=True)
-    batches = tuple(int(b) for b in args.batches.split(","))
-    lengths = tuple(int(n) for n in args.seq_lens.split(","))
+    batches, lengths = args.batches, args.seq_lens
     rows = []
+    lines = [suite.measured(suite.command("tune", argv),
+                            f"{args.threads} threads, fp32, original / default fusion / tuned "
+                            "timed in turn in one process, 25 % of keys padded"), "",
+             "| model | batch | L | original ms | fused / original | tuned / original |",
+             "|---|---|---|---|---|---|"]
     for name, path in _models(args.folder, args.models.split(",")).items():
         fused, tuned = path.with_suffix(".fused.onnx"), path.with_suffix(".tuned.onnx")
         fuse_file(path, fused, force=True)
@@ -76,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                              "fused": times[(str(fused), b, n)] / base,
                              "tuned": times[(str(tuned), b, n)] / base,
                              "rules": report.result.describe()})
-                print(f"| {name} | {b} | {n} | {base:.3g} | {rows[-1]['fused']:.2f}x | "
-                      f"{rows[-1]['tuned']:.2f}x |", flush=True)
-    (args.folder / "bench_tune.json").write_text(json.dumps(rows, indent=1))
+                lines.append(f"| {name} | {b} | {n} | {base:.3g} | {rows[-1]['fused']:.2f}x | "
+                             f"{rows[-1]['tuned']:.2f}x |")
+                print(lines[-1], flush=True)
+    suite.emit(lines, args.out, str(args.folder / "bench_tune.json"), rows)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Measure every fused form ORT offers for each attention variant, to choose the defaults
 (and the lengths at which an automatic form switches).
 
-    .venv/bin/python -m tools.fusion_forms [--batches 1] [--seq-lens 512,2048,8192]
+    .venv/bin/python -m tools.benchmark forms [--batches 1] [--seq-lens 512,2048,8192]
         [--variants self-none,cross-none,self-key-padding,cross-key-padding,self-causal]
         [--interleave] [--threads 2] [--provider cpu] [--dtype float32] [--out FILE.md]
         [--json FILE.json]
@@ -15,12 +15,7 @@ ratios on a shared machine; no memory). Key padding pads the last 25 % of keys.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import logging
 import sys
-import tempfile
 from pathlib import Path
 
 import onnx
@@ -32,6 +27,7 @@ from mha_onnx.profile import ProfileConfig, profile_models
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.table import human_bytes
+from tools import suite
 
 VARIANTS = {
     "self-none": [("MultiHeadAttention", Forms())],
@@ -69,25 +65,20 @@ def _models(variant: str, folder: Path, dtype: str = "float32") -> dict[str, str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
-    parser.add_argument("--batches", type=ints, default=(1,))
-    parser.add_argument("--seq-lens", type=ints, default=(512, 2048, 8192))
+    parser = suite.parser(__doc__, min_time=None, json_out=True)
+    parser.add_argument("--batches", type=suite.ints, default=(1,))
+    parser.add_argument("--seq-lens", type=suite.ints, default=(512, 2048, 8192))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--min-time", type=float, default=None)
     parser.add_argument("--interleave", action="store_true")
     parser.add_argument("--provider", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
-    parser.add_argument("--out", default=None, help="write a markdown table here")
-    parser.add_argument("--json", default=None, help="write every point as JSON here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    suite.quiet()
     lines, records = [], []
-    with tempfile.TemporaryDirectory(prefix="mha_forms_") as folder:
+    with suite.scratch("forms") as folder:
         for variant in args.variants.split(","):
-            models = _models(variant, Path(folder), args.dtype)
+            models = _models(variant, folder, args.dtype)
             config = ProfileConfig(providers=(args.provider,), batches=args.batches,
                                    seq_lens=args.seq_lens, iters=args.iters,
                                    min_time=args.min_time, warmup=1, threads=args.threads,
@@ -114,19 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     timing = ("all forms of a point timed in turn in one process" if args.interleave
               else "each point in a child process of its own")
     header = [
-        f"Measured {datetime.date.today()} on {args.provider} with "
-        f"`.venv/bin/python -m tools.fusion_forms {' '.join(argv or sys.argv[1:])}` "
-        f"(base preset, {args.dtype}, {args.threads} threads, median of >= {args.iters} runs, {timing}; "
-        "memory: peak RSS growth of the child process while running, device memory on CUDA; "
-        "key padding pads the last 25 % of keys; ratio: p50 over the unfused export's).",
+        suite.measured(suite.command("forms", argv),
+                       f"{args.provider}, base preset, {args.dtype}, {args.threads} threads, "
+                       f"median of >= {args.iters} runs, {timing}; memory: peak RSS growth of "
+                       "the child process while running, device memory on CUDA; key padding "
+                       "pads the last 25 % of keys; ratio: p50 over the unfused export's"),
         "",
         "| variant | form | batch | L | p50 ms | / unfused | memory |",
         "|---|---|---|---|---|---|---|",
     ]
-    if args.out:
-        Path(args.out).write_text("\n".join(header + lines) + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
+    suite.emit(header + lines, args.out, args.json_path, records)
     return 0
 
 

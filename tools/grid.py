@@ -4,21 +4,18 @@ Face encoder with padding; interleaved in one process (median of >= --min-time s
 at each thread count. Points whose unfused working set cannot fit, or whose estimated run
 exceeds --max-seconds, are skipped and say so.
 
-    .venv/bin/python -m tools.grid [--batches 1,8,32,64] [--seq-lens 16,...,8192]
+    .venv/bin/python -m tools.benchmark grid [--batches 1,8,32,64] [--seq-lens 16,...,8192]
         [--threads 1,2] [--variants kp,causal,none,bert] [--out docs/grid.md]
         [--heatmap docs/grid.png] [--json FILE]
 
-Used by tools/bench.py --grid; the numbers and the command that made them go to docs/bench.md.
+The numbers and the command that made them go to docs/bench.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import logging
 import sys
-import tempfile
 from pathlib import Path
 
 import onnx
@@ -30,6 +27,7 @@ from mha_onnx.memory import available_memory, estimate_bytes
 from mha_onnx.profile import ProfileConfig, attention_flops, profile_models
 from mha_onnx.profile.roofline import cpu_name
 from mha_onnx.rewrite import fuse_model
+from tools import suite
 
 PAD = 0.25
 VARIANTS = {"kp": "key-padding", "causal": "causal", "none": "none"}
@@ -83,8 +81,7 @@ def _feasible(path: str, cfg: MhaConfig, batch: int, seq: int, layers: int,
 def run(args: argparse.Namespace) -> dict:
     results: dict = {"rows": [], "threads": args.threads, "machine": cpu_name()}
     gflops = args.gflops
-    with tempfile.TemporaryDirectory(prefix="mha_grid_") as tmp:
-        folder = Path(tmp)
+    with suite.scratch("grid") as folder:
         for variant in args.variants:
             unfused, fused, cfg = _bert(folder) if variant == "bert" else _own(VARIANTS[variant], folder)
             layers = BERT_LAYERS if variant == "bert" else 1
@@ -111,11 +108,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def render(results: dict, command: str) -> list[str]:
-    lines = [f"Measured {datetime.date.today()} with `{command}` on {results['machine']}: fused "
-             "p50 / unfused p50, both timed in turn in one process (median of the runs of at "
-             f"least the given time per model); key padding pads the last {int(PAD * 100)} % of "
-             "keys; '-' = skipped (memory: the unfused graph cannot fit; time: too long a run).",
-             ""]
+    lines = [suite.measured(command, "fused p50 / unfused p50, both timed in turn in one "
+                            "process (median of the runs of at least the given time per "
+                            f"model); key padding pads the last {int(PAD * 100)} % of keys; "
+                            "'-' = skipped (memory: the unfused graph cannot fit; time: too "
+                            "long a run)"), ""]
     for variant in dict.fromkeys(r["variant"] for r in results["rows"]):
         for threads in results["threads"]:
             rows = [r for r in results["rows"] if r["variant"] == variant and r["threads"] == threads]
@@ -164,32 +161,21 @@ def heatmap(results: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    parser.add_argument("--batches", type=ints, default=[1, 8, 32, 64])
-    parser.add_argument("--seq-lens", type=ints, default=[16, 32, 64, 128, 256, 512, 2048, 8192])
-    parser.add_argument("--threads", type=ints, default=[1, 2])
-    parser.add_argument("--variants", type=lambda t: t.split(","), default=["kp", "causal", "none", "bert"])
-    parser.add_argument("--min-time", type=float, default=1.0)
+    parser = suite.parser(__doc__, threads=(1, 2), json_out=True)
+    parser.add_argument("--batches", type=suite.ints, default=(1, 8, 32, 64))
+    parser.add_argument("--seq-lens", type=suite.ints,
+                        default=(16, 32, 64, 128, 256, 512, 2048, 8192))
+    parser.add_argument("--variants", type=lambda t: t.split(","),
+                        default=["kp", "causal", "none", "bert"])
     parser.add_argument("--max-seconds", type=float, default=4.0, help="skip longer runs")
     parser.add_argument("--gflops", type=float, default=60.0, help="for the run-time estimate")
-    parser.add_argument("--out", default=None)
     parser.add_argument("--heatmap", default=None)
-    parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR)
-    for noisy in ("onnxscript", "onnx_ir", "torch"):
-        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    suite.quiet()
     results = run(args)
-    command = ".venv/bin/python -m tools.grid " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = render(results, command)
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    suite.emit(render(results, suite.command("grid", argv)), args.out, args.json_path, results)
     if args.heatmap:
         heatmap(results, args.heatmap)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(results, indent=1))
     return 0
 
 
