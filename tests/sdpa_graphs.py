@@ -38,6 +38,7 @@ class Meaning:
     nan_to_zero: bool = False
     self_attention: bool = True
     dtype: ir.DataType = ir.DataType.FLOAT
+    bias: bool = False  # a position bias input [1, H, S, T] (ALiBi, T5's), added as it is
 
     @property
     def mask_kind(self) -> str:
@@ -67,9 +68,12 @@ def sdpa_model(m: Meaning, *, dense: bool = True, keys: str = "T") -> ir.Model:
     operands: list[ir.Value | None] = list(inputs)
     if m.padded:
         inputs.append(value("padded", ir.DataType.BOOL, ["B", keys]))
-    operands += [inputs[3] if m.padded else None, None]
+    operands.append(inputs[3] if m.padded else None)
+    if m.bias:
+        inputs.append(value("bias", m.dtype, [1, m.heads, "S", keys]))
+    operands.append(inputs[-1] if m.bias else None)
     if dense and m.mask_kind != "none":
-        inputs.append(value("dense", m.dtype, ["B", 1, "S", keys]))
+        inputs.append(value("dense", m.dtype, ["B", m.heads if m.bias else 1, "S", keys]))
         operands.append(inputs[-1])
     while operands[-1] is None:
         operands.pop()
@@ -139,9 +143,11 @@ def feeds(m: Meaning, batch: int, s: int, t: int, padded: np.ndarray | None = No
     out = {k: v.astype(m.np_dtype) for k, v in out.items()}
     if m.padded:
         out["padded"] = padded if padded is not None else np.zeros((batch, t), bool)
-    if m.mask_kind != "none":
+    if m.bias:
+        out["bias"] = rng.standard_normal((1, m.heads, s, t)).astype(m.np_dtype)
+    if m.mask_kind != "none":  # every term: the mask and the bias
         keep = np.broadcast_to(keep_mask(m, out.get("padded"), s, t), (batch, 1, s, t))
-        out["dense"] = np.where(keep, 0.0, m.fill).astype(m.np_dtype)
+        out["dense"] = (np.where(keep, 0.0, m.fill) + out.get("bias", 0.0)).astype(m.np_dtype)
     return out
 
 
@@ -154,6 +160,7 @@ def reference(m: Meaning, f: dict[str, np.ndarray]) -> np.ndarray:
     scores = q @ k.transpose(0, 1, 3, 2) * m.scale
     if m.softcap:
         scores = m.softcap * np.tanh(scores / m.softcap)
+    scores = scores + f.get("bias", 0.0)
     keep = keep_mask(m, f.get("padded"), q.shape[2], k.shape[2])
     if m.fill <= ABSORBING:  # float32 scores absorb it: every masked score is the fill
         scores = np.where(keep, scores, m.fill)

@@ -67,3 +67,19 @@ def test_a_window_is_kept_on_every_run():
     assert "GroupQueryAttention" in form.kernel
     for past, s in RUNS.values():
         _check(model, meaning, past, s)
+
+
+@pytest.mark.parametrize("kv_heads, kernel", [(4, "MultiHeadAttention with past + attention_bias"),
+                                              (2, "GroupQueryAttention with past")])
+def test_a_position_bias_is_added_by_every_form(kv_heads, kernel):
+    """ALiBi or T5's relative bias on a cached layer: the step adds it on the kernel with
+    past, the prompt on GQA's attention_bias, a chunk with the dense mask."""
+    meaning = Meaning(causal=True, alignment="bottom-right", kv_heads=kv_heads, bias=True,
+                      padded=kv_heads == 2)
+    model, form, pairs = _lowered(meaning)
+    assert form.kernel.startswith(kernel) and "(presents from it)" in form.kernel
+    assert pairs == {"past_k": "present_k", "past_v": "present_v"}
+    for past, s in RUNS.values():
+        padded = np.zeros((3, past + s), bool)
+        padded[2, past + s - 1:] = s > 1  # a right-padded row where there are new tokens
+        _check(model, meaning, past, s, padded if meaning.padded else None)

@@ -40,8 +40,12 @@ def test_fixtures_say_what_made_them():
 def test_optimum_exports_fuse_every_block(path, tmp_path):
     report = fuse_file(path, tmp_path / "fused.onnx")
     left = [(b.block, b.reason) for b in report.blocks if b.status != "fused"]
-    if path.parent.name == "bloom":  # ALiBi from attention_mask's cumsum: a value bias
-        assert all("bias" in b.form for b in report.blocks)
+    if path.parent.name == "bloom":  # ALiBi from attention_mask's cumsum, added on merged
+        # heads; its 4-D mask added after the heads split: causal + padding all the same
+        assert all(b.meaning.startswith("causal (bottom-right) + key padding + bias on merged "
+                                        "heads") for b in report.blocks)
+        assert all("If(no past): GroupQueryAttention (causal, bias)" in b.form
+                   for b in report.blocks)
     assert not left, left
     assert report.verification is not None and report.verification.passed
     forms = [b.form for b in report.blocks]

@@ -193,8 +193,9 @@ def _shared_note(shared: int, chosen: dict[str, Form], rows) -> str:
         raise ConfigError(
             "--kv-cache shared: " + (f"{len(appended)} cached layer(s) cannot take a shared "
                                      f"buffer (their caches are not plain model inputs and "
-                                     f"outputs, or they slide a window over the positions, "
-                                     f"which per-row buffers do not keep): "
+                                     f"outputs, they slide a window over the positions, "
+                                     f"which per-row buffers do not keep, or they add a "
+                                     f"position bias, which the shared forms do not): "
                                      f"{', '.join(appended)}" if appended else
                                      "the model has no KV-cache attention (a past input "
                                      "appended to and returned as a present)"),

@@ -113,7 +113,7 @@ def plan(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> MaskMeaning:
     _finite_fill_alone(terms)
     pieces = take_apart(terms, sd, oracle.size_only)
     if pieces.reason:
-        return _evaluated(terms, sd, oracle, pieces.reason)
+        return _evaluated(terms, sd, oracle, pieces.reason, pieces.merged)
     size = oracle.pattern(pieces.size, sd)
     if size.kind == "other":
         return _dense(terms, size.reason)
@@ -143,16 +143,20 @@ def _meaning(terms: list[Term], size, padding: Padding | None, fill: float,
     return meaning
 
 
-def _evaluated(terms: list[Term], sd: ScoreDims, oracle: Oracle, reason: str) -> MaskMeaning:
+def _evaluated(terms: list[Term], sd: ScoreDims, oracle: Oracle, reason: str,
+               merged: tuple[SizeLeaf, ...] = ()) -> MaskMeaning:
     """A mask whose pieces were not all understood one by one, judged as a whole: causal
-    (or nothing) + key padding from one [B, T] input, proven by evaluation; else dense."""
-    found = oracle.value_mask(terms, sd)
+    (or nothing) + key padding from one [B, T] input, proven by evaluation; else dense.
+    ``merged``: biases added on merged heads (BLOOM's ALiBi), kept as they are and left out
+    of the evaluation (the TorchScript BLOOM adds its 4-D mask after the heads split)."""
+    masking = [t for t in terms if not any(t.value is m.value for m in merged)]
+    found = oracle.value_mask(masking, sd) if masking else reason
     if isinstance(found, str):
         return _dense(terms, reason)
     size, padding, fill = found
     if not fill <= REMOVES_KEY:
         return _dense(terms, f"masked keys get the score {fill:g}, which does not remove them")
-    return _meaning(terms, size, padding, fill)
+    return _meaning(terms, size, padding, fill, merged)
 
 
 def _one_padding(found: tuple[tuple[Padding, float], ...]) -> tuple[Padding] | tuple[()] | str:

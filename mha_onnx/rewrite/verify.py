@@ -204,6 +204,18 @@ def input_length(keys: str, n: int, limit: int = 1 << 24) -> tuple[str, int] | N
     return name, high
 
 
+def _cache_and_new_lengths(specs) -> tuple[set[str], set[str]]:
+    """The dims of the caches' lengths and of the new positions (the query's seq_q, a
+    decoder's input_ids). A length that is also a whole 2-D input's (T5's encoder keys, with
+    their encoder_attention_mask) is a memory of fixed length, which no prompt starts empty."""
+    fixed = {s.dims[1] for s in specs if len(s.dims) == 2}
+    cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)
+             and s.dims[2] not in fixed}
+    new = {s.dims[1] for s in specs if len(s.dims) in (2, 3) and s.role != "mask"
+           and isinstance(s.dims[1], str)}
+    return cache, new
+
+
 def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> list[ShapeCase]:
     """The default cases, plus every kind of run a branch of a chosen form takes: key lengths
     at which a guard first picks its other branch, a prompt without past, decode steps and
@@ -225,9 +237,7 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
     odd = cases[1]
     branches = [odd]
     steps = []  # a prompt, and one step after a past
-    cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)}
-    new = {s.dims[1] for s in specs if len(s.dims) in (2, 3) and s.role != "mask"
-           and isinstance(s.dims[1], str)}  # the query's seq_q, a decoder's input_ids
+    cache, new = _cache_and_new_lengths(specs)
     prompt = None
     if NO_PAST in kinds:  # a KV-cache model's prompt
         prompt = ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)}, "some")

@@ -50,7 +50,10 @@ from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
 
 def cached_ok(info: SdpaInfo) -> bool:
-    return info.causal and info.alignment == "bottom-right" and info.bias is None
+    """Causal aligned to the end of the keys; a position bias (BLOOM's ALiBi, T5's relative
+    bias) is added by every form: attention_bias of the kernel with past, of GQA for the
+    prompt, the dense bias otherwise."""
+    return info.causal and info.alignment == "bottom-right"
 
 
 def _gqa_only(info: SdpaInfo) -> bool:
@@ -60,8 +63,8 @@ def _gqa_only(info: SdpaInfo) -> bool:
 
 def _decode(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
     """One query over the whole (concatenated) cache: nothing of the causal mask applies
-    (but a window or a soft-cap: then the original mask as a bias)."""
-    if _gqa_only(info):
+    (but a window, a soft-cap or a position bias: then the original mask as a bias)."""
+    if _gqa_only(info) or info.bias is not None:
         return dense_mha(ops, info, q3, lazy=True)
     rep = info.heads // info.kv_heads
     k, v = repeat_heads(ops, info.key, rep), repeat_heads(ops, info.value, rep)
@@ -69,10 +72,10 @@ def _decode(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
 
 
 def _mha(ops: TapeOps, info: SdpaInfo, q3, k, v, past_k=None, past_v=None) -> list[ir.Value]:
-    """MultiHeadAttention without a mask but key padding; with past: (out, presents)."""
-
+    """MultiHeadAttention without a mask but key padding and the position bias (if any);
+    with past: (out, presents)."""
     keep = None if info.padded is None else ops.Cast(ops.Not(info.padded), to=ir.DataType.INT32)
-    inputs = [q3, k, v, None, keep, None, past_k, past_v]
+    inputs = [q3, k, v, None, keep, info.bias, past_k, past_v]
     while inputs[-1] is None:
         inputs.pop()
     outs = ops.MultiHeadAttention(*inputs, num_heads=info.heads, scale=info.scale,
@@ -86,10 +89,13 @@ def _mha(ops: TapeOps, info: SdpaInfo, q3, k, v, past_k=None, past_v=None) -> li
 def _decode_with_past(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: Appended,
                       bias: ir.Value | None = None):
     """The step on the kernel's own past/present: (out, present_key, present_value);
-    ``bias`` [B, 1, 1, T] (GQA only): the padded keys' additive mask."""
+    ``bias`` [B, 1, 1, T] (GQA only): the padded keys' additive mask (the block's position
+    bias is added to it)."""
     k3, v3 = to_bsd(ops, key.new, info.kv_heads), to_bsd(ops, value.new, info.kv_heads)
     if info.kv_heads == info.heads and bias is None and not _gqa_only(info):
         return tuple(_mha(ops, info, q3, k3, v3, key.past, value.past))
+    if info.bias is not None:
+        bias = info.bias if bias is None else ops.Add(bias, info.bias)
     past = ops.Cast(ops.Reshape(seq_dim(ops, key.past, 2), scalar_shape(ops)),
                     to=ir.DataType.INT32)
     total = ops.Add(past, ops.Cast(ops.Reshape(seq_dim(ops, k3, 1), scalar_shape(ops)),
@@ -131,10 +137,12 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
     layer's caches are not plain model inputs and outputs it stays appended, which fuse
     then refuses)."""
     # a window counts logical positions, which per-row buffers do not keep: appended only
-    if kv_cache == "shared" and cache is not None and shareable(*cache) and not _gqa_only(info):
+    if kv_cache == "shared" and cache is not None and shareable(*cache) and not _gqa_only(info) \
+            and info.bias is None:  # (the shared forms add no position bias)
         return lower_shared(op, info, q3, *cache)
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
-    rest = either("no past", "GroupQueryAttention (causal)", "MHA + attention_bias",
+    rest = either("no past", "GroupQueryAttention (causal" + (", bias)" if info.bias is not None
+                                                              else ")"), "MHA + attention_bias",
                   cases=(NO_PAST,), reach=info.window)
     if cache is not None and info.padded is not None \
             and (info.kv_heads != info.heads or _gqa_only(info)):
@@ -144,7 +152,8 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
                         lambda o: _prefill_appending(o, info, q3, *cache), "decode", outputs=3)
         kernel = "MultiHeadAttention" if info.kv_heads == info.heads and not _gqa_only(info) \
             else "GroupQueryAttention"
-        form = either("one new token", f"{kernel} with past (presents from it)", rest,
+        biased = " + attention_bias" if info.bias is not None else ""
+        form = either("one new token", f"{kernel} with past{biased} (presents from it)", rest,
                       cases=(ONE_TOKEN,))
         return Lowered(outs[0], form, cache, (outs[1], outs[2]))
     out = if_forms(op, info, decoding, lambda o: _decode(o, info, q3),
@@ -181,6 +190,7 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache: Caches, decoding, rest: Form
                     reach=info.window)
     extra = f", window {info.window}" if info.window else ""
     extra += f", softcap {info.softcap:g}" if info.softcap else ""
+    extra += ", bias" if info.bias is not None else ""
     if half:
         form = either("one new token, no key padded",
                       f"GroupQueryAttention with past{extra} (presents from it)",
