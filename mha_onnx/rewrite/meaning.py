@@ -124,7 +124,7 @@ def plan(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> MaskMeaning:
     weakest = max(fills, default=-math.inf)
     if fills and not (weakest <= REMOVES_KEY):
         return _dense(terms, f"masked keys get the score {weakest:g}, which does not remove them")
-    masking = [t for t in terms if not any(t.value is m.value for m in pieces.merged)]
+    masking = _masking(terms, pieces.merged)
     if padding:
         disagreement = oracle.padding_agrees(masking, pieces.size, padding[0], sd)
         if disagreement:
@@ -143,13 +143,18 @@ def _meaning(terms: list[Term], size, padding: Padding | None, fill: float,
     return meaning
 
 
+def _masking(terms: list[Term], merged: tuple[SizeLeaf, ...]) -> list[Term]:
+    """The terms that mask: all but the biases added on merged heads (kept as they are)."""
+    return [t for t in terms if not any(t.value is m.value for m in merged)]
+
+
 def _evaluated(terms: list[Term], sd: ScoreDims, oracle: Oracle, reason: str,
                merged: tuple[SizeLeaf, ...] = ()) -> MaskMeaning:
     """A mask whose pieces were not all understood one by one, judged as a whole: causal
     (or nothing) + key padding from one [B, T] input, proven by evaluation; else dense.
     ``merged``: biases added on merged heads (BLOOM's ALiBi), kept as they are and left out
     of the evaluation (the TorchScript BLOOM adds its 4-D mask after the heads split)."""
-    masking = [t for t in terms if not any(t.value is m.value for m in merged)]
+    masking = _masking(terms, merged)
     found = oracle.value_mask(masking, sd) if masking else reason
     if isinstance(found, str):
         return _dense(terms, reason)
