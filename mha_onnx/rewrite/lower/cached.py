@@ -141,8 +141,8 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
             and info.bias is None:  # (the shared forms add no position bias)
         return lower_shared(op, info, q3, *cache)
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
-    rest = either("no past", "GroupQueryAttention (causal" + (", bias)" if info.bias is not None
-                                                              else ")"), "MHA + attention_bias",
+    biased = ", bias" if info.bias is not None else ""
+    rest = either("no past", f"GroupQueryAttention (causal{biased})", "MHA + attention_bias",
                   cases=(NO_PAST,), reach=info.window)
     if cache is not None and info.padded is not None \
             and (info.kv_heads != info.heads or _gqa_only(info)):
@@ -152,8 +152,8 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
                         lambda o: _prefill_appending(o, info, q3, *cache), "decode", outputs=3)
         kernel = "MultiHeadAttention" if info.kv_heads == info.heads and not _gqa_only(info) \
             else "GroupQueryAttention"
-        biased = " + attention_bias" if info.bias is not None else ""
-        form = either("one new token", f"{kernel} with past{biased} (presents from it)", rest,
+        added = " + attention_bias" if info.bias is not None else ""
+        form = either("one new token", f"{kernel} with past{added} (presents from it)", rest,
                       cases=(ONE_TOKEN,))
         return Lowered(outs[0], form, cache, (outs[1], outs[2]))
     out = if_forms(op, info, decoding, lambda o: _decode(o, info, q3),
