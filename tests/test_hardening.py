@@ -33,7 +33,7 @@ class _Evil:
         return (os.system, ("touch /tmp/mha_onnx_pickle_ran",))
 
 
-def _external_model(folder: Path, location: str) -> Path:
+def _external_model(folder: Path, name: str, location: str) -> Path:
     weight = helper.make_tensor("w", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0])
     weight.ClearField("float_data")
     weight.data_location = TensorProto.EXTERNAL
@@ -44,7 +44,7 @@ def _external_model(folder: Path, location: str) -> Path:
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [weight])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    path = folder / f"ext{abs(hash(location)) % 1000}.onnx"
+    path = folder / f"{name}.onnx"  # not hash(location): salted per process, it can collide
     path.write_bytes(model.SerializeToString())
     return path
 
@@ -74,11 +74,11 @@ def files(tmp_path_factory, export_cache):
     secret = root.parent / "secret.bin"
     secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())
     f["secret"] = secret
-    f["ext_dotdot"] = _external_model(root, "../secret.bin")
-    f["ext_abs"] = _external_model(root, str(secret))
+    f["ext_dotdot"] = _external_model(root, "ext_dotdot", "../secret.bin")
+    f["ext_abs"] = _external_model(root, "ext_abs", str(secret))
     link = root / "link.bin"
     link.symlink_to(secret)
-    f["ext_symlink"] = _external_model(root, "link.bin")
+    f["ext_symlink"] = _external_model(root, "ext_symlink", "link.bin")
     f["bad_toml"] = root / "bad.toml"
     f["bad_toml"].write_text("d_model = 500\nnum_heads = 8\n")
     f["zero_toml"] = root / "zero.toml"
