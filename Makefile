@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 CLI := $(VENV)/bin/mha-onnx
 OUT := out
 PRESET ?= base
+# make test runs the suite in this many processes (pytest-xdist; the machines have 2 cores).
+TEST_WORKERS ?= 2
 
 .PHONY: run test test-fast lint clean fixtures bench-envs
 
@@ -29,7 +31,7 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # Optimum exports committed under tests/fixtures/optimum (optimum-onnx 0.1.0 needs
 # transformers < 4.58, so it gets an environment of its own; not part of make test).
@@ -55,7 +57,7 @@ bench-envs: $(OPT_VENV)/.installed $(GENAI_VENV)/.installed
 
 # The loop of change-and-check: what needs no torch.export (under a minute).
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools
