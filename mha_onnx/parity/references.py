@@ -21,7 +21,8 @@ from mha_onnx.runtimes import OrtRunner
 
 
 def _weight(arrays: dict, packed: dict, name: str) -> np.ndarray | None:
-    """An initializer as float32, or its columns of the one fuse packed it into."""
+    """An initializer as float32, or its columns (a bias: its values) of the one fuse packed
+    it into."""
     from onnx import numpy_helper
 
     if name in arrays:
@@ -30,7 +31,7 @@ def _weight(arrays: dict, packed: dict, name: str) -> np.ndarray | None:
         joined, start, end = packed[name]
         whole = arrays.get(joined)
         return None if whole is None else \
-            numpy_helper.to_array(whole).astype(np.float32)[:, int(start):int(end)]
+            numpy_helper.to_array(whole).astype(np.float32)[..., int(start):int(end)]
     except (KeyError, TypeError, ValueError) as exc:
         if name not in packed:
             return None

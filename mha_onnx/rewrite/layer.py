@@ -3,7 +3,7 @@ decode step's time goes once attention is fast.
 
 In order: RMS norms onto SimplifiedLayerNormalization (norms.py); the exporter's rotary
 folded into GroupQueryAttention, its Q/K/V projections packed into one MatMul the kernel
-reads whole (rotary.py, packing.py); a guard nested in a guard's fast branch merged into one
+reads whole (rotary.py, packing.py), as are those of any other GroupQueryAttention (packing.py); a guard nested in a guard's fast branch merged into one
 condition (sink.py); every layer's guard computed once (tidy.py); what only a guarded branch
 reads moved into it, and what only every layer's general branch reads computed behind one
 If (sink.py). A decode
@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import Form, rotating_kernels
 from mha_onnx.rewrite.norms import fuse_norms
+from mha_onnx.rewrite.packing import pack_kernel_inputs
 from mha_onnx.rewrite.rotary import MAX_POSITIONS, Folded, fold_rotary
 from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
 from mha_onnx.rewrite.tidy import share_guards
@@ -55,4 +56,11 @@ def tighten_layers(model: ir.Model, chosen: dict[str, Form], *, rotate: bool = T
     share_guards(model)  # (also drops the readers the rewrites left)
     sink_into_branches(model.graph, rotating.copyable(model.graph))
     hoist_by_condition(model.graph)
+    # (after the sinking: a branch's own copies of the projections, read by its kernel alone)
+    kernels, plain = pack_kernel_inputs(model) if rotate else (0, {})
+    if kernels:
+        notes.append(f"{kernels} GroupQueryAttention kernel(s) read Q, K and V as one packed "
+                     "tensor (their projections joined into one MatMul, or the exporter's own "
+                     "before its split)")
+        packed = {**packed, **plain}
     return notes, packed
