@@ -131,6 +131,34 @@ def test_the_dispatching_model_runs_each_rules_candidate_and_shares_weights():
             np.testing.assert_allclose(run.infer({"x": x})["y"], x * [1, 2, 3, 4] * factor)
 
 
+def _nested(factor: float) -> onnx.ModelProto:
+    """y = x * w inside an If's branches (as a fused model's forms are), then * factor."""
+    def branch(name: str) -> onnx.GraphProto:
+        return helper.make_graph([helper.make_node("Mul", ["x", "w"], [f"{name}_t"])], name, [],
+                                 [helper.make_tensor_value_info(f"{name}_t", TensorProto.FLOAT,
+                                                                None)])
+    model = _scaled(factor)
+    model.graph.initializer.append(helper.make_tensor("c", TensorProto.BOOL, [], [True]))
+    model.graph.node[0].CopyFrom(helper.make_node("If", ["c"], ["t"], then_branch=branch("a"),
+                                                  else_branch=branch("b")))
+    return model
+
+
+def test_weights_a_candidates_subgraphs_read_stay_one_level_above_them():
+    # (onnxruntime prepacks a MatMul's weight from its own graph or the one above, not from
+    # two levels up: the fused candidate's weights stay in its branch, the others are shared)
+    models = {ORIGINAL: _scaled(1.0), "fused": _nested(2.0)}
+    tuned = dispatch(models, [Rule(8, ORIGINAL), Rule(None, "fused")], "seq")
+    onnx.checker.check_model(tuned)
+    assert [i.name for i in tuned.graph.initializer].count("w") == 1  # the original's
+    fused = next(a.g for a in tuned.graph.node[-1].attribute if a.name == "else_branch")
+    assert [i.name for i in fused.initializer] == ["tune/1.fused/w"]
+    with OrtRunner(tuned.SerializeToString()) as run:
+        for seq, factor in ((4, 1.0), (8, 2.0)):
+            x = np.ones((1, seq, 4), np.float32)
+            np.testing.assert_allclose(run.infer({"x": x})["y"], x * [1, 2, 3, 4] * factor)
+
+
 def test_a_real_short_tune(export_cache, tmp_path):
     """Seconds: two lengths, one batch; the tuned model is verified, carries its table and
     the machine, validate passes against PyTorch, and re-tuning it is refused."""

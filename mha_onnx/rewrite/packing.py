@@ -93,9 +93,8 @@ def _pack(graph: ir.Graph, nodes: list[ir.Node]
 
 # -- the kernel reading Q, K and V packed ---------------------------------------------------
 
-# (Measured on the base key-padding export, fused onto GroupQueryAttention, batch 1: 16
-# tokens 0.94x of the original packed against 1.08x unpacked, the same at 512 tokens; see
-# docs/bench.md, "Q, K and V packed for the kernel".)
+# (What it saves shows at short lengths, where kernel starts are a large part of a run: see
+# docs/bench.md, "Forms tuned on this machine", third run.)
 
 def pack_kernel_inputs(model: ir.Model) -> tuple[int, dict[str, tuple[str, int, int]]]:
     """Every GroupQueryAttention reading Q, K and V as three projections of one input (a
