@@ -53,6 +53,15 @@ def test_noise_sized_gains_keep_the_original_and_the_default_fusion_is_preferred
     assert choose(table) == [Rule(32, ORIGINAL), Rule(128, "fused"), Rule(None, "a")]
 
 
+def test_a_form_ahead_by_noise_of_the_default_fusion_gives_way_to_it():
+    table = {(1, 128): {ORIGINAL: 1.0, "fused": 0.99, "a": 0.96},   # a 4 % ahead, fused 1 %
+             (8, 128): {ORIGINAL: 1.0, "fused": 0.98, "a": 0.97},
+             (1, 512): {ORIGINAL: 1.0, "fused": 0.95, "a": 0.90}}   # a 5 % ahead of fused
+    assert choose(table) == [Rule(256, "fused"), Rule(None, "a")]
+    table[(8, 128)]["fused"] = 1.01  # now behind the original at batch 8, 4 % behind a
+    assert choose(table) == [Rule(None, "a")]
+
+
 # paired ratios to the original: "fused" is 1-2 % slower at 16 (so the rules keep the
 # original there) and faster from 64 on
 RATIOS = {(1, 16): {ORIGINAL: 1.0, "fused": 1.02, "a": 1.20},
