@@ -8,12 +8,13 @@ original is a candidate: where it wins, it runs). Lengths with the same winner f
 the boundaries lie at the geometric mean of the grid lengths on either side. The tuned model
 dispatches at run time on the length: ``If(L < b1)`` candidate 1, else ``If(L < b2)`` ...,
 each branch one candidate's graph (weights shared from the outer graph, but for those the
-candidate's own Ifs read, which stay in its branch: see ``_branch``). That If costs a constant time of its own, which the candidates' timings do not hold:
-the dispatching model is timed itself at the grid's shortest length, and where it loses
-there, one candidate alone is written instead if it stays within MARGIN of the original
-everywhere and gives up nothing the dispatch gains elsewhere (``settle``). The tuning table
-(machine, cores, ORT version, threads, times) is in the metadata, so ``mha-onnx tune`` can
-time the same branches again on another machine.
+candidate's own Ifs read, which stay in its branch: see ``_branch``). That If costs a
+constant time of its own, which the candidates' timings do not hold: the dispatching model
+is timed itself at the grid's shortest length, and where it loses there, one candidate
+alone is written instead if it stays within MARGIN of the original everywhere and gives up
+nothing the dispatch gains elsewhere (``settle``). The tuning table (machine, cores, ORT
+version, threads, times) is in the metadata, so ``mha-onnx tune`` can time the same
+branches again on another machine.
 """
 
 from __future__ import annotations

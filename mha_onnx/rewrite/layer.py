@@ -3,10 +3,11 @@ decode step's time goes once attention is fast.
 
 In order: RMS norms onto SimplifiedLayerNormalization (norms.py); the exporter's rotary
 folded into GroupQueryAttention, its Q/K/V projections packed into one MatMul the kernel
-reads whole (rotary.py, packing.py), as are those of any other GroupQueryAttention (packing.py); a guard nested in a guard's fast branch merged into one
+reads whole (rotary.py, packing.py); a guard nested in a guard's fast branch merged into one
 condition (sink.py); every layer's guard computed once (tidy.py); what only a guarded branch
 reads moved into it, and what only every layer's general branch reads computed behind one
-If (sink.py). A decode
+If (sink.py); last, any other GroupQueryAttention's projections packed too (packing.py,
+after the sinking: a branch's own copies are what its kernel alone reads). A decode
 step of the Optimum Llama in docs/bench.md runs 48 kernels (the export: 269; ORT GenAI's
 hand-built graph: 29).
 """
@@ -56,7 +57,6 @@ def tighten_layers(model: ir.Model, chosen: dict[str, Form], *, rotate: bool = T
     share_guards(model)  # (also drops the readers the rewrites left)
     sink_into_branches(model.graph, rotating.copyable(model.graph))
     hoist_by_condition(model.graph)
-    # (after the sinking: a branch's own copies of the projections, read by its kernel alone)
     kernels, plain = pack_kernel_inputs(model) if rotate else (0, {})
     if kernels:
         notes.append(f"{kernels} GroupQueryAttention kernel(s) read Q, K and V as one packed "
