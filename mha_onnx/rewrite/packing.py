@@ -63,15 +63,10 @@ def _pack(graph: ir.Graph, nodes: list[ir.Node]
           ) -> tuple[ir.Value, dict[str, tuple[str, int, int]]]:
     weights = [_weight(node) for node in nodes]
     names = [node.inputs[1].name for node in nodes]
-    joined = ir.Value(name=f"{nodes[0].inputs[1].name}_packed{len(nodes)}",
-                      const_value=ir.tensor(np.ascontiguousarray(np.concatenate(weights, 1))))
-    joined.type = ir.TensorType(ir.DataType.from_numpy(weights[0].dtype))
-    joined.shape = ir.Shape(joined.const_value.shape)
-    graph.register_initializer(joined)
-    sizes = ir.Value(name=f"{joined.name}_sizes",
-                     const_value=ir.tensor(np.array([w.shape[1] for w in weights], np.int64)))
-    sizes.type, sizes.shape = ir.TensorType(ir.DataType.INT64), ir.Shape([len(weights)])
-    graph.register_initializer(sizes)
+    joined = _initializer(graph, f"{nodes[0].inputs[1].name}_packed{len(nodes)}",
+                          np.concatenate(weights, 1))
+    sizes = _initializer(graph, f"{joined.name}_sizes",
+                         np.array([w.shape[1] for w in weights], np.int64))
     first = min(nodes, key=lambda n: list(graph).index(n))  # its input exists before it
     matmul = ir.Node("", "MatMul", [first.inputs[0], joined], name=f"{first.name}_packed")
     split = ir.Node("", "Split", [matmul.outputs[0], sizes], [ir.AttrInt64("axis", -1)],
@@ -167,10 +162,9 @@ def _parts_of_one(node: ir.Node) -> ir.Value | None:
         return None
     split = producer(values[0], "Split")
     if split is not None:
-        axis, sizes = int_attr(split, "axis", 0), _split_sizes(split)
-        if list(split.outputs) != values or sizes is None or axis not in (-1, 2):
-            return None  # (the kernel's inputs are [B, S, width])
-        return split.inputs[0] if _fits(node, sizes) else None
+        sizes = _split_sizes(split)
+        whole = split_source(*values)
+        return whole if whole is not None and sizes is not None and _fits(node, sizes) else None
     slices = [producer(v, "Slice") for v in values]
     if any(n is None for n in slices) or len({id(n.inputs[0]) for n in slices}) != 1:
         return None
@@ -194,6 +188,16 @@ def _width(value: ir.Value) -> int | None:
     matmul = producer(value, "MatMul")
     weight = _weight(matmul) if matmul is not None else None
     return None if weight is None else int(weight.shape[1])
+
+
+def split_source(q: ir.Value, k: ir.Value, v: ir.Value | None) -> ir.Value | None:
+    """The tensor Q, K and V are the three outputs of one Split of, in order, along the last
+    axis of a [B, S, width] tensor (pack's output, or the exporter's own), if they are."""
+    split = producer(q, "Split")
+    if (split is None or v is None or list(split.outputs) != [q, k, v]
+            or int_attr(split, "axis", 0) not in (-1, 2)):
+        return None
+    return split.inputs[0]
 
 
 def _split_sizes(split: ir.Node) -> list[int] | None:
@@ -229,7 +233,7 @@ def _kernel_projections(node: ir.Node
     values = _reads_three(node)
     if values is None:
         return None
-    matmuls, biases = [], []
+    matmuls, biases, widths = [], [], []
     for value in values:
         add, bias = producer(value, "Add"), None
         if add is not None:
@@ -246,9 +250,10 @@ def _kernel_projections(node: ir.Node
             return None
         matmuls.append(matmul)
         biases.append(bias)
+        widths.append(weight.shape[1])
     if projections([m.outputs[0] for m in matmuls]) is None:
         return None
-    return (matmuls, biases) if _fits(node, [_weight(m).shape[1] for m in matmuls]) else None
+    return (matmuls, biases) if _fits(node, widths) else None
 
 
 def _join(root: ir.Graph, matmuls: list[ir.Node], biases: list[ir.Value | None],

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, insert_first, int_attr, opset, producer
-from mha_onnx.rewrite.packing import pack, projections
+from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, insert_first, int_attr, opset
+from mha_onnx.rewrite.packing import pack, projections, split_source
 from mha_onnx.rewrite.rotation import Rotated, joined, rotated, unsplit
 from mha_onnx.rewrite.slices import Refused, SliceRunner, input_symbols
 
@@ -233,7 +233,7 @@ def _rotate_inside(node: ir.Node, q: Rotated, k: Rotated, tables: _Tables,
     inputs = list(node.inputs) + [None] * max(0, 10 - len(node.inputs))
     value = unsplit(inputs[2], int_attr(node, "kv_num_heads", 0)) or inputs[2]
     sources = [joined(q), joined(k), value]
-    whole, packed = _packed(*sources), {}
+    whole, packed = split_source(*sources), {}
     if whole is None and projections(sources) is not None:
         whole, packed = pack(projections(sources))
     inputs[:3] = [whole, None, None] if whole is not None else sources
@@ -285,15 +285,6 @@ def _every_row_full(graph: ir.Graph, node: ir.Node, ok: ir.Value) -> ir.Value:
     both = tape.op("And", [ok, full])
     graph.insert_before(node, tape.nodes)
     return both
-
-
-def _packed(q: ir.Value, k: ir.Value, v: ir.Value | None) -> ir.Value | None:
-    """The tensor Q, K and V are the three parts of (packing.py), if they are."""
-    split = producer(q, "Split")
-    if (split is None or v is None or list(split.outputs) != [q, k, v]
-            or int_attr(split, "axis", 0) not in (-1, 2)):
-        return None
-    return split.inputs[0]
 
 
 def _read_shapes_from(joined: ir.Value, source: ir.Value) -> None:
