@@ -137,3 +137,20 @@ def test_element_types_of_what_is_hoisted_come_from_the_ops():
                         (zeros, ir.DataType.FLOAT), (flags, ir.DataType.BOOL),
                         (top[1], None)):
         assert _dtype(value) == want
+
+
+def test_hoisted_placeholders_do_not_take_names_the_model_has():
+    """The hoisted If's unused branch names its placeholders itself: left unnamed, a graph
+    names them val_0, val_1, ... which the exporter's values may already be called (BART's
+    decoder_with_past from Optimum: ORT refused the model, 'val_5 used as output names
+    multiple times')."""
+    general = [helper.make_node("Sin", ["x"], ["s"]), helper.make_node("Exp", ["s"], ["m"])]
+    model = _model([helper.make_node("Relu", ["x"], ["val_0"]), *general,
+                    _if("c", "y", [helper.make_node("Neg", ["val_0"], ["t"])], "t",
+                        [helper.make_node("Add", ["m", "x"], ["e"])], "e"),
+                    _if("c", "z", [helper.make_node("Abs", ["x"], ["t2"])], "t2",
+                        [helper.make_node("Mul", ["m", "val_0"], ["e2"])], "e2")],
+                   ["c"], ["y", "z"])
+    after, moved = _apply(model, hoist_by_condition)
+    assert moved == 2
+    _same_outputs(model, after, ["c"])  # ORT loads it

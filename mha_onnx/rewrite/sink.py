@@ -146,6 +146,10 @@ def _hoist(graph: ir.Graph, ifs: list[ir.Node], branch: str) -> int:
         return 0
     placeholders = [ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(
         np.zeros((0,), t.numpy())))]) for t in types]
+    for value, placeholder in zip(read, placeholders, strict=True):
+        # named here: a graph names its unnamed values val_N counting from 0, which an
+        # outer graph's values may already be called (ORT refuses the repeated name)
+        placeholder.outputs[0].name = f"{value.name}_unused"
     computed = ir.Graph([], [], nodes=[], name=f"hoisted_{branch}")
     empty = ir.Graph([], [p.outputs[0] for p in placeholders], nodes=placeholders,
                      name=f"hoisted_{branch}_unused")
