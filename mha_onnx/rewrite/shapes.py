@@ -7,6 +7,13 @@ symbolic shape inference (the maintained implementation its transformers optimiz
 evaluates those chains symbolically and names every dim, ``past_sequence_length +
 sequence_length`` included, so that recognition does not depend on which exporter wrote the
 graph. It runs on a copy; where it fails, the graph is fused with the shapes it has.
+
+Two things are added around it (``_Inference``): ``ReduceMax``/``ReduceMin`` of known shape
+data (TorchScript's ``repeat_interleave``, as the interleaved rotary of Cohere, GLM and Helium
+spells it, takes the max of a ConstantOfShape to size an Expand: without it the inference
+stopped on that Expand and the whole graph went without shapes), and a driver that does not
+write ``sym_shape_infer_temp.onnx`` into the working folder when inference is incomplete, as
+ORT's own ``infer_shapes`` does.
 """
 
 from __future__ import annotations
@@ -45,17 +52,56 @@ def with_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto | None:
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        inference = _inference()
     except ImportError:  # an onnxruntime build without its tools
+        return None
+    if not model.opset_import or max(o.version for o in model.opset_import
+                                     if o.domain in ("", "ai.onnx")) < 7:
         return None
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            return SymbolicShapeInference.infer_shapes(model, auto_merge=True,
-                                                       guess_output_rank=False)
+            inference._preprocess(model)
+            complete = False
+            while inference.run_:
+                complete = inference._infer_impl()
+            inference._update_output_from_vi()
     except Exception as exc:  # noqa: BLE001 - an optional help; fusing goes on without it
         log.info("symbolic shape inference failed (%s: %s)", type(exc).__name__,
                  str(exc)[:200])
         return None
+    if not complete:
+        log.info("symbolic shape inference incomplete: fusing with the shapes it found")
+    return inference.out_mp_
+
+
+def _inference():
+    """ORT's symbolic shape inference, with ReduceMax/ReduceMin of known shape data."""
+    import numpy as np
+    from onnxruntime.tools import symbolic_shape_infer as ssi
+
+    class _Inference(ssi.SymbolicShapeInference):
+        def __init__(self) -> None:
+            super().__init__(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess rank
+            self.dispatcher_["ReduceMax"] = lambda node: self._reduce(node, max)
+            self.dispatcher_["ReduceMin"] = lambda node: self._reduce(node, min)
+
+        def _reduce(self, node, pick) -> None:
+            """The max/min of a 1-D vector of known dims (every axis, or axis 0)."""
+            if node.input[0] not in self.sympy_data_:
+                return
+            data = self.sympy_data_[node.input[0]]
+            values = list(np.asarray(data).reshape(-1)) if not isinstance(data, list) else data
+            axes = ssi.get_attribute(node, "axes")
+            if axes is None and len(node.input) > 1 and node.input[1]:
+                axes = self._try_get_value(node, 1)
+            if (np.ndim(data) > 1 or not values or not all(ssi.is_literal(v) for v in values)
+                    or (axes is not None and list(np.reshape(axes, -1)) not in ([0], [-1]))):
+                return
+            picked = int(pick(int(v) for v in values))
+            keep = ssi.get_attribute(node, "keepdims", 1)
+            self.sympy_data_[node.output[0]] = [picked] if keep else picked
+
+    return _Inference()
 
 
 def _infer_branch(model: onnx.ModelProto, branch: onnx.GraphProto) -> int:
