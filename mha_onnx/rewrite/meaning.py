@@ -5,7 +5,7 @@ pieces of :mod:`mha_onnx.rewrite.masks` and the oracle's verdict on the size-onl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mha_onnx.rewrite.masks import (
     ABSORBING,
@@ -153,15 +153,29 @@ def _evaluated(terms: list[Term], sd: ScoreDims, oracle: Oracle, reason: str,
     """A mask whose pieces were not all understood one by one, judged as a whole: causal
     (or nothing) + key padding from one [B, T] input, proven by evaluation; else dense.
     ``merged``: biases added on merged heads (BLOOM's ALiBi), kept as they are and left out
-    of the evaluation (the TorchScript BLOOM adds its 4-D mask after the heads split)."""
+    of the evaluation (the TorchScript BLOOM adds its 4-D mask after the heads split); so is
+    a term that is a position bias alone (MPT's ALiBi table sliced to the keys, added per
+    head before the TorchScript mask: proven by its own evaluation to mask nothing)."""
     masking = _masking(terms, merged)
+    biases = _position_biases(masking, sd, oracle)
+    masking = [t for t in masking if not any(t.value is b.value for b in biases)]
     found = oracle.value_mask(masking, sd) if masking else reason
     if isinstance(found, str):
         return _dense(terms, reason)
     size, padding, fill = found
     if not fill <= REMOVES_KEY:
         return _dense(terms, f"masked keys get the score {fill:g}, which does not remove them")
-    return _meaning(terms, size, padding, fill, merged)
+    return _meaning(terms, replace(size, biases=size.biases + biases), padding, fill, merged)
+
+
+def _position_biases(terms: list[Term], sd: ScoreDims, oracle: Oracle) -> tuple[SizeLeaf, ...]:
+    """The added terms that depend on sizes only and, evaluated, mask no key: biases."""
+    leaves = tuple(SizeLeaf(t.value, None, t.post) for t in terms
+                   if t.mode == "add" and not t.lift and oracle.size_only(t.value))
+    if not leaves:
+        return ()
+    pattern = oracle.pattern(leaves, sd)
+    return pattern.biases if pattern.kind == "none" and len(pattern.biases) == len(leaves) else ()
 
 
 def _one_padding(found: tuple[tuple[Padding, float], ...]) -> tuple[Padding] | tuple[()] | str:

@@ -173,12 +173,23 @@ class Oracle:
                 # Past the constant the pieces no longer fit the scores: a table of that many
                 # positions (MPT's ALiBi), so the model runs no longer either, and a window
                 # as long is no window. Evaluated at the longest lengths within the table.
-                base = max(constants) - 4 * len(self._symbols)
-                if base <= BASE_LENGTHS[-1]:
-                    raise
-                within = assignments(self._symbols, [*BASE_LENGTHS, base], self.floors)[-1]
-                observed.append(self._observe(runner, leaves, sd, within))
+                observed.append(self._within_table(runner, leaves, sd, max(constants)))
         return _classify(observed, leaves)
+
+    def _within_table(self, runner: SliceRunner, leaves: list[SizeLeaf], sd: ScoreDims,
+                      table: int) -> _Observed:
+        """The pieces at the longest lengths that fit a table of ``table`` positions: a key
+        length that is a sum of dims (a past + new tokens) fits at half the base, and so on."""
+        for parts in range(1, len(self._symbols) + 1):
+            base = table // parts - 4 * len(self._symbols)
+            if base <= BASE_LENGTHS[-1]:
+                break
+            within = assignments(self._symbols, [*BASE_LENGTHS, base], self.floors)[-1]
+            try:
+                return self._observe(runner, leaves, sd, within)
+            except Refused:
+                continue
+        raise Refused(f"the mask pieces do not fit the scores at lengths within {table}")
 
     @staticmethod
     def _observe(runner: SliceRunner, leaves: list[SizeLeaf], sd: ScoreDims,
