@@ -58,6 +58,9 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto | None:
     if not model.opset_import or max(o.version for o in model.opset_import
                                      if o.domain in ("", "ai.onnx")) < 7:
         return None
+    quiet = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its "Cannot determine if ... < 0" reached users' terminals
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             inference._preprocess(model)
@@ -69,6 +72,8 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto | None:
         log.info("symbolic shape inference failed (%s: %s)", type(exc).__name__,
                  str(exc)[:200])
         return None
+    finally:
+        quiet.setLevel(level)
     if not complete:
         log.info("symbolic shape inference incomplete: fusing with the shapes it found")
     return inference.out_mp_
