@@ -81,3 +81,90 @@ def test_incomplete_inference_writes_nothing_where_it_runs(tmp_path, monkeypatch
     inferred = with_symbolic_shapes(proto)
     assert not list(tmp_path.iterdir())
     assert inferred is proto or any(v.name == "s" for v in inferred.graph.value_info)
+
+
+def _viewed_by_own_sizes(whole: bool = False):
+    """DeBERTa's attention: heads merged into the batch for bmm ([2B, S, 8]), the scores
+    viewed as [B, 2, S, S] for the softmax and back by the probabilities' own sizes,
+    ``probs.view(-1, probs.size(-2), probs.size(-1))`` (``whole``: ``probs.size()`` read
+    whole and its last two dims taken apart)."""
+    pick = [const("lo", [-2]), const("hi", [2 ** 62]),
+            node("Slice", ["p_shape", "lo", "hi"], "picked")]
+    if whole:
+        pick = [node("Cast", ["p_shape"], "p_float", to=TensorProto.FLOAT),
+                const("lo", [-2]), const("hi", [2 ** 62]),
+                node("Slice", ["p_float", "lo", "hi"], "picked_float"),
+                node("Cast", ["picked_float"], "picked", to=TensorProto.INT64)]
+    return [
+        const("merged", [-1, 0, 8]), node("Reshape", ["q", "merged"], "q3"),
+        node("Reshape", ["k", "merged"], "k3"), node("Reshape", ["v", "merged"], "v3"),
+        node("Transpose", ["k3"], "kt", perm=[0, 2, 1]),
+        node("MatMul", ["q3", "kt"], "qk"), const("scale", 8 ** -0.5),
+        node("Mul", ["qk", "scale"], "scores3"),
+        node("Shape", ["scores3"], "st", start=1, end=3), const("bh", [-1, 2]),
+        node("Concat", ["bh", "st"], "split", axis=0),
+        node("Reshape", ["scores3", "split"], "scores"),
+        node("Softmax", ["scores"], "probs", axis=-1),
+        node("Shape", ["probs"], "p_shape"), *pick, const("lead", [-1]),
+        node("Concat", ["lead", "picked"], "target", axis=0),
+        node("Reshape", ["probs", "target"], "viewed"),
+        node("MatMul", ["viewed", "v3"], "y"),
+    ]
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["dims picked", "shape read whole"])
+def test_probabilities_viewed_by_their_own_sizes_are_fused(whole, tmp_path):
+    """Their dims read from an input instead (the length from q, the heads a constant):
+    nothing reads the probabilities but the block, so the block fuses, and verifies."""
+    import onnx
+
+    from mha_onnx.rewrite import fuse_file
+
+    inputs = [tensor(n, F, ["B", "S", 16]) for n in ("q", "k", "v")]
+    onnx.save(model(_viewed_by_own_sizes(whole), inputs, ["y"],
+                    out_types={"y": (F, [None, "S", 8])}), tmp_path / "m.onnx")
+    report = fuse_file(tmp_path / "m.onnx", tmp_path / "fused.onnx")
+    assert [r.status for r in report.blocks] == ["fused"], [r.reason for r in report.blocks]
+    assert report.verification is not None and report.verification.passed
+
+
+def test_a_dim_no_input_has_is_not_read_elsewhere():
+    """probability_shapes moves a read only where every dim it reads has a source: a dim
+    the inputs do not carry (``X``) leaves the read as it is."""
+    from mha_onnx.rewrite.shapes import probability_shapes
+
+    proto = model([node("Softmax", ["x"], "probs", axis=-1), node("Shape", ["probs"], "s"),
+                   const("i", [1]), node("Gather", ["s", "i"], "d"),
+                   node("Cast", ["d"], "y", to=TensorProto.FLOAT)],
+                  [tensor("x", F, ["B", "S"])], ["y"])
+    graph = ir.from_proto(proto)
+    probs = next(n for n in graph.graph if n.op_type == "Softmax").outputs[0]
+    probs.shape = ir.Shape(["B", "X"])
+    assert probability_shapes(graph) == 0
+    probs.shape = ir.Shape(["B", "S"])
+    assert probability_shapes(graph) == 1
+
+
+def test_the_projection_is_found_through_reshapes_to_and_from_merged_heads():
+    """DeBERTa splits the heads ([B, S, H*D] -> [B, S, H, D] -> [B, H, S, D]), merges them into
+    the batch for bmm ([B*H, S, D]), and the fusion views that as [B, H, S, D] again: the
+    kernel reads the projection [B, S, H*D] itself, not a transpose of the round trip."""
+    from mha_onnx.rewrite.sdpa import bsd_source
+
+    tape = ir.tape.Tape()
+    x3 = ir.Value(name="x3", shape=ir.Shape(["B", "S", 16]), type=ir.TensorType(ir.DataType.FLOAT))
+
+    def reshaped(value, dims_out, target):
+        out = tape.op("Reshape", [value, tape.op("Constant", [], {"value": ir.tensor(
+            np.array(target, np.int64))})])
+        out.shape = ir.Shape(dims_out)
+        return out
+
+    split = reshaped(x3, ["B", "S", 2, 8], [0, 0, 2, 8])
+    heads = tape.op("Transpose", [split], {"perm": [0, 2, 1, 3]})
+    heads.shape = ir.Shape(["B", 2, "S", 8])
+    merged = reshaped(heads, ["2*B", "S", 8], [-1, 0, 8])
+    viewed = reshaped(merged, [None, 2, "S", 8], [-1, 2, 0, 8])
+    assert bsd_source(viewed, 2) is x3
+    other = reshaped(merged, [None, 2, "T", 8], [-1, 2, 0, 8])  # not the same dims: kept
+    assert bsd_source(other, 2) is None

@@ -47,7 +47,7 @@ from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
-from mha_onnx.rewrite.shapes import fold_static_dims, with_symbolic_shapes
+from mha_onnx.rewrite.shapes import fold_static_dims, probability_shapes, with_symbolic_shapes
 from mha_onnx.rewrite.shared_probs import distribute_combinations, merge_value_matmuls
 from mha_onnx.rewrite.verify import Verification, verification_cases, verify, verify_on_openvino
 
@@ -75,6 +75,7 @@ def _prepare(model: ir.Model, target: str) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - shapes only help; rules fail without them
         log.warning("shape inference failed (%s); fusing with the shapes in the file", exc)
     fold_static_dims(model)  # static dims read by Shape chains: constants to fold further
+    probability_shapes(model)  # dims of a Softmax's output read elsewhere: DeBERTa's views
     try:  # constant folding: masks that are constant (e.g. all-keep) become visible as such
         optimize_faithfully(model)
     except Exception as exc:  # noqa: BLE001 - optional clean-up

@@ -193,8 +193,10 @@ def _sum_terms(op, core, terms: list) -> ir.Value:
 # -- layouts ----------------------------------------------------------------------------------
 
 def bsd_source(x4: ir.Value, heads: int) -> ir.Value | None:
-    """The [B, S, H*D] tensor that ``x4`` [B, H, S, D] was split from by Reshape+Transpose."""
-    transpose = producer(x4, "Transpose")
+    """The [B, S, H*D] tensor that ``x4`` [B, H, S, D] was split from by Reshape+Transpose
+    (Reshapes that only take it to another shape and back, as DeBERTa's [B*H, S, D] for
+    bmm, looked through)."""
+    transpose = producer(_before_reshapes(x4), "Transpose")
     if transpose is None or ints_attr(transpose, "perm") != [0, 2, 1, 3]:
         return None
     reshape = producer(transpose.inputs[0], "Reshape")
@@ -209,6 +211,25 @@ def bsd_source(x4: ir.Value, heads: int) -> ir.Value | None:
     if not (same_dim(d3[0], d4[0]) and same_dim(d3[1], d4[1]) and d3[2] == d4[2] * d4[3]):
         return None
     return x3
+
+
+def _before_reshapes(x: ir.Value) -> ir.Value:
+    """The earliest value of the chain of Reshapes ending in ``x`` with ``x``'s own dims:
+    the same tensor (a Reshape keeps the elements' order). One dim of ``x`` may be unknown
+    (split_heads leaves the batch so): the others equal, the element count fixes it."""
+    want, found, current = dims(x), x, x
+    for _ in range(4):
+        node = producer(current, "Reshape")
+        if node is None or want is None:
+            break
+        current = node.inputs[0]
+        have = dims(current)
+        if have is None or len(have) != len(want):
+            continue
+        differ = [b for a, b in zip(have, want, strict=True) if not same_dim(a, b)]
+        if not differ or (len(differ) == 1 and differ[0] is None and have.count(None) == 0):
+            found = current
+    return found
 
 
 def to_bsd(op, x4: ir.Value, heads: int) -> ir.Value:

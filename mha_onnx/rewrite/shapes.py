@@ -24,6 +24,8 @@ import logging
 
 import onnx
 
+from mha_onnx.rewrite.irutil import dims, producer
+
 log = logging.getLogger(__name__)
 
 
@@ -199,3 +201,88 @@ def _picked_dims(node):
     except (IndexError, ValueError):
         return None
     return None if (picked < 0).any() else np.asarray(picked, np.int64)
+
+
+def probability_shapes(model) -> int:
+    """Dims of a Softmax's output read by ``Shape(probs)`` (whole, or picked by a Gather or
+    Slice) are read instead from a graph input with the same symbolic dim, or are
+    constants: DeBERTa views its probabilities by their own sizes (``probs.view(-1,
+    probs.size(-2), probs.size(-1))``), and fusing cannot remove probabilities something else
+    reads. A read with a dim that has no such source is left. Returns how many moved."""
+    import onnx_ir as ir
+
+    from mha_onnx.rewrite.blocks import all_graphs
+
+    sources: dict[str, tuple[ir.Value, int]] = {}  # symbol -> (graph input, axis)
+    for value in model.graph.inputs:
+        for axis, d in enumerate(dims(value) or []):
+            if isinstance(d, str):
+                sources.setdefault(d, (value, axis))
+    moved = 0
+    for graph in all_graphs(model.graph):
+        for shape_node in list(graph):
+            source = shape_node.inputs[0] if shape_node.op_type == "Shape" else None
+            shape = dims(source)
+            if (producer(source, "Softmax") is None or shape is None
+                    or shape_node.outputs[0].is_graph_output()):
+                continue
+            bounds = _bounds(shape_node)
+            if _reread(graph, shape_node, shape[slice(*bounds)], sources, False):
+                moved += 1  # every dim read elsewhere: the Shape itself replaced
+                continue
+            if bounds != (None, None):
+                continue
+            for use in list(shape_node.outputs[0].uses()):
+                picked = _picked_axes(use.node, len(shape))
+                if picked is not None and _reread(graph, use.node, [shape[a] for a in picked[0]],
+                                                  sources, picked[1]):
+                    moved += 1
+    return moved
+
+
+def _reread(graph, node, wanted: list, sources: dict, scalar: bool) -> bool:
+    """``node``'s output (a 1-D int64 of the ``wanted`` dims; a scalar if ``scalar``) read
+    from constants and graph inputs' dims instead; False (nothing changed) where a dim has
+    neither or the output is the graph's."""
+    import numpy as np
+    import onnx_ir as ir
+
+    if not wanted or node.outputs[0].is_graph_output() or not all(
+            isinstance(d, int) or d in sources for d in wanted):
+        return False
+    parts = [ir.node("Constant", [], {"value": ir.tensor(np.array([d], np.int64))})
+             if isinstance(d, int) else ir.node("Shape", [sources[d][0]], {
+                 "start": sources[d][1], "end": sources[d][1] + 1}) for d in wanted]
+    if len(parts) > 1:
+        parts.append(ir.node("Concat", [p.outputs[0] for p in parts], {"axis": 0}))
+    if scalar:
+        parts.append(ir.node("Squeeze", [parts[-1].outputs[0]]))
+    graph.insert_before(node, parts)
+    ir.convenience.replace_all_uses_with(node.outputs[0], parts[-1].outputs[0])
+    return True
+
+
+def _bounds(shape_node) -> tuple[int | None, int | None]:
+    start, end = shape_node.attributes.get("start"), shape_node.attributes.get("end")
+    return (start.as_int() if start else None, end.as_int() if end else None)
+
+
+def _picked_axes(node, rank: int) -> tuple[list[int], bool] | None:
+    """(axes, scalar) that ``Gather(shape, i)`` or ``Slice(shape, a, b)`` (constant, step 1)
+    picks from a shape of ``rank`` dims; None for anything else."""
+    from mha_onnx.rewrite.irutil import const_array, int_attr
+
+    args = [const_array(v) if v is not None else None for v in node.inputs[1:]]
+    if node.op_type == "Gather" and len(args) == 1 and args[0] is not None and args[0].size == 1:
+        if int_attr(node, "axis", 0) != 0:
+            return None
+        return [int(args[0].reshape(-1)[0]) % rank], args[0].ndim == 0
+    if (node.op_type != "Slice" or len(args) < 2 or any(a is None or a.size != 1
+                                                       for a in args[:2])):
+        return None
+    axes, steps = (args + [None, None])[2:4]
+    if axes is not None and int(axes.reshape(-1)[0]) not in (0, -1) or (
+            steps is not None and int(steps.reshape(-1)[0]) != 1):
+        return None
+    start, end = (int(a.reshape(-1)[0]) for a in args[:2])
+    return list(range(rank))[slice(start, min(end, rank))], False
