@@ -79,3 +79,62 @@ def test_near_misses_stay(kw):
     model = ir.from_proto(_model(**kw))
     assert fuse_norms(model) == 0
     assert "SimplifiedLayerNormalization" not in [n.op_type for n in model.graph]
+
+
+def _layer_norm_model(elem=F, residual_out: bool = False, read_twice: bool = False
+                      ) -> onnx.ModelProto:
+    """y = LayerNormalization(a + b), a and b both [B, S, DIM]: what ORT fuses into
+    SkipLayerNormalization (BERT's post-norm residual; z = y * y, the next layer)."""
+    np_type = onnx.helper.tensor_dtype_to_np_dtype(elem)
+    weights = [numpy_helper.from_array(np.linspace(0.5, 1.5, DIM).astype(np_type), "g"),
+               numpy_helper.from_array(np.linspace(-0.2, 0.2, DIM).astype(np_type), "beta")]
+    nodes = [helper.make_node("Add", ["a", "b"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "g", "beta"], ["y"], axis=-1),
+             helper.make_node("Mul", ["h" if read_twice else "y", "y"], ["z"])]
+    outputs = ["y", "z", "h"] if residual_out else ["y", "z"]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(n, elem, ["B", "S", DIM]) for n in "ab"],
+        [helper.make_tensor_value_info(n, elem, ["B", "S", DIM]) for n in outputs], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def _ort_ops(model: onnx.ModelProto, tmp_path) -> list[str]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
+
+
+def test_a_float32_residual_before_layer_norm_is_a_sum_ort_does_not_fuse(tmp_path):
+    """ORT fuses Add -> LayerNormalization into SkipLayerNormalization (3.5-5x slower on the
+    CPU in float32, tools/experiments/skip_norm.py); written as Sum it runs the two fast
+    kernels, with the same outputs."""
+    from mha_onnx.rewrite.norms import residual_sums
+
+    model = _layer_norm_model()
+    assert "SkipLayerNormalization" in _ort_ops(model, tmp_path)  # what the change avoids
+    graph = ir.from_proto(model)
+    assert residual_sums(graph) == 1
+    after = ir.to_proto(graph)
+    assert [n.op_type for n in after.graph.node][0] == "Sum"
+    assert "SkipLayerNormalization" not in _ort_ops(after, tmp_path)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((2, 5, DIM)).astype(np.float32) for n in "ab"}
+    want, got = _run(model, feeds), _run(after, feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["float16", "residual is an output", "residual read twice"])
+def test_residuals_left_as_they_are(case):
+    """float16 (its SkipLayerNormalization is as fast as the pair: kept), an Add whose sum is
+    a graph output (its name is the interface), or is read by more than the norm (ORT does
+    not fuse that one, and Add is faster than Sum)."""
+    from mha_onnx.rewrite.norms import residual_sums
+
+    model = {"float16": lambda: _layer_norm_model(TensorProto.FLOAT16),
+             "residual is an output": lambda: _layer_norm_model(residual_out=True),
+             "residual read twice": lambda: _layer_norm_model(read_twice=True)}[case]()
+    assert residual_sums(ir.from_proto(model)) == 0

@@ -1,7 +1,8 @@
 """After the blocks are lowered onto ONNX Runtime's kernels: the rest of the layer, where a
 decode step's time goes once attention is fast.
 
-In order: RMS norms onto SimplifiedLayerNormalization (norms.py); the exporter's rotary
+In order: RMS norms onto SimplifiedLayerNormalization and, for the CPU, residual Adds before
+a float32 LayerNormalization written as Sum (norms.py); the exporter's rotary
 folded into GroupQueryAttention, its Q/K/V projections packed into one MatMul the kernel
 reads whole (rotary.py, packing.py); a guard nested in a guard's fast branch merged into one
 condition (sink.py); every layer's guard computed once (tidy.py); what only a guarded branch
@@ -17,7 +18,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from mha_onnx.rewrite.forms import Form, rotating_kernels
-from mha_onnx.rewrite.norms import fuse_norms
+from mha_onnx.rewrite.norms import fuse_norms, residual_sums
 from mha_onnx.rewrite.packing import pack_kernel_inputs
 from mha_onnx.rewrite.rotary import MAX_POSITIONS, Folded, fold_rotary
 from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
@@ -33,13 +34,19 @@ def tighten_layers(model: ir.Model, chosen: dict[str, Form], *, rotate: bool = T
                    ) -> tuple[list[str], dict[str, tuple[str, int, int]]]:
     """The passes above on a lowered model; ``chosen`` (block -> form) updated where a
     block's form changed. ``rotate=False``: no rotary fold (forms for a GPU: how its
-    GroupQueryAttention reads position_ids was measured on the CPU kernel only). Returns
+    GroupQueryAttention reads position_ids was measured on the CPU kernel only; no Sum for
+    the residual either, as a GPU's SkipLayerNormalization is its fast kernel). Returns
     notes for the fuse report and where packed weights went (packing.pack)."""
     notes = []
     normed = fuse_norms(model)
     if normed:
         notes.append(f"{normed} RMS normalisation(s) (with the residual Add where there is "
                      "one) onto ORT's SimplifiedLayerNormalization kernels")
+    summed = residual_sums(model) if rotate else 0
+    if summed:
+        notes.append(f"{summed} residual Add(s) before a float32 LayerNormalization written as "
+                     "Sum: ORT would fuse them into SkipLayerNormalization, 3.5-5x slower on "
+                     "the CPU")
     rotating = fold_rotary(model) if rotate else Folded({})
     packed = rotating.packed
     if packed:
