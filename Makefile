@@ -39,7 +39,7 @@ OPT_VENV := .venv-optimum
 $(OPT_VENV)/.installed:
 	test -x $(OPT_VENV)/bin/python || $(PYTHON) -m venv $(OPT_VENV)
 	$(OPT_VENV)/bin/python -m pip install -q torch==2.13.0 optimum-onnx==0.1.0 \
-		'transformers<4.58' onnx==1.23.2
+		'transformers<4.58' onnx==1.23.2 onnxruntime==1.31.1
 	touch $@
 
 fixtures: $(OPT_VENV)/.installed

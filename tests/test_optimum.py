@@ -58,6 +58,9 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
         assert all("with past" in f and "(presents from it)" in f for f in forms), forms
     if path.parent.name in ("bert", "roberta", "distilbert", "electra"):
         assert all(m == "key padding" for m in meanings), meanings
+    if path.parent.name == "mpt":  # ALiBi (a table sliced to the keys), then the 4-D mask
+        assert all(m == "causal (bottom-right) + key padding + position bias"
+                   for m in meanings), meanings
     if path.name == "decoder_model_merged.onnx":  # both branches fused, both verified
         assert len(report.blocks) == 8
         cases = {r.case for r in report.verification.results}
@@ -83,10 +86,10 @@ def test_optimum_decoders_share_their_cache_with_per_row_lengths(path, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in DECODERS if p.parent.name in
-                                  ("llama", "gpt2", "qwen2", "phi3")], ids=_id)
+                                  ("llama", "gpt2", "qwen2", "phi3", "mpt")], ids=_id)
 def test_optimum_decoders_decode_like_the_export(path, tmp_path):
     """validate decodes a prompt and 16 steps through Optimum's names, fused against the
-    original, on the fused model's own chain."""
+    original, on the fused model's own chain (MPT: its ALiBi added on the kernels)."""
     fuse_file(path, tmp_path / "fused.onnx")
     report = validate_model(tmp_path / "fused.onnx", ValidateConfig(reference=str(path)))
     assert report, report.render()
