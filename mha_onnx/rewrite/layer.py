@@ -45,7 +45,7 @@ def tighten_layers(model: ir.Model, chosen: dict[str, Form], *, rotate: bool = T
     summed = residual_sums(model) if rotate else 0
     if summed:
         notes.append(f"{summed} residual Add(s) before a float32 LayerNormalization written as "
-                     "Sum: ORT would fuse them into SkipLayerNormalization, 3.5-5x slower on "
+                     "Sum: ORT would fuse them into SkipLayerNormalization, 1.5-5.5x slower on "
                      "the CPU")
     rotating = fold_rotary(model) if rotate else Folded({})
     packed = rotating.packed

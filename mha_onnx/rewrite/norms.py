@@ -112,11 +112,11 @@ def residual_sums(model: ir.Model) -> int:
     """The residual ``Add`` that only a float32 LayerNormalization reads written as ``Sum``,
     for the CPU: ONNX Runtime fuses such an ``Add -> LayerNormalization`` into
     SkipLayerNormalization wherever both operands have one known 3-D shape (so in a fused
-    graph, whose attention
-    kernels give their outputs shapes, and not in the TorchScript original, which has none),
-    and its CPU kernel runs 3.5-5x slower than the two ops it replaces in float32 (ORT 1.31:
-    1.04 ms against 0.19 ms at [1, 512, 768], 0.037 against 0.011 ms at [8, 1, 1024];
-    ``python -m tools.experiments.skip_norm``). It matches Add only. Returns how many."""
+    graph, whose attention kernels give their outputs shapes, and not in the TorchScript
+    original, which has none), and its CPU kernel runs 1.5-5.5x slower than the two ops it
+    replaces in float32 (ORT 1.31, 2 threads: 0.96 against 0.18 ms at [1, 512, 768], 0.037
+    against 0.011 ms at [8, 1, 1024]; ``python -m tools.experiments.skip_norm``, docs/bench.md).
+    It matches Add only. Returns how many."""
     count = 0
     for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
         if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx"):
