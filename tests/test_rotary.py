@@ -26,10 +26,12 @@ def _const(name: str, values, dtype=np.int64) -> onnx.NodeProto:
         np.asarray(values, dtype).reshape(-1).tolist()))
 
 
-def _rotation(x: str, heads: int, nodes: list, norm: bool = False) -> str:
+def _rotation(x: str, heads: int, nodes: list, norm: bool = False, rotary: int = 0) -> str:
     """x [B, S, heads*D] -> heads split, (``norm``: each head RMS-normalised over D, Qwen3's
-    q_norm spelt as Hugging Face's RMSNorm exports) rotated (x * cos + rotate_half(x) * sin),
-    joined again as our lowering feeds GroupQueryAttention; returns the joined name."""
+    q_norm spelt as Hugging Face's RMSNorm exports) rotated (x * cos + rotate_half(x) * sin;
+    ``rotary``: only each head's first ``rotary`` dims, the rest passed as they are, GPT-NeoX's
+    and Phi's partial rotary), joined again as our lowering feeds GroupQueryAttention;
+    returns the joined name."""
     nodes += [
         _const(f"{x}_shape", [0, 0, heads, D]),
         helper.make_node("Reshape", [x, f"{x}_shape"], [f"{x}_4"]),
@@ -49,17 +51,32 @@ def _rotation(x: str, heads: int, nodes: list, norm: bool = False) -> str:
             helper.make_node("Mul", [f"{x}_w", f"{x}_unit"], [f"{x}_normed"]),
         ]
         split = f"{x}_normed"
+    nodes.append(helper.make_node("Transpose", [split], [f"{x}_h"], perm=[0, 2, 1, 3]))
+    heads_in = f"{x}_h"
+    if rotary:
+        nodes += [
+            _const(f"{x}_p0", [0]), _const(f"{x}_pr", [rotary]), _const(f"{x}_pend", [2**62]),
+            _const(f"{x}_pax", [-1]),
+            helper.make_node("Slice", [heads_in, f"{x}_p0", f"{x}_pr", f"{x}_pax"], [f"{x}_hr"]),
+            helper.make_node("Slice", [heads_in, f"{x}_pr", f"{x}_pend", f"{x}_pax"],
+                             [f"{x}_pass"]),
+        ]
+        heads_in = f"{x}_hr"
+    width = rotary or D
     nodes += [
-        helper.make_node("Transpose", [split], [f"{x}_h"], perm=[0, 2, 1, 3]),
-        _const(f"{x}_lo", [0]), _const(f"{x}_mid", [D // 2]), _const(f"{x}_hi", [2**62]),
+        _const(f"{x}_lo", [0]), _const(f"{x}_mid", [width // 2]), _const(f"{x}_hi", [2**62]),
         _const(f"{x}_ax", [-1]),
-        helper.make_node("Slice", [f"{x}_h", f"{x}_lo", f"{x}_mid", f"{x}_ax"], [f"{x}_a"]),
-        helper.make_node("Slice", [f"{x}_h", f"{x}_mid", f"{x}_hi", f"{x}_ax"], [f"{x}_b"]),
+        helper.make_node("Slice", [heads_in, f"{x}_lo", f"{x}_mid", f"{x}_ax"], [f"{x}_a"]),
+        helper.make_node("Slice", [heads_in, f"{x}_mid", f"{x}_hi", f"{x}_ax"], [f"{x}_b"]),
         helper.make_node("Neg", [f"{x}_b"], [f"{x}_nb"]),
         helper.make_node("Concat", [f"{x}_nb", f"{x}_a"], [f"{x}_rh"], axis=-1),
-        helper.make_node("Mul", [f"{x}_h", "cos4"], [f"{x}_c"]),
+        helper.make_node("Mul", [heads_in, "cos4"], [f"{x}_c"]),
         helper.make_node("Mul", [f"{x}_rh", "sin4"], [f"{x}_s"]),
-        helper.make_node("Add", [f"{x}_c", f"{x}_s"], [f"{x}_r"]),
+        helper.make_node("Add", [f"{x}_c", f"{x}_s"], [f"{x}_rr" if rotary else f"{x}_r"]),
+    ]
+    if rotary:
+        nodes.append(helper.make_node("Concat", [f"{x}_rr", f"{x}_pass"], [f"{x}_r"], axis=-1))
+    nodes += [
         helper.make_node("Transpose", [f"{x}_r"], [f"{x}_t"], perm=[0, 2, 1, 3]),
         _const(f"{x}_join", [0, 0, -1]),
         helper.make_node("Reshape", [f"{x}_t", f"{x}_join"], [f"{x}_3"]),
@@ -67,13 +84,16 @@ def _rotation(x: str, heads: int, nodes: list, norm: bool = False) -> str:
     return f"{x}_3"
 
 
-def _model(offset_input: bool = False, past: bool = False, norm: bool = False
-           ) -> onnx.ModelProto:
+def _model(offset_input: bool = False, past: bool = False, norm: bool = False,
+           rotary: int = 0) -> onnx.ModelProto:
     """q [B, S, N*D], k/v [B, S, G*D], position_ids [B, S] -> GroupQueryAttention (no past)
     of the rotated Q and K. ``offset_input``: cos/sin also read a second input (not a
     lookup by the positions alone). ``past``: with past_key/past_value [B, G, P, D].
-    ``norm``: Q's and K's heads RMS-normalised before the rotation (Qwen3)."""
-    inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32).reshape(1, -1, 1)
+    ``norm``: Q's and K's heads RMS-normalised before the rotation (Qwen3). ``rotary``: a
+    partial rotary of each head's first ``rotary`` dims."""
+    width = rotary or D
+    inv_freq = (1.0 / 10000 ** (np.arange(0, width, 2) / width)).astype(np.float32).reshape(
+        1, -1, 1)
     nodes = [
         helper.make_node("Constant", [], ["inv_freq"], value=helper.make_tensor(
             "inv_freq", TensorProto.FLOAT, inv_freq.shape, inv_freq.reshape(-1).tolist())),
@@ -93,7 +113,7 @@ def _model(offset_input: bool = False, past: bool = False, norm: bool = False
         helper.make_node("Unsqueeze", ["cos", "one"], ["cos4"]),
         helper.make_node("Unsqueeze", ["sin", "one"], ["sin4"]),
     ]
-    q3, k3 = _rotation("q", N, nodes, norm), _rotation("k", G, nodes, norm)
+    q3, k3 = _rotation("q", N, nodes, norm, rotary), _rotation("k", G, nodes, norm, rotary)
     nodes += [
         helper.make_node("Shape", ["k"], ["knew"], start=1, end=2),
         helper.make_node("Shape", ["past_key" if past else "k"], ["kpast"], start=2 if past else 1,
@@ -299,3 +319,32 @@ def test_forms_mark_each_kernel_that_rotates():
                              prompt=True)
     assert plain.label == ("If(right padding, positions counted): GQA, rotary inside | "
                            "If(right padding): GQA | MHA")
+
+
+@pytest.mark.parametrize("rotary, folds", [(16, True), (8, False)],
+                         ids=["16-of-32", "8-of-32 (not 16k)"])
+@pytest.mark.parametrize("positions", [
+    np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # counted up: the kernel rotates
+    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # not: the exporter's rotation
+    np.array([[3], [11]]),  # one token per row: the kernel
+], ids=["counted", "left-padded", "one-token"])
+def test_a_partial_rotary_rotates_inside_on_its_first_dims(rotary, folds, positions):
+    """GPT-NeoX's, Phi's and StableLM's rotary_pct: each head's first dims rotated, the rest
+    passed through; the kernel rotates as many (cos_cache [positions, rotary / 2]) where that
+    is a multiple of 16 (ORT: cos_cache dim 1 a multiple of 8), and the outputs stay."""
+    global D
+    saved, D = D, 32
+    try:
+        original = _model(rotary=rotary)
+        folded, model = _folded(original)
+        feeds = _feeds(*positions.shape, positions, np.random.default_rng(2))
+    finally:
+        D = saved
+    assert (list(folded.blocks.values()) == ["position_ids"]) is folds
+    if folds:
+        caches = [t for t in model.graph.initializer if t.name.startswith("rotary_cos_cache")]
+        assert [list(t.dims) for t in caches] == [[64, rotary // 2]]
+    want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
+    got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=5e-6, err_msg=name)

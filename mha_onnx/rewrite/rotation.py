@@ -1,7 +1,9 @@
 """The exporter's rotary embedding recognised around a GroupQueryAttention's inputs
 (for rotary.py): Hugging Face's ``x * cos + rotate_half(x) * sin`` on heads split from a
 ``[B, S, heads*D]`` projection and joined again by our lowering, possibly with the rows
-gathered kept-first (lower/rows.py). Structure only: what cos and sin hold is proven by
+gathered kept-first (lower/rows.py), or only each head's first dims rotated and the rest
+concatenated as they are (a partial rotary: Phi, StableLM; GroupQueryAttention rotates as many
+dims as its cos_cache has pairs). Structure only: what cos and sin hold is proven by
 evaluation in rotary.py.
 """
 
@@ -47,7 +49,9 @@ def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
             Rotated(inner.source, inner.cos, inner.sin, rows, inner.norm)
     joined = producer(value, "Reshape")
     back = producer(joined.inputs[0], "Transpose") if joined is not None else None
-    add = producer(back.inputs[0], "Add") if back is not None and _swaps(back) else None
+    rotated_heads = back.inputs[0] if back is not None and _swaps(back) else None
+    partial = _partial(rotated_heads)
+    add = producer(partial[0] if partial else rotated_heads, "Add")
     if add is None or const_ints(joined.inputs[1]) not in ([0, 0, -1], None):
         return None
     for plain, turned in (add.inputs, add.inputs[::-1]):
@@ -55,9 +59,13 @@ def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
         if first is None or second is None:
             continue
         for x, cos in (first.inputs, first.inputs[::-1]):
-            source, norm = _split_heads(x, heads), None
-            if source is None:
-                source, norm = _normed_heads(x, heads) or (None, None)
+            if partial:  # x: the first rotary_dim of each head, the rest passed as it is
+                source = _split_heads(partial[1], heads) if _rotary_part(x, partial) else None
+                norm = None
+            else:
+                source, norm = _split_heads(x, heads), None
+                if source is None:
+                    source, norm = _normed_heads(x, heads) or (None, None)
             if source is None:
                 continue
             for half, sin in (second.inputs, second.inputs[::-1]):
@@ -77,6 +85,31 @@ def joined(found: Rotated) -> ir.Value:
     flat.type, flat.shape = found.source.type, found.source.shape
     found.norm.graph.insert_after(found.norm, tape.nodes)
     return flat
+
+
+def _partial(value: ir.Value | None) -> tuple[ir.Value, ir.Value, int] | None:
+    """For ``Concat(rotated, heads[..., r:])`` on the last axis (a partial rotary: GPT-NeoX's,
+    Phi's and StableLM's ``rotary_pct``): (rotated, heads, r); None otherwise."""
+    cat = producer(value, "Concat")
+    if cat is None or len(cat.inputs) != 2 or int_attr(cat, "axis", 0) not in (-1, 3):
+        return None
+    passed = producer(cat.inputs[1], "Slice")
+    heads = passed.inputs[0] if passed is not None else None
+    width = (dims(heads) or [None] * 4)[3] if heads is not None else None
+    rotated_width = (dims(cat.inputs[0]) or [None] * 4)[3]
+    if not isinstance(width, int) or not isinstance(rotated_width, int) or not (
+            0 < rotated_width < width) or rotated_width % ROTARY_MULTIPLE:
+        return None
+    if not _half(cat.inputs[1], heads, rotated_width, width, width):
+        return None
+    return cat.inputs[0], heads, rotated_width
+
+
+def _rotary_part(x: ir.Value, partial: tuple[ir.Value, ir.Value, int]) -> bool:
+    """``x`` = heads[..., :r] of the partial rotary's heads."""
+    _, heads, width = partial
+    full = (dims(heads) or [None] * 4)[3]
+    return isinstance(full, int) and _half(x, heads, 0, width, full)
 
 
 def _swaps(node: ir.Node) -> bool:
