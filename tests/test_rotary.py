@@ -26,12 +26,14 @@ def _const(name: str, values, dtype=np.int64) -> onnx.NodeProto:
         np.asarray(values, dtype).reshape(-1).tolist()))
 
 
-def _rotation(x: str, heads: int, nodes: list, norm: bool = False, rotary: int = 0) -> str:
+def _rotation(x: str, heads: int, nodes: list, norm: bool = False, rotary: int = 0,
+              interleaved: bool = False) -> str:
     """x [B, S, heads*D] -> heads split, (``norm``: each head RMS-normalised over D, Qwen3's
     q_norm spelt as Hugging Face's RMSNorm exports) rotated (x * cos + rotate_half(x) * sin;
     ``rotary``: only each head's first ``rotary`` dims, the rest passed as they are, GPT-NeoX's
-    and Phi's partial rotary), joined again as our lowering feeds GroupQueryAttention;
-    returns the joined name."""
+    and Phi's partial rotary; ``interleaved``: pairs (x0, x1), (x2, x3), ... rotated,
+    stack(-x[..., 1::2], x[..., 0::2]) flattened, as Cohere and Helium export it), joined
+    again as our lowering feeds GroupQueryAttention; returns the joined name."""
     nodes += [
         _const(f"{x}_shape", [0, 0, heads, D]),
         helper.make_node("Reshape", [x, f"{x}_shape"], [f"{x}_4"]),
@@ -63,13 +65,30 @@ def _rotation(x: str, heads: int, nodes: list, norm: bool = False, rotary: int =
         ]
         heads_in = f"{x}_hr"
     width = rotary or D
+    if interleaved:
+        nodes += [
+            _const(f"{x}_lo", [0]), _const(f"{x}_odd", [1]), _const(f"{x}_hi", [2**62]),
+            _const(f"{x}_ax", [-1]), _const(f"{x}_two", [2]), _const(f"{x}_flat", [0, 0, 0, -1]),
+            helper.make_node("Slice", [heads_in, f"{x}_lo", f"{x}_hi", f"{x}_ax", f"{x}_two"],
+                             [f"{x}_a"]),
+            helper.make_node("Slice", [heads_in, f"{x}_odd", f"{x}_hi", f"{x}_ax", f"{x}_two"],
+                             [f"{x}_b"]),
+            helper.make_node("Neg", [f"{x}_b"], [f"{x}_nb"]),
+            helper.make_node("Unsqueeze", [f"{x}_nb", f"{x}_ax"], [f"{x}_nb5"]),
+            helper.make_node("Unsqueeze", [f"{x}_a", f"{x}_ax"], [f"{x}_a5"]),
+            helper.make_node("Concat", [f"{x}_nb5", f"{x}_a5"], [f"{x}_st"], axis=-1),
+            helper.make_node("Reshape", [f"{x}_st", f"{x}_flat"], [f"{x}_rh"]),
+        ]
+    else:
+        nodes += [
+            _const(f"{x}_lo", [0]), _const(f"{x}_mid", [width // 2]), _const(f"{x}_hi", [2**62]),
+            _const(f"{x}_ax", [-1]),
+            helper.make_node("Slice", [heads_in, f"{x}_lo", f"{x}_mid", f"{x}_ax"], [f"{x}_a"]),
+            helper.make_node("Slice", [heads_in, f"{x}_mid", f"{x}_hi", f"{x}_ax"], [f"{x}_b"]),
+            helper.make_node("Neg", [f"{x}_b"], [f"{x}_nb"]),
+            helper.make_node("Concat", [f"{x}_nb", f"{x}_a"], [f"{x}_rh"], axis=-1),
+        ]
     nodes += [
-        _const(f"{x}_lo", [0]), _const(f"{x}_mid", [width // 2]), _const(f"{x}_hi", [2**62]),
-        _const(f"{x}_ax", [-1]),
-        helper.make_node("Slice", [heads_in, f"{x}_lo", f"{x}_mid", f"{x}_ax"], [f"{x}_a"]),
-        helper.make_node("Slice", [heads_in, f"{x}_mid", f"{x}_hi", f"{x}_ax"], [f"{x}_b"]),
-        helper.make_node("Neg", [f"{x}_b"], [f"{x}_nb"]),
-        helper.make_node("Concat", [f"{x}_nb", f"{x}_a"], [f"{x}_rh"], axis=-1),
         helper.make_node("Mul", [heads_in, "cos4"], [f"{x}_c"]),
         helper.make_node("Mul", [f"{x}_rh", "sin4"], [f"{x}_s"]),
         helper.make_node("Add", [f"{x}_c", f"{x}_s"], [f"{x}_rr" if rotary else f"{x}_r"]),
@@ -85,12 +104,13 @@ def _rotation(x: str, heads: int, nodes: list, norm: bool = False, rotary: int =
 
 
 def _model(offset_input: bool = False, past: bool = False, norm: bool = False,
-           rotary: int = 0) -> onnx.ModelProto:
+           rotary: int = 0, interleaved: bool = False) -> onnx.ModelProto:
     """q [B, S, N*D], k/v [B, S, G*D], position_ids [B, S] -> GroupQueryAttention (no past)
     of the rotated Q and K. ``offset_input``: cos/sin also read a second input (not a
     lookup by the positions alone). ``past``: with past_key/past_value [B, G, P, D].
     ``norm``: Q's and K's heads RMS-normalised before the rotation (Qwen3). ``rotary``: a
-    partial rotary of each head's first ``rotary`` dims."""
+    partial rotary of each head's first ``rotary`` dims. ``interleaved``: the pairs' layout,
+    cos/sin holding each frequency twice in a row (repeat_interleave)."""
     width = rotary or D
     inv_freq = (1.0 / 10000 ** (np.arange(0, width, 2) / width)).astype(np.float32).reshape(
         1, -1, 1)
@@ -108,12 +128,17 @@ def _model(offset_input: bool = False, past: bool = False, norm: bool = False,
     nodes += [
         helper.make_node("MatMul", ["inv_freq", positions], ["freqs"]),
         helper.make_node("Transpose", ["freqs"], ["freqs_t"], perm=[0, 2, 1]),
-        helper.make_node("Concat", ["freqs_t", "freqs_t"], ["emb"], axis=-1),
+        *([_const("pair_axis", [-1]), _const("flat3", [0, 0, -1]),
+           helper.make_node("Unsqueeze", ["freqs_t", "pair_axis"], ["freqs_4"]),
+           helper.make_node("Concat", ["freqs_4", "freqs_4"], ["freqs_pairs"], axis=-1),
+           helper.make_node("Reshape", ["freqs_pairs", "flat3"], ["emb"])] if interleaved else
+          [helper.make_node("Concat", ["freqs_t", "freqs_t"], ["emb"], axis=-1)]),
         helper.make_node("Cos", ["emb"], ["cos"]), helper.make_node("Sin", ["emb"], ["sin"]),
         helper.make_node("Unsqueeze", ["cos", "one"], ["cos4"]),
         helper.make_node("Unsqueeze", ["sin", "one"], ["sin4"]),
     ]
-    q3, k3 = _rotation("q", N, nodes, norm, rotary), _rotation("k", G, nodes, norm, rotary)
+    q3 = _rotation("q", N, nodes, norm, rotary, interleaved)
+    k3 = _rotation("k", G, nodes, norm, rotary, interleaved)
     nodes += [
         helper.make_node("Shape", ["k"], ["knew"], start=1, end=2),
         helper.make_node("Shape", ["past_key" if past else "k"], ["kpast"], start=2 if past else 1,
@@ -344,6 +369,35 @@ def test_a_partial_rotary_rotates_inside_on_its_first_dims(rotary, folds, positi
     if folds:
         caches = [t for t in model.graph.initializer if t.name.startswith("rotary_cos_cache")]
         assert [list(t.dims) for t in caches] == [[64, rotary // 2]]
+    want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
+    got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=5e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("rotary", [0, 16], ids=["whole head", "partial 16-of-32"])
+@pytest.mark.parametrize("positions", [
+    np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # counted up: the kernel rotates
+    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # not: the exporter's rotation
+    np.array([[3], [11]]),  # one token per row: the kernel
+], ids=["counted", "left-padded", "one-token"])
+def test_an_interleaved_rotation_rotates_inside_interleaved(rotary, positions):
+    """Cohere's and Helium's rotation pairs dims (2i, 2i + 1): the kernel rotates with
+    rotary_interleaved=1 from tables of every other column (each frequency is there twice in
+    a row); the outputs stay."""
+    global D
+    saved, D = D, 32
+    try:
+        original = _model(rotary=rotary, interleaved=True)
+        folded, model = _folded(original)
+        feeds = _feeds(*positions.shape, positions, np.random.default_rng(3))
+    finally:
+        D = saved
+    assert list(folded.blocks.values()) == ["position_ids"]
+    kernels = [n for node in model.graph.node for a in node.attribute if a.type == a.GRAPH
+               for n in a.g.node if n.op_type == "GroupQueryAttention"]
+    assert [{a.name: a.i for a in n.attribute}.get("rotary_interleaved") for n in kernels
+            if any(a.name == "do_rotary" and a.i for a in n.attribute)] == [1]
     want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
     got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
     for name in want:

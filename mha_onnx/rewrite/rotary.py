@@ -8,7 +8,8 @@ tensor per layer on every decode step. GroupQueryAttention rotates Q and K itsel
 ORT GenAI's graphs do. The tables are not guessed from a config: the graph's own cos/sin
 values are cut out and run (slices.SliceRunner) with positions ``0 .. MAX_POSITIONS - 1``,
 and accepted only if they are a function of the positions alone (one integer input), equal
-in both halves (``rotate_half``'s layout) and equal, at random positions in a batch, to the
+in both halves (``rotate_half``'s layout; twice in a row for the interleaved rotation, then
+``rotary_interleaved``) and equal, at random positions in a batch, to the
 table rows of those positions.
 
 GroupQueryAttention (onnxruntime 1.31, CPU) reads ``position_ids`` row by row for a one-token
@@ -70,6 +71,7 @@ class _Tables:
     cos: ir.Value  # [MAX_POSITIONS, D/2] initializers
     sin: ir.Value
     positions: ir.Value  # the graph input the rotation reads
+    interleaved: bool = False  # each value twice in a row (the pairs' layout), not two halves
 
 
 def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
@@ -92,9 +94,9 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
         q = rotated(node.inputs[0], int_attr(node, "num_heads", 0))
         k = rotated(node.inputs[1], int_attr(node, "kv_num_heads", 0))
         if q is None or k is None or q.cos is not k.cos or q.sin is not k.sin \
-                or (q.rows is None) != (k.rows is None):
+                or (q.rows is None) != (k.rows is None) or q.interleaved != k.interleaved:
             continue
-        key = (id(q.cos), id(q.sin))
+        key = (id(q.cos), id(q.sin), q.interleaved)
         if key not in tables:
             tables[key] = _tables(model, q, max_positions,
                                   [t for t in tables.values() if t is not None])
@@ -150,14 +152,18 @@ def _tables(model: ir.Model, found: Rotated, rows: int, known: list[_Tables]
         return None
     width = cos.shape[-1] if cos.ndim == 4 else 0
     half = width // 2
+    # rotate_half pairs dim i with i + D/2, so each value is in both halves; the interleaved
+    # rotation pairs 2i with 2i + 1, so each value is there twice in a row
+    first, second = ((slice(0, None, 2), slice(1, None, 2)) if found.interleaved else
+                     (slice(0, half), slice(half, None)))
     for table, at in ((cos, cos_at), (sin, sin_at)):
         if (table.shape != (1, 1, rows, width) or at.shape != (_CHECK_BATCH, 1, _CHECK_SEQ, width)
-                or not np.array_equal(table[..., :half], table[..., half:])
+                or not np.array_equal(table[..., first], table[..., second])
                 or not np.allclose(at[:, 0], table[0, 0][check], rtol=0, atol=_atol(table))):
             return None
-    halves = [np.ascontiguousarray(table[0, 0, :, :half]) for table in (cos, sin)]
+    halves = [np.ascontiguousarray(table[0, 0, :, first]) for table in (cos, sin)]
     for same in known:
-        if same.positions is inputs[name] and all(
+        if same.positions is inputs[name] and same.interleaved == found.interleaved and all(
                 np.array_equal(have.const_value.numpy(), want)
                 for have, want in zip((same.cos, same.sin), halves, strict=True)):
             return same
@@ -170,7 +176,7 @@ def _tables(model: ir.Model, found: Rotated, rows: int, known: list[_Tables]
         value.shape = ir.Shape([rows, half])
         graph.register_initializer(value)
         made.append(value)
-    return _Tables(made[0], made[1], inputs[name])
+    return _Tables(made[0], made[1], inputs[name], found.interleaved)
 
 
 def _atol(table: np.ndarray) -> float:
@@ -241,8 +247,11 @@ def _rotate_inside(node: ir.Node, q: Rotated, k: Rotated, tables: _Tables,
     if q.rows is not None:  # rows gathered kept first: the same rows while all are full
         ok = _every_row_full(graph, node, ok)
     inputs[7], inputs[8], inputs[9] = tables.cos, tables.sin, tables.positions
-    attributes = [a for name, a in node.attributes.items() if name != "do_rotary"]
-    rotating = ir.Node(MS_DOMAIN, node.op_type, inputs, [*attributes, ir.AttrInt64("do_rotary", 1)],
+    attributes = [a for name, a in node.attributes.items()
+                  if name not in ("do_rotary", "rotary_interleaved")]
+    attributes += [ir.AttrInt64("do_rotary", 1),
+                   ir.AttrInt64("rotary_interleaved", int(tables.interleaved))]
+    rotating = ir.Node(MS_DOMAIN, node.op_type, inputs, attributes,
                        num_outputs=len(node.outputs), name=f"{node.name}_rotating")
     rotating.meta.update(node.meta)
     for new, old in zip(rotating.outputs, node.outputs, strict=True):

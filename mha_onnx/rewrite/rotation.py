@@ -33,6 +33,7 @@ class Rotated:
     sin: ir.Value
     rows: ir.Node | None = None
     norm: ir.Node | None = None
+    interleaved: bool = False  # pairs (x0, x1), (x2, x3), ... (GPT-J's rotate_every_two)
 
 
 def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
@@ -46,7 +47,7 @@ def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
             return None
         inner = rotated(flat.inputs[0], heads)
         return None if inner is None or inner.rows is not None else \
-            Rotated(inner.source, inner.cos, inner.sin, rows, inner.norm)
+            Rotated(inner.source, inner.cos, inner.sin, rows, inner.norm, inner.interleaved)
     joined = producer(value, "Reshape")
     back = producer(joined.inputs[0], "Transpose") if joined is not None else None
     rotated_heads = back.inputs[0] if back is not None and _swaps(back) else None
@@ -71,6 +72,8 @@ def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
             for half, sin in (second.inputs, second.inputs[::-1]):
                 if _rotate_half(half, x):
                     return Rotated(source, cos, sin, norm=norm)
+                if _rotate_every_two(half, x):
+                    return Rotated(source, cos, sin, norm=norm, interleaved=True)
     return None
 
 
@@ -169,14 +172,33 @@ def _rotate_half(value: ir.Value, x: ir.Value) -> bool:
             and _half(cat.inputs[1], x, 0, width // 2, width))
 
 
-def _half(value: ir.Value | None, x: ir.Value, start: int, end: int, width: int) -> bool:
-    """``value`` = x[..., start:end] (a Slice on the last axis; an end past D counts as D)."""
+def _rotate_every_two(value: ir.Value, x: ir.Value) -> bool:
+    """``value`` = stack(-x[..., 1::2], x[..., 0::2], -1) flattened to x's shape again (the
+    interleaved rotation: GPT-J's rotate_every_two, Cohere's, GLM's and Helium's)."""
+    flat = producer(value, "Reshape")
+    cat = producer(flat.inputs[0], "Concat") if flat is not None else None
+    width = (dims(x) or [None] * 4)[3]
+    if (cat is None or len(cat.inputs) != 2 or not isinstance(width, int)
+            or dims(value) != dims(x) or int_attr(cat, "axis", 0) not in (-1, 4)):
+        return False
+    parts = [producer(v, "Unsqueeze") for v in cat.inputs]
+    if any(p is None or const_ints(p.inputs[1]) not in ([-1], [4]) for p in parts):
+        return False
+    neg = producer(parts[0].inputs[0], "Neg")
+    return (neg is not None and _half(neg.inputs[0], x, 1, width, width, step=2)
+            and _half(parts[1].inputs[0], x, 0, width, width, step=2))
+
+
+def _half(value: ir.Value | None, x: ir.Value, start: int, end: int, width: int,
+          step: int = 1) -> bool:
+    """``value`` = x[..., start:end:step] (a Slice on the last axis; an end past D counts as
+    D)."""
     node = producer(value, "Slice")
     if node is None or node.inputs[0] is not x or len(node.inputs) < 4:
         return False
     starts, ends, axes = (const_ints(v) for v in node.inputs[1:4])
     steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
-    if None in (starts, ends, axes) or axes not in ([-1], [3]) or steps != [1]:
+    if None in (starts, ends, axes) or axes not in ([-1], [3]) or steps != [step]:
         return False
     return starts == [start] and (ends == [end] or (end == width and ends[0] >= width))
 
