@@ -3,8 +3,10 @@
 ``[B, S, heads*D]`` projection and joined again by our lowering, possibly with the rows
 gathered kept-first (lower/rows.py), or only each head's first dims rotated and the rest
 concatenated as they are (a partial rotary: Phi, StableLM; GroupQueryAttention rotates as many
-dims as its cos_cache has pairs). Structure only: what cos and sin hold is proven by
-evaluation in rotary.py.
+dims as its cos_cache has pairs), with ``rotate_half`` or the interleaved pairs of
+``rotate_every_two`` (Cohere, Helium: ``rotary_interleaved``). Structure only: what cos and
+sin hold is proven by evaluation in rotary.py. Not recognised: a rotation applied before the
+heads' transpose (GPT-J, CodeGen).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Rotated:
     sin: ir.Value
     rows: ir.Node | None = None
     norm: ir.Node | None = None
-    interleaved: bool = False  # pairs (x0, x1), (x2, x3), ... (GPT-J's rotate_every_two)
+    interleaved: bool = False  # pairs (x0, x1), (x2, x3), ... rotated (rotate_every_two)
 
 
 def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
@@ -91,8 +93,9 @@ def joined(found: Rotated) -> ir.Value:
 
 
 def _partial(value: ir.Value | None) -> tuple[ir.Value, ir.Value, int] | None:
-    """For ``Concat(rotated, heads[..., r:])`` on the last axis (a partial rotary: GPT-NeoX's,
-    Phi's and StableLM's ``rotary_pct``): (rotated, heads, r); None otherwise."""
+    """For ``Concat(rotated, heads[..., r:])`` on the last axis (a partial rotary: Phi's and
+    StableLM's ``partial_rotary_factor``), r a width the kernel rotates (16k): (rotated,
+    heads, r); None otherwise."""
     cat = producer(value, "Concat")
     if cat is None or len(cat.inputs) != 2 or int_attr(cat, "axis", 0) not in (-1, 3):
         return None
