@@ -150,6 +150,18 @@ def float_attr(node: ir.Node, name: str, default: float) -> float:
     return default if attr is None else float(attr.value)
 
 
+def shape_bounds(node: ir.Node, rank: int) -> tuple[int, int]:
+    """The [first, last) dims a Shape node of an input of ``rank`` dims reads (its start and
+    end attributes, negative ones counted from the end, clamped)."""
+    start = node.attributes.get("start")
+    end = node.attributes.get("end")
+    first = int(start.value) if start is not None else 0
+    last = int(end.value) if end is not None else rank
+    first = max(0, first + rank if first < 0 else first)
+    last = min(rank, last + rank if last < 0 else last)
+    return first, last
+
+
 def replace_shape(graph: ir.Graph, shape_node: ir.Node, whole) -> None:
     """A rank-4 tensor's ``Shape`` node (any start/end) replaced by ``whole(tape)``, the
     full [4] shape built on a tape, sliced the same way."""

@@ -24,7 +24,7 @@ import logging
 
 import onnx
 
-from mha_onnx.rewrite.irutil import dims, producer
+from mha_onnx.rewrite.irutil import dims, producer, shape_bounds
 
 log = logging.getLogger(__name__)
 
@@ -174,33 +174,45 @@ def _picked_dims(node):
     int64 array), else None."""
     import numpy as np
 
-    from mha_onnx.rewrite.irutil import const_array, producer
+    shape_node = producer(node.inputs[0], "Shape") if node.inputs else None
+    if shape_node is None or shape_node.inputs[0] is None or shape_node.inputs[0].shape is None:
+        return None
+    every = [d if isinstance(d, int) else -1 for d in shape_node.inputs[0].shape]
+    first, last = shape_bounds(shape_node, len(every))
+    read = np.array(every[first:last], np.int64)
+    axes = _picked_axes(node, len(read))
+    if axes is None:
+        return None
+    picked = read[axes]
+    return None if (picked < 0).any() else np.asarray(picked, np.int64)
+
+
+def _picked_axes(node, rank: int):
+    """Which entries of a shape vector of ``rank`` dims ``Gather(shape, i)`` or ``Slice(shape,
+    a, b[, 0, step])`` with constant arguments picks: an int array shaped as its output (0-D
+    for a scalar Gather); None for anything else."""
+    import numpy as np
+
+    from mha_onnx.rewrite.irutil import const_array
 
     if node.op_type not in ("Slice", "Gather") or node.domain not in ("", "ai.onnx"):
         return None
-    shape_node = producer(node.inputs[0], "Shape")
-    if shape_node is None or shape_node.inputs[0] is None or shape_node.inputs[0].shape is None:
-        return None
-    dims = [d if isinstance(d, int) else -1 for d in shape_node.inputs[0].shape]
-    start, end = shape_node.attributes.get("start"), shape_node.attributes.get("end")
-    dims = np.array(dims[slice(start.as_int() if start else None, end.as_int() if end else None)],
-                    np.int64)
     args = [const_array(v) if v is not None else None for v in node.inputs[1:]]
-    if any(a is None for a, v in zip(args, node.inputs[1:], strict=True) if v is not None):
+    if not args or any(a is None for a, v in zip(args, node.inputs[1:], strict=True)
+                       if v is not None):
         return None
+    positions = np.arange(rank)
     try:
         if node.op_type == "Gather":
-            picked = np.take(dims, args[0].astype(np.int64), axis=0)
-        else:
-            starts, ends = args[0], args[1]
-            axes = args[2] if len(args) > 2 and args[2] is not None else np.array([0])
-            steps = args[3] if len(args) > 3 and args[3] is not None else np.ones_like(starts)
-            if starts.size != 1 or list(axes.reshape(-1)) not in ([0], [-1]):
-                return None
-            picked = dims[int(starts[0]):int(min(ends[0], 2 ** 62)):int(steps[0])]
+            return np.take(positions, args[0].astype(np.int64), axis=0)
+        starts, ends = args[0], args[1]
+        axes = args[2] if len(args) > 2 and args[2] is not None else np.array([0])
+        steps = args[3] if len(args) > 3 and args[3] is not None else np.ones_like(starts)
+        if starts.size != 1 or list(axes.reshape(-1)) not in ([0], [-1]):
+            return None
+        return positions[int(starts[0]):int(min(ends[0], 2 ** 62)):int(steps[0])]
     except (IndexError, ValueError):
         return None
-    return None if (picked < 0).any() else np.asarray(picked, np.int64)
 
 
 def probability_shapes(model) -> int:
@@ -226,16 +238,16 @@ def probability_shapes(model) -> int:
             if (producer(source, "Softmax") is None or shape is None
                     or shape_node.outputs[0].is_graph_output()):
                 continue
-            bounds = _bounds(shape_node)
-            if _reread(graph, shape_node, shape[slice(*bounds)], sources, False):
+            first, last = shape_bounds(shape_node, len(shape))
+            read = shape[first:last]
+            if _reread(graph, shape_node, read, sources, False):
                 moved += 1  # every dim read elsewhere: the Shape itself replaced
                 continue
-            if bounds != (None, None):
-                continue
             for use in list(shape_node.outputs[0].uses()):
-                picked = _picked_axes(use.node, len(shape))
-                if picked is not None and _reread(graph, use.node, [shape[a] for a in picked[0]],
-                                                  sources, picked[1]):
+                picked = _picked_axes(use.node, len(read))
+                if picked is not None and picked.ndim <= 1 and _reread(
+                        graph, use.node, [read[a] for a in picked.reshape(-1)], sources,
+                        picked.ndim == 0):
                     moved += 1
     return moved
 
@@ -260,29 +272,3 @@ def _reread(graph, node, wanted: list, sources: dict, scalar: bool) -> bool:
     graph.insert_before(node, parts)
     ir.convenience.replace_all_uses_with(node.outputs[0], parts[-1].outputs[0])
     return True
-
-
-def _bounds(shape_node) -> tuple[int | None, int | None]:
-    start, end = shape_node.attributes.get("start"), shape_node.attributes.get("end")
-    return (start.as_int() if start else None, end.as_int() if end else None)
-
-
-def _picked_axes(node, rank: int) -> tuple[list[int], bool] | None:
-    """(axes, scalar) that ``Gather(shape, i)`` or ``Slice(shape, a, b)`` (constant, step 1)
-    picks from a shape of ``rank`` dims; None for anything else."""
-    from mha_onnx.rewrite.irutil import const_array, int_attr
-
-    args = [const_array(v) if v is not None else None for v in node.inputs[1:]]
-    if node.op_type == "Gather" and len(args) == 1 and args[0] is not None and args[0].size == 1:
-        if int_attr(node, "axis", 0) != 0:
-            return None
-        return [int(args[0].reshape(-1)[0]) % rank], args[0].ndim == 0
-    if (node.op_type != "Slice" or len(args) < 2 or any(a is None or a.size != 1
-                                                       for a in args[:2])):
-        return None
-    axes, steps = (args + [None, None])[2:4]
-    if axes is not None and int(axes.reshape(-1)[0]) not in (0, -1) or (
-            steps is not None and int(steps.reshape(-1)[0]) != 1):
-        return None
-    start, end = (int(a.reshape(-1)[0]) for a in args[:2])
-    return list(range(rank))[slice(start, min(end, rank))], False

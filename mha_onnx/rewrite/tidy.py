@@ -16,7 +16,7 @@ from __future__ import annotations
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from mha_onnx.rewrite.irutil import dims
+from mha_onnx.rewrite.irutil import dims, shape_bounds
 
 
 def share_guards(model: ir.Model) -> int:
@@ -43,7 +43,7 @@ def _shapes_from_inputs(model: ir.Model) -> int:
         shape = dims(source)
         if source is None or source.is_graph_input() or not shape:
             continue
-        start, end = _bounds(node, len(shape))
+        start, end = shape_bounds(node, len(shape))
         wanted = shape[start:end]
         if not wanted or not all(isinstance(d, str) for d in wanted):
             continue
@@ -72,16 +72,6 @@ def _constant_casts(model: ir.Model) -> None:
             ir.convenience.replace_all_uses_with(node.outputs[0], cast.outputs[0],
                                                  replace_graph_outputs=True)
             node.graph.remove(node, safe=True)
-
-
-def _bounds(node: ir.Node, rank: int) -> tuple[int, int]:
-    start = node.attributes.get("start")
-    end = node.attributes.get("end")
-    first = int(start.value) if start is not None else 0
-    last = int(end.value) if end is not None else rank
-    first = max(0, first + rank if first < 0 else first)
-    last = min(rank, last + rank if last < 0 else last)
-    return first, last
 
 
 def _find(have: list, wanted: list) -> int | None:
