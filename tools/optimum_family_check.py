@@ -113,26 +113,18 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
 
 def make(out: Path, names: list[str]) -> None:
     """Export each family with Optimum (.venv-optimum)."""
-    import tempfile
-
-    import torch
-    import transformers as tf
-    from optimum.exporters.onnx import main_export
+    from tools.optimum_fixtures import optimum_export
 
     for name in names:
-        task, config_name, model_name, fields = FAMILIES[name]
+        task = FAMILIES[name][0]
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            torch.manual_seed(0)
-            model = getattr(tf, model_name)(getattr(tf, config_name)(**fields)).eval()
-            with tempfile.TemporaryDirectory(prefix=f"optimum_{name}_") as tmp:
-                model.save_pretrained(Path(tmp) / "model")
-                main_export(str(Path(tmp) / "model"), output=str(folder), task=task,
-                            do_validation=False)
+            optimum_export(*FAMILIES[name], folder)
         except Exception as exc:  # a survey: the reason is the row
             (folder / "export-failed.txt").write_text(f"{type(exc).__name__}: {exc}"[:600])
-        (folder / "task.json").write_text(json.dumps({"task": task, "config": fields}))
+        (folder / "task.json").write_text(json.dumps({"task": task,
+                                                       "config": FAMILIES[name][3]}))
         print(name, sorted(p.name for p in folder.iterdir()), flush=True)
 
 

@@ -78,19 +78,27 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
 }
 
 
-def export(family: str, out: Path) -> list[str]:
+def optimum_export(task: str, config_name: str, model_name: str, fields: dict,
+                   output: Path) -> None:
+    """The transformers model ``model_name(config_name(**fields))`` with random weights
+    (seed 0), saved with save_pretrained and exported from that folder by Optimum into
+    ``output``, as a user exports a folder (.venv-optimum)."""
     import torch
     import transformers as tf
     from optimum.exporters.onnx import main_export
 
-    task, config_name, model_name, extra = FAMILIES[family]
-    config = getattr(tf, config_name)(**{**COMMON, **extra})
     torch.manual_seed(0)
-    model = getattr(tf, model_name)(config).eval()
-    with tempfile.TemporaryDirectory(prefix=f"optimum_{family}_") as tmp:
+    model = getattr(tf, model_name)(getattr(tf, config_name)(**fields)).eval()
+    with tempfile.TemporaryDirectory(prefix=f"optimum_{model_name}_") as tmp:
         model.save_pretrained(Path(tmp) / "model")
-        main_export(str(Path(tmp) / "model"), output=str(Path(tmp) / "onnx"), task=task,
+        main_export(str(Path(tmp) / "model"), output=str(output), task=task,
                     do_validation=False)
+
+
+def export(family: str, out: Path) -> list[str]:
+    task, config_name, model_name, extra = FAMILIES[family]
+    with tempfile.TemporaryDirectory(prefix=f"optimum_{family}_") as tmp:
+        optimum_export(task, config_name, model_name, {**COMMON, **extra}, Path(tmp) / "onnx")
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for onnx_file in sorted((Path(tmp) / "onnx").glob("*.onnx")):
