@@ -21,6 +21,12 @@ DECODERS = [p for p in FILES
             == "text-generation-with-past"]
 
 
+# decoders whose rotation (head sizes of 16k) GroupQueryAttention takes over: rotate_half
+# (Llama, Mistral, Phi3, Qwen2, Qwen3 after its q/k norms), Falcon's on heads sliced out of
+# its fused QKV, GPT-J's interleaved partial one before the heads' transpose
+ROTATING = ("llama", "mistral", "phi3", "qwen2", "qwen3", "falcon", "gptj")
+
+
 def _id(path: Path) -> str:
     return f"{path.parent.name}/{path.stem}"
 
@@ -56,6 +62,8 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
         # a step on the kernel's own past (MHA, or GQA for grouped K/V), never the cache
         # repeated and re-read: GPT-2's and Falcon's K^T and shape-computed scales included
         assert all("with past" in f and "(presents from it)" in f for f in forms), forms
+    if path.parent.name in ROTATING:  # the exporter's rotation moved into the kernel
+        assert all("rotary inside" in f for f in forms), forms
     if path.parent.name in ("bert", "roberta", "distilbert", "electra"):
         assert all(m == "key padding" for m in meanings), meanings
     if path.parent.name == "mpt":  # ALiBi (a table sliced to the keys), then the 4-D mask
@@ -86,7 +94,8 @@ def test_optimum_decoders_share_their_cache_with_per_row_lengths(path, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in DECODERS if p.parent.name in
-                                  ("llama", "gpt2", "qwen2", "phi3", "mpt")], ids=_id)
+                                  ("llama", "gpt2", "qwen2", "phi3", "mpt", "gptj")],
+                         ids=_id)
 def test_optimum_decoders_decode_like_the_export(path, tmp_path):
     """validate decodes a prompt and 16 steps through Optimum's names, fused against the
     original, on the fused model's own chain (MPT: its ALiBi added on the kernels)."""

@@ -27,18 +27,25 @@ def _const(name: str, values, dtype=np.int64) -> onnx.NodeProto:
 
 
 def _rotation(x: str, heads: int, nodes: list, norm: bool = False, rotary: int = 0,
-              interleaved: bool = False) -> str:
+              interleaved: bool = False, before: bool = False, sliced: bool = False,
+              tables: tuple[str, str] = ("cos4", "sin4")) -> str:
     """x [B, S, heads*D] -> heads split, (``norm``: each head RMS-normalised over D, Qwen3's
     q_norm spelt as Hugging Face's RMSNorm exports) rotated (x * cos + rotate_half(x) * sin;
     ``rotary``: only each head's first ``rotary`` dims, the rest passed as they are, GPT-NeoX's
     and Phi's partial rotary; ``interleaved``: pairs (x0, x1), (x2, x3), ... rotated,
     stack(-x[..., 1::2], x[..., 0::2]) flattened, as Cohere and Helium export it), joined
-    again as our lowering feeds GroupQueryAttention; returns the joined name."""
+    again as our lowering feeds GroupQueryAttention; returns the joined name. ``before``: the
+    rotation on [B, S, heads, D], before the heads' transpose (GPT-J, CodeGen; ``tables``
+    then [B, S, 1, D]); ``sliced``: the heads sliced out of a wider tensor of each head's
+    values twice over (GPT-NeoX's heads out of its fused QKV), not a plain split."""
     nodes += [
         _const(f"{x}_shape", [0, 0, heads, D]),
         helper.make_node("Reshape", [x, f"{x}_shape"], [f"{x}_4"]),
     ]
     split = f"{x}_4"
+    if sliced:
+        nodes.append(helper.make_node("Concat", [split, split], [f"{x}_wide"], axis=-1))
+        split = f"{x}_wide"
     if norm:
         weight = np.linspace(0.5, 1.5, D)
         nodes += [
@@ -53,8 +60,15 @@ def _rotation(x: str, heads: int, nodes: list, norm: bool = False, rotary: int =
             helper.make_node("Mul", [f"{x}_w", f"{x}_unit"], [f"{x}_normed"]),
         ]
         split = f"{x}_normed"
-    nodes.append(helper.make_node("Transpose", [split], [f"{x}_h"], perm=[0, 2, 1, 3]))
-    heads_in = f"{x}_h"
+    heads_in = split
+    if not before:
+        nodes.append(helper.make_node("Transpose", [split], [f"{x}_h"], perm=[0, 2, 1, 3]))
+        heads_in = f"{x}_h"
+    if sliced:
+        nodes += [_const(f"{x}_w0", [0]), _const(f"{x}_wd", [D]), _const(f"{x}_wax", [-1]),
+                  helper.make_node("Slice", [heads_in, f"{x}_w0", f"{x}_wd", f"{x}_wax"],
+                                   [f"{x}_hs"])]
+        heads_in = f"{x}_hs"
     if rotary:
         nodes += [
             _const(f"{x}_p0", [0]), _const(f"{x}_pr", [rotary]), _const(f"{x}_pend", [2**62]),
@@ -89,12 +103,15 @@ def _rotation(x: str, heads: int, nodes: list, norm: bool = False, rotary: int =
             helper.make_node("Concat", [f"{x}_nb", f"{x}_a"], [f"{x}_rh"], axis=-1),
         ]
     nodes += [
-        helper.make_node("Mul", [heads_in, "cos4"], [f"{x}_c"]),
-        helper.make_node("Mul", [f"{x}_rh", "sin4"], [f"{x}_s"]),
+        helper.make_node("Mul", [heads_in, tables[0]], [f"{x}_c"]),
+        helper.make_node("Mul", [f"{x}_rh", tables[1]], [f"{x}_s"]),
         helper.make_node("Add", [f"{x}_c", f"{x}_s"], [f"{x}_rr" if rotary else f"{x}_r"]),
     ]
     if rotary:
         nodes.append(helper.make_node("Concat", [f"{x}_rr", f"{x}_pass"], [f"{x}_r"], axis=-1))
+    if before:  # the exporter's transpose of the rotated heads, then our lowering's join
+        nodes[-1].output[0] = f"{x}_rb"
+        nodes.append(helper.make_node("Transpose", [f"{x}_rb"], [f"{x}_r"], perm=[0, 2, 1, 3]))
     nodes += [
         helper.make_node("Transpose", [f"{x}_r"], [f"{x}_t"], perm=[0, 2, 1, 3]),
         _const(f"{x}_join", [0, 0, -1]),
@@ -104,13 +121,17 @@ def _rotation(x: str, heads: int, nodes: list, norm: bool = False, rotary: int =
 
 
 def _model(offset_input: bool = False, past: bool = False, norm: bool = False,
-           rotary: int = 0, interleaved: bool = False) -> onnx.ModelProto:
+           rotary: int = 0, interleaved: bool = False, before: bool = False,
+           sliced: bool = False, lookup: int = 0) -> onnx.ModelProto:
     """q [B, S, N*D], k/v [B, S, G*D], position_ids [B, S] -> GroupQueryAttention (no past)
     of the rotated Q and K. ``offset_input``: cos/sin also read a second input (not a
     lookup by the positions alone). ``past``: with past_key/past_value [B, G, P, D].
     ``norm``: Q's and K's heads RMS-normalised before the rotation (Qwen3). ``rotary``: a
     partial rotary of each head's first ``rotary`` dims. ``interleaved``: the pairs' layout,
-    cos/sin holding each frequency twice in a row (repeat_interleave)."""
+    cos/sin holding each frequency twice in a row (repeat_interleave). ``before`` and
+    ``sliced``: see _rotation (``before``: cos/sin [B, S, 1, D], computed once for Q and
+    once for K, as GPT-J does). ``lookup``: cos/sin gathered by position from a table of
+    that many rows (GPT-J's embed_positions), not computed from the positions."""
     width = rotary or D
     inv_freq = (1.0 / 10000 ** (np.arange(0, width, 2) / width)).astype(np.float32).reshape(
         1, -1, 1)
@@ -133,12 +154,29 @@ def _model(offset_input: bool = False, past: bool = False, norm: bool = False,
            helper.make_node("Concat", ["freqs_4", "freqs_4"], ["freqs_pairs"], axis=-1),
            helper.make_node("Reshape", ["freqs_pairs", "flat3"], ["emb"])] if interleaved else
           [helper.make_node("Concat", ["freqs_t", "freqs_t"], ["emb"], axis=-1)]),
-        helper.make_node("Cos", ["emb"], ["cos"]), helper.make_node("Sin", ["emb"], ["sin"]),
-        helper.make_node("Unsqueeze", ["cos", "one"], ["cos4"]),
-        helper.make_node("Unsqueeze", ["sin", "one"], ["sin4"]),
     ]
-    q3 = _rotation("q", N, nodes, norm, rotary, interleaved)
-    k3 = _rotation("k", G, nodes, norm, rotary, interleaved)
+    if lookup:  # the same values, stored for positions 0 .. lookup - 1 and gathered
+        del nodes[2:]
+        angles = np.arange(lookup, dtype=np.float32)[:, None] * inv_freq.reshape(1, -1)
+        angles = np.repeat(angles, 2, axis=1) if interleaved else np.concatenate(
+            [angles, angles], axis=1)
+        for name in ("cos", "sin"):
+            table = getattr(np, name)(angles).astype(np.float32)
+            nodes += [helper.make_node("Constant", [], [f"{name}_table"],
+                                       value=helper.make_tensor(f"{name}_table",
+                                                                TensorProto.FLOAT, table.shape,
+                                                                table.reshape(-1).tolist())),
+                      helper.make_node("Gather", [f"{name}_table", "position_ids"], [name])]
+    else:
+        nodes += [helper.make_node("Cos", ["emb"], ["cos"]),
+                  helper.make_node("Sin", ["emb"], ["sin"])]
+    nodes.append(_const("two", [2]))
+    for x in ("q", "k") if before else ("q",):  # (GPT-J unsqueezes cos/sin for Q and K each)
+        nodes += [helper.make_node("Unsqueeze", [name, "two" if before else "one"],
+                                   [f"{name}4{x}"]) for name in ("cos", "sin")]
+    q3 = _rotation("q", N, nodes, norm, rotary, interleaved, before, sliced, ("cos4q", "sin4q"))
+    k3 = _rotation("k", G, nodes, norm, rotary, interleaved, before, sliced,
+                   ("cos4k" if before else "cos4q", "sin4k" if before else "sin4q"))
     nodes += [
         helper.make_node("Shape", ["k"], ["knew"], start=1, end=2),
         helper.make_node("Shape", ["past_key" if past else "k"], ["kpast"], start=2 if past else 1,
@@ -193,6 +231,21 @@ def _ops(model: onnx.ModelProto) -> list[str]:
     return [n.op_type for n in model.graph.node if n.op_type != "Constant"]
 
 
+def _same_outputs(original: onnx.ModelProto, model: onnx.ModelProto,
+                  feeds: dict[str, np.ndarray], atol: float = 5e-6) -> None:
+    want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
+    got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=atol, err_msg=name)
+
+
+THREE_RUNS = pytest.mark.parametrize("positions", [
+    np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # counted up: the kernel rotates
+    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # not: the exporter's rotation
+    np.array([[3], [11]]),  # one token per row: the kernel
+], ids=["counted", "left-padded", "one-token"])
+
+
 def test_the_rotation_moves_into_the_kernel_behind_a_guard():
     folded, model = _folded(_model())
     assert list(folded.blocks.values()) == ["position_ids"]
@@ -222,11 +275,7 @@ def test_outputs_stay_the_same(positions):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=2e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("positions", [
-    np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # counted up: the kernel rotates
-    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # not: the exporter's rotation
-    np.array([[3], [11]]),  # one token per row: the kernel
-], ids=["counted", "left-padded", "one-token"])
+@THREE_RUNS
 def test_heads_normalised_before_the_rotation_are_read_normalised(positions):
     """Qwen3: q_norm / k_norm over each head's D, then the rotation. The kernel rotates the
     normalised heads joined again (the norm stays, on [B, S, heads, D]); same outputs."""
@@ -244,10 +293,7 @@ def test_heads_normalised_before_the_rotation_are_read_normalised(positions):
         assert made[made[read].input[0]].op_type == "SimplifiedLayerNormalization"
     assert rotating.input[2] == "v" and "Neg" not in [n.op_type for n in fast[0].node]
     feeds = _feeds(*positions.shape, positions, np.random.default_rng(1))
-    want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
-    got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=5e-6, err_msg=name)
+    _same_outputs(original, model, feeds)
 
 
 def test_nothing_is_folded_where_cos_is_not_a_lookup_by_positions():
@@ -348,11 +394,7 @@ def test_forms_mark_each_kernel_that_rotates():
 
 @pytest.mark.parametrize("rotary, folds", [(16, True), (8, False)],
                          ids=["16-of-32", "8-of-32 (not 16k)"])
-@pytest.mark.parametrize("positions", [
-    np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # counted up: the kernel rotates
-    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # not: the exporter's rotation
-    np.array([[3], [11]]),  # one token per row: the kernel
-], ids=["counted", "left-padded", "one-token"])
+@THREE_RUNS
 def test_a_partial_rotary_rotates_inside_on_its_first_dims(rotary, folds, positions):
     """GPT-NeoX's, Phi's and StableLM's rotary_pct: each head's first dims rotated, the rest
     passed through; the kernel rotates as many (cos_cache [positions, rotary / 2]) where that
@@ -369,18 +411,11 @@ def test_a_partial_rotary_rotates_inside_on_its_first_dims(rotary, folds, positi
     if folds:
         caches = [t for t in model.graph.initializer if t.name.startswith("rotary_cos_cache")]
         assert [list(t.dims) for t in caches] == [[64, rotary // 2]]
-    want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
-    got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=5e-6, err_msg=name)
+    _same_outputs(original, model, feeds)
 
 
 @pytest.mark.parametrize("rotary", [0, 16], ids=["whole head", "partial 16-of-32"])
-@pytest.mark.parametrize("positions", [
-    np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # counted up: the kernel rotates
-    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # not: the exporter's rotation
-    np.array([[3], [11]]),  # one token per row: the kernel
-], ids=["counted", "left-padded", "one-token"])
+@THREE_RUNS
 def test_an_interleaved_rotation_rotates_inside_interleaved(rotary, positions):
     """Cohere's and Helium's rotation pairs dims (2i, 2i + 1): the kernel rotates with
     rotary_interleaved=1 from tables of every other column (each frequency is there twice in
@@ -398,7 +433,64 @@ def test_an_interleaved_rotation_rotates_inside_interleaved(rotary, positions):
                for n in a.g.node if n.op_type == "GroupQueryAttention"]
     assert [{a.name: a.i for a in n.attribute}.get("rotary_interleaved") for n in kernels
             if any(a.name == "do_rotary" and a.i for a in n.attribute)] == [1]
-    want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
-    got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=5e-6, err_msg=name)
+    _same_outputs(original, model, feeds)
+
+
+def _rotating_kernels(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for node in model.graph.node for a in node.attribute if a.type == a.GRAPH
+            for n in a.g.node if n.op_type == "GroupQueryAttention"
+            and any(x.name == "do_rotary" and x.i for x in n.attribute)]
+
+
+@pytest.mark.parametrize("shape", [
+    {"before": True, "interleaved": True, "rotary": 16},  # GPT-J
+    {"before": True, "sliced": True, "interleaved": True, "rotary": 16},  # CodeGen
+    {"sliced": True, "rotary": 16},  # GPT-NeoX
+    {"before": True},
+], ids=["gptj", "codegen", "gpt-neox", "before-whole-head"])
+@THREE_RUNS
+def test_rotations_before_the_transpose_or_of_sliced_heads_rotate_inside(shape, positions):
+    """GPT-J and CodeGen rotate [B, S, heads, D] before the heads' transpose (cos/sin
+    [B, S, 1, D], computed for Q and for K apart); CodeGen's and GPT-NeoX's heads are slices
+    of a fused projection, not a split of one [B, S, heads*D] tensor: the kernel then reads
+    the unrotated heads joined again. The outputs stay."""
+    global D
+    saved, D = D, 32
+    try:
+        original = _model(**shape)
+        folded, model = _folded(original)
+        feeds = _feeds(*positions.shape, positions, np.random.default_rng(4))
+    finally:
+        D = saved
+    assert list(folded.blocks.values()) == ["position_ids"]
+    kernels = _rotating_kernels(model)
+    assert len(kernels) == 1
+    if shape.get("sliced"):  # the heads joined again, not a graph input
+        assert kernels[0].input[0] not in ("q", "k")
+    else:
+        assert list(kernels[0].input[:3]) == ["q", "k", "v"]
+    assert "Neg" not in _ops(model)  # the exporter's rotation moved into the other branch
+    _same_outputs(original, model, feeds)
+
+
+@pytest.mark.parametrize("rows, kept", [(100, 100), (200, 128), (20, 0)],
+                         ids=["shorter-than-asked", "longer", "too-short-to-fold"])
+def test_a_looked_up_table_is_cut_where_it_ends(rows, kept):
+    """GPT-J and CodeGen gather cos/sin from a table of n_positions rows: the kernel's
+    tables hold the rows the exporter's table has (at most as many as asked for, 128 here),
+    and a table under MIN_POSITIONS rows is not folded; outputs stay, inside the tables and
+    past the kernel's (a step at a position the exporter's table has, ours not)."""
+    from mha_onnx.rewrite.rotary import MIN_POSITIONS
+
+    assert MIN_POSITIONS > 20
+    original = _model(lookup=rows, before=True, interleaved=True)
+    folded, model = _folded(original, rows=128)
+    assert folded.rows == ((kept,) if kept else ())
+    caches = [t for t in model.graph.initializer if t.name.startswith("rotary_cos_cache")]
+    assert [t.dims[0] for t in caches] == ([kept] if kept else [])
+    rng = np.random.default_rng(5)
+    for positions in (np.array([[3, 4, 5]]), np.array([[rows - 1]]), np.array([[rows - 2]])):
+        feeds = _feeds(*positions.shape, positions, rng)
+        want = OrtRunner(original.SerializeToString(), "cpu").infer(feeds)
+        got = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)
+        np.testing.assert_allclose(got["out"], want["out"], rtol=1e-5, atol=5e-6)

@@ -41,6 +41,10 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     "gpt2": ("text-generation-with-past", "GPT2Config", "GPT2LMHeadModel",
              {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
     "gpt_neox": ("text-generation-with-past", "GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    # the rotation on [B, S, heads, D] before the heads' transpose, interleaved, partial;
+    # cos/sin looked up in a table of n_positions rows (head 32: the kernel rotates 16 of it)
+    "gptj": ("text-generation-with-past", "GPTJConfig", "GPTJForCausalLM",
+             {"num_attention_heads": 2, "rotary_dim": 16, "n_inner": 128}),
     "bloom": ("text-generation-with-past", "BloomConfig", "BloomForCausalLM",
               {"n_layer": 2, "n_head": 4}),
     "opt": ("text-generation-with-past", "OPTConfig", "OPTForCausalLM",

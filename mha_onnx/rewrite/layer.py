@@ -20,7 +20,7 @@ import onnx_ir as ir
 from mha_onnx.rewrite.forms import Form, rotating_kernels
 from mha_onnx.rewrite.norms import fuse_norms, residual_sums
 from mha_onnx.rewrite.packing import pack_kernel_inputs
-from mha_onnx.rewrite.rotary import MAX_POSITIONS, Folded, fold_rotary
+from mha_onnx.rewrite.rotary import Folded, fold_rotary
 from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
 from mha_onnx.rewrite.tidy import share_guards
 
@@ -59,7 +59,8 @@ def tighten_layers(model: ir.Model, chosen: dict[str, Form], *, rotate: bool = T
                                              step=block in rotating.steps,
                                              prompt=block in rotating.prompts)
     if rotating.blocks:
-        notes.append(_ROTATING.format(len(rotating.blocks), MAX_POSITIONS))
+        notes.append(_ROTATING.format(len(rotating.blocks),
+                                      " / ".join(map(str, rotating.rows))))
     merge_nested_guards(model.graph)
     share_guards(model)  # (also drops the readers the rewrites left)
     sink_into_branches(model.graph, rotating.copyable(model.graph))

@@ -33,6 +33,7 @@ from mha_onnx.rewrite.rotation import Rotated, joined, rotated, unsplit
 from mha_onnx.rewrite.slices import Refused, SliceRunner, input_symbols
 
 MAX_POSITIONS = 8192  # rows of the cos/sin tables; later positions take the exporter's rotation
+MIN_POSITIONS = 64  # a table shorter than this is not worth a kernel of its own
 _CHECK_BATCH, _CHECK_SEQ = 3, 5  # random positions the tables are checked at
 
 
@@ -48,6 +49,7 @@ class Folded:
     positions: tuple[ir.Value, ...] = ()
     guards: tuple[ir.Value, ...] = ()
     packed: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # packing.pack
+    rows: tuple[int, ...] = ()  # the positions each distinct pair of tables holds
 
     def copyable(self, graph: ir.Graph):
         """Predicate: a node of ``graph`` computed from the positions inputs and constants
@@ -83,40 +85,47 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
     if opset(model) < 13:
         return Folded({})
     tables: dict[tuple[int, int], _Tables | None] = {}
-    guards: dict[tuple[int, bool], ir.Value] = {}
+    guards: dict[tuple[int, bool, int], ir.Value] = {}
     folded: dict[str, str] = {}
     prompted: set[str] = set()
     stepped: set[str] = set()
     packed: dict[str, tuple[str, int, int]] = {}
+
+    def table(found: Rotated) -> _Tables | None:
+        key = (id(found.cos), id(found.sin), found.interleaved)
+        if key not in tables:
+            tables[key] = _tables(model, found, max_positions,
+                                  [t for t in tables.values() if t is not None])
+        return tables[key]
+
     for node in list(ir.traversal.RecursiveGraphIterator(graph)):
         if not _candidate(node):
             continue
         q = rotated(node.inputs[0], int_attr(node, "num_heads", 0))
         k = rotated(node.inputs[1], int_attr(node, "kv_num_heads", 0))
-        if q is None or k is None or q.cos is not k.cos or q.sin is not k.sin \
-                or (q.rows is None) != (k.rows is None) or q.interleaved != k.interleaved:
+        if q is None or k is None or (q.rows is None) != (k.rows is None) \
+                or q.interleaved != k.interleaved or q.before_transpose != k.before_transpose:
             continue
-        key = (id(q.cos), id(q.sin), q.interleaved)
-        if key not in tables:
-            tables[key] = _tables(model, q, max_positions,
-                                  [t for t in tables.values() if t is not None])
-        found = tables[key]
-        if found is None:
+        found = table(q)  # Q's and K's cos/sin: one pair of tables (GPT-J computes them twice)
+        if found is None or table(k) is not found:
             continue
         prompts = not node.meta.get(STEP, False)  # else its guard admits one-token runs only
-        key = (id(found.positions), prompts)
+        rows = found.cos.shape[0]
+        key = (id(found.positions), prompts, rows)
         if key not in guards:
-            guards[key] = _counted(graph, found.positions, max_positions, prompts)
+            guards[key] = _counted(graph, found.positions, rows, prompts)
+        reads = joined(q), joined(k)
         if q.rows is None:  # (gathered rows: another tensor, left alone)
-            _read_shapes_from(node.inputs[0], q.source)
-            _read_shapes_from(node.inputs[1], k.source)
-        packed.update(_rotate_inside(node, q, k, found, guards[key]))
+            _read_shapes_from(node.inputs[0], reads[0])
+            _read_shapes_from(node.inputs[1], reads[1])
+        packed.update(_rotate_inside(node, q, reads, found, guards[key]))
         block = str(node.meta.get(BLOCK, node.name))
         folded[block] = found.positions.name or ""
         (prompted if prompts else stepped).add(block)
     positions = tuple({id(t.positions): t.positions for t in tables.values() if t}.values())
+    rows = sorted({t.cos.shape[0] for t in tables.values() if t is not None})
     return Folded(folded, frozenset(prompted), frozenset(stepped), positions,
-                  tuple(guards.values()), packed)
+                  tuple(guards.values()), packed, tuple(rows))
 
 
 def _candidate(node: ir.Node) -> bool:
@@ -143,6 +152,9 @@ def _tables(model: ir.Model, found: Rotated, rows: int, known: list[_Tables]
     name, dtype, shape = runner.inputs[0]
     if dtype != ir.DataType.INT64 or len(shape) != 2:  # the kernel's position_ids: int64
         return None
+    rows = _rows_that_run(runner, name, shape, dtype, rows)
+    if rows < MIN_POSITIONS:
+        return None
     try:
         cos, sin = _at(runner, name, shape, np.arange(rows)[None], dtype)
         rng = np.random.default_rng(0)
@@ -150,6 +162,9 @@ def _tables(model: ir.Model, found: Rotated, rows: int, known: list[_Tables]
         cos_at, sin_at = _at(runner, name, shape, check, dtype)
     except Refused:
         return None
+    if found.before_transpose:  # [B, S, 1, D] -> [B, 1, S, D]
+        cos, sin, cos_at, sin_at = (np.swapaxes(a, 1, 2) if a.ndim == 4 else a
+                                    for a in (cos, sin, cos_at, sin_at))
     width = cos.shape[-1] if cos.ndim == 4 else 0
     half = width // 2
     # rotate_half pairs dim i with i + D/2, so each value is in both halves; the interleaved
@@ -177,6 +192,23 @@ def _tables(model: ir.Model, found: Rotated, rows: int, known: list[_Tables]
         graph.register_initializer(value)
         made.append(value)
     return _Tables(made[0], made[1], inputs[name], found.interleaved)
+
+
+def _rows_that_run(runner: SliceRunner, name: str, shape, dtype: ir.DataType, rows: int
+                   ) -> int:
+    """The most positions, up to ``rows``, the graph's cos/sin can be computed at (0 if
+    none): all of them where the exporter computes cos/sin from the positions (Llama's
+    inv_freq), the rows of its table where it looks them up (GPT-J's and CodeGen's
+    embed_positions: n_positions rows; ONNX Runtime refuses a Gather past them)."""
+    low, high = 0, rows + 1  # low runs (0: nothing tried yet), high does not
+    while high - low > 1:
+        mid = high - 1 if low == 0 and high == rows + 1 else (low + high) // 2
+        try:
+            _at(runner, name, shape, np.arange(mid)[None], dtype)
+            low = mid
+        except Refused:
+            high = mid
+    return low
 
 
 def _atol(table: np.ndarray) -> float:
@@ -226,10 +258,11 @@ def _at_top(graph: ir.Graph, tape: ir.tape.Tape, value: ir.Value, name: str) -> 
     return value
 
 
-def _rotate_inside(node: ir.Node, q: Rotated, k: Rotated, tables: _Tables,
-                   ok: ir.Value) -> dict[str, tuple[str, int, int]]:
+def _rotate_inside(node: ir.Node, q: Rotated, reads: tuple[ir.Value, ir.Value],
+                   tables: _Tables, ok: ir.Value) -> dict[str, tuple[str, int, int]]:
     """``node`` replaced by If(ok): the same kernel rotating Q and K itself | ``node`` as it
-    was. The kernel reads the projections before their heads were split, packed into one
+    was. The kernel reads ``reads``: Q and K unrotated as [B, S, heads*D] (rotation.joined),
+    the projections before their heads were split where they were, packed into one
     tensor where they are three MatMuls of one input (packing.py). Rows gathered before the
     kernel (kept keys first) are read ungathered, the branch running only where the gather
     changes nothing (every row keeps all its keys: seqlens_k = total - 1); the kernel
@@ -238,7 +271,7 @@ def _rotate_inside(node: ir.Node, q: Rotated, k: Rotated, tables: _Tables,
     graph = node.graph
     inputs = list(node.inputs) + [None] * max(0, 10 - len(node.inputs))
     value = unsplit(inputs[2], int_attr(node, "kv_num_heads", 0)) or inputs[2]
-    sources = [joined(q), joined(k), value]
+    sources = [*reads, value]
     whole, packed = split_source(*sources), {}
     if whole is None and projections(sources) is not None:
         whole, packed = pack(projections(sources))

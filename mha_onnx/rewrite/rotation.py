@@ -4,14 +4,17 @@
 gathered kept-first (lower/rows.py), or only each head's first dims rotated and the rest
 concatenated as they are (a partial rotary: Phi, StableLM; GroupQueryAttention rotates as many
 dims as its cos_cache has pairs), with ``rotate_half`` or the interleaved pairs of
-``rotate_every_two`` (Cohere, Helium: ``rotary_interleaved``). Structure only: what cos and
-sin hold is proven by evaluation in rotary.py. Not recognised: a rotation applied before the
-heads' transpose (GPT-J, CodeGen).
+``rotate_every_two`` (Cohere, Helium: ``rotary_interleaved``). The rotation may also come
+before the heads' transpose, on ``[B, S, heads, D]`` with cos/sin ``[B, S, 1, D]`` (GPT-J,
+CodeGen), and the heads need not be a plain split of one ``[B, S, heads*D]`` tensor (CodeGen's
+and GPT-NeoX's heads come out of a fused QKV projection): then the kernel reads the unrotated
+heads joined again (``joined``). Structure only: what cos and sin hold is proven by
+evaluation in rotary.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx_ir as ir
@@ -24,35 +27,44 @@ ROTARY_MULTIPLE = 16  # onnxruntime 1.31's GroupQueryAttention rotates head size
 @dataclass(frozen=True)
 class Rotated:
     """One rotated tensor: ``source`` [B, S, heads*D] before its heads were split, rotated by
-    ``cos`` and ``sin`` ([B, 1, S, D]); ``rows``: the Gather that reorders its rows before the
-    kernel (a batched prompt on a shared cache, kept keys first: lower/rows.py), or None;
-    ``norm``: an RMS norm over each head's D between the split and the rotation (Qwen3's
-    q_norm / k_norm, a SimplifiedLayerNormalization on [B, S, heads, D]), or None: then the
-    kernel reads its output with the heads joined again (``joined``), not ``source``."""
+    ``cos`` and ``sin`` ([B, 1, S, D], or [B, S, 1, D] where ``before_transpose``); ``rows``:
+    the Gather that reorders its rows before the kernel (a batched prompt on a shared cache,
+    kept keys first: lower/rows.py), or None; ``norm``: an RMS norm over each head's D between
+    the split and the rotation (Qwen3's q_norm / k_norm, a SimplifiedLayerNormalization on
+    [B, S, heads, D]), or None: then the kernel reads its output with the heads joined again
+    (``joined``), not ``source``. ``source`` is None where the heads are not a plain split
+    of one tensor: then the kernel reads ``heads`` (unrotated, [B, heads, S, D] or
+    [B, S, heads, D]) joined again."""
 
-    source: ir.Value
+    source: ir.Value | None
     cos: ir.Value
     sin: ir.Value
     rows: ir.Node | None = None
     norm: ir.Node | None = None
     interleaved: bool = False  # pairs (x0, x1), (x2, x3), ... rotated (rotate_every_two)
+    heads: ir.Value | None = None
+    before_transpose: bool = False  # rotated on [B, S, heads, D] (GPT-J, CodeGen)
 
 
 def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
     """``value`` = Reshape(Transpose(x * cos + rotate_half(x) * sin)) with x the heads of a
-    [B, S, heads*D] tensor split to [B, heads, S, D], or its rows gathered (Gather on the
-    rows of Reshape(it, [-1, C])); None otherwise."""
+    [B, S, heads*D] tensor split to [B, heads, S, D] (or Reshape(Transpose(Transpose(...)))
+    with x [B, S, heads, D]: rotated before the heads' transpose), or its rows gathered
+    (Gather on the rows of Reshape(it, [-1, C])); None otherwise."""
     rows = producer(value, "Gather")
     flat = producer(rows.inputs[0], "Reshape") if rows is not None else None
     if rows is not None:
         if flat is None or int_attr(rows, "axis", 0) != 0:
             return None
         inner = rotated(flat.inputs[0], heads)
-        return None if inner is None or inner.rows is not None else \
-            Rotated(inner.source, inner.cos, inner.sin, rows, inner.norm, inner.interleaved)
+        return None if inner is None or inner.rows is not None else replace(inner, rows=rows)
     joined = producer(value, "Reshape")
     back = producer(joined.inputs[0], "Transpose") if joined is not None else None
     rotated_heads = back.inputs[0] if back is not None and _swaps(back) else None
+    first_back = producer(rotated_heads, "Transpose")
+    before = first_back is not None and _swaps(first_back)  # (GPT-J: [B, S, heads, D])
+    if before:
+        rotated_heads = first_back.inputs[0]
     partial = _partial(rotated_heads)
     add = producer(partial[0] if partial else rotated_heads, "Add")
     if add is None or const_ints(joined.inputs[1]) not in ([0, 0, -1], None):
@@ -62,33 +74,64 @@ def rotated(value: ir.Value | None, heads: int) -> Rotated | None:
         if first is None or second is None:
             continue
         for x, cos in (first.inputs, first.inputs[::-1]):
-            if partial:  # x: the first rotary_dim of each head, the rest passed as it is
-                source = _split_heads(partial[1], heads) if _rotary_part(x, partial) else None
-                norm = None
-            else:
-                source, norm = _split_heads(x, heads), None
-                if source is None:
-                    source, norm = _normed_heads(x, heads) or (None, None)
-            if source is None:
+            found = _source(x, heads, partial, before)
+            if found is None:
                 continue
             for half, sin in (second.inputs, second.inputs[::-1]):
-                if _rotate_half(half, x):
-                    return Rotated(source, cos, sin, norm=norm)
-                if _rotate_every_two(half, x):
-                    return Rotated(source, cos, sin, norm=norm, interleaved=True)
+                for turned_by, interleaved in ((_rotate_half, False), (_rotate_every_two, True)):
+                    if turned_by(half, x):
+                        return replace(found, cos=cos, sin=sin, interleaved=interleaved)
     return None
 
 
+def _source(x: ir.Value, heads: int, partial: tuple[ir.Value, ir.Value, int] | None,
+            before: bool) -> Rotated | None:
+    """What the kernel reads for the rotated ``x`` (cos/sin not filled in yet): the
+    [B, S, heads*D] tensor its heads were split from, the heads after an RMS norm, or,
+    where neither, the unrotated heads themselves; None where ``x`` is not a head's
+    rotated part."""
+    if partial:  # x: the first rotary_dim of each head, the rest passed as it is
+        if not _rotary_part(x, partial):
+            return None
+        x, norm = partial[1], None
+        source = _split_heads(x, heads, before=before)
+    else:
+        source, norm = _split_heads(x, heads, before=before), None
+        if source is None and not before:
+            source, norm = _normed_heads(x, heads) or (None, None)
+    if source is None and norm is None:
+        shape = dims(x)
+        if shape is None or len(shape) != 4 or shape[2 if before else 1] != heads \
+                or not isinstance(shape[3], int) or shape[3] % ROTARY_MULTIPLE:
+            return None
+        return Rotated(None, x, x, heads=x, before_transpose=before)
+    return Rotated(source, x, x, norm=norm, before_transpose=before)
+
+
 def joined(found: Rotated) -> ir.Value:
-    """What the kernel reads: ``source``, or the norm's output with its heads joined again
-    (a Reshape to [B, S, heads*D] put right after the norm)."""
-    if found.norm is None:
+    """What the kernel reads: ``source``, or the norm's output or the unrotated heads with
+    the heads joined again (a Reshape to [B, S, heads*D], after a Transpose where the heads
+    are [B, heads, S, D]), put right after what it reads."""
+    if found.norm is None and found.source is not None:
         return found.source
     tape = ir.tape.Tape()
-    shape = tape.op("Constant", [], {"value": ir.tensor(np.array([0, 0, -1], np.int64))})
-    flat = tape.op("Reshape", [found.norm.outputs[0], shape])
-    flat.type, flat.shape = found.source.type, found.source.shape
-    found.norm.graph.insert_after(found.norm, tape.nodes)
+    after = found.norm or found.heads.producer()
+    heads = found.norm.outputs[0] if found.norm is not None else found.heads
+    shape = dims(heads)
+    if found.norm is None and not found.before_transpose:
+        heads = tape.op("Transpose", [heads], {"perm": [0, 2, 1, 3]})
+        heads.type = found.heads.type
+        heads.shape = ir.Shape([shape[0], shape[2], shape[1], shape[3]])
+    flat = tape.op("Reshape", [heads, tape.op("Constant", [], {"value": ir.tensor(
+        np.array([0, 0, -1], np.int64))})])
+    if found.norm is not None:
+        flat.type, flat.shape = found.source.type, found.source.shape
+    else:
+        flat.type = found.heads.type
+        rows = shape[1] if found.before_transpose else shape[2]
+        flat.shape = ir.Shape([shape[0], rows, shape[2 if found.before_transpose else 1]
+                               * shape[3]])
+    after.graph.insert_after(after, tape.nodes)
     return flat
 
 
@@ -142,15 +185,19 @@ def _normed_heads(x: ir.Value, heads: int) -> tuple[ir.Value, ir.Node] | None:
     return None if source is None else (source, norm)
 
 
-def _split_heads(x: ir.Value, heads: int, split: ir.Node | None = None) -> ir.Value | None:
-    """The [B, S, heads*D] tensor ``x`` [B, heads, S, D] was split from, if it was (``split``:
-    the Reshape that split it, where something lies between it and the Transpose)."""
-    if split is None:
+def _split_heads(x: ir.Value, heads: int, split: ir.Node | None = None,
+                 before: bool = False) -> ir.Value | None:
+    """The [B, S, heads*D] tensor ``x`` [B, heads, S, D] (``before``: [B, S, heads, D]) was
+    split from, if it was (``split``: the Reshape that split it, where something lies
+    between it and the Transpose)."""
+    if before:
+        split = producer(x, "Reshape")
+    elif split is None:
         swap = producer(x, "Transpose")
         split = producer(swap.inputs[0], "Reshape") if swap is not None and _swaps(swap) \
             else None
     shape = dims(x)
-    if split is None or shape is None or len(shape) != 4 or shape[1] != heads:
+    if split is None or shape is None or len(shape) != 4 or shape[2 if before else 1] != heads:
         return None
     source = split.inputs[0]
     before = dims(source)
