@@ -3,10 +3,11 @@
 The candidates are the original graph and the model fused with each kernel form of its mask
 kind (``Forms``). Each candidate is timed on this machine over a grid of batch x length,
 interleaved in one process with sleeping thread pools (the profile machinery), and for each
-length the candidate whose worst ratio to the original over the batches is lowest wins (the
-original is a candidate: where it wins, it runs). Lengths with the same winner form intervals;
-the boundaries lie at the geometric mean of the grid lengths on either side. The tuned model
-dispatches at run time on the length: ``If(L < b1)`` candidate 1, else ``If(L < b2)`` ...,
+batch and length the candidate whose ratio to the original is lowest wins (the original is a
+candidate: where it wins, it runs). Lengths with the same winner form intervals, batches
+with the same intervals form groups; the boundaries lie at the geometric mean of the grid
+values on either side. The tuned model dispatches at run time on the batch and length:
+``If(batch < b1 and L < l1)`` candidate 1, else ``If(...)`` ...,
 each branch one candidate's graph (weights shared from the outer graph, but for those the
 candidate's own Ifs read, which stay in its branch: see ``_branch``). That If costs a
 constant time of its own, which the candidates' timings do not hold: the dispatching model
@@ -43,10 +44,16 @@ class TuneConfig:
 
 @dataclass(frozen=True)
 class Rule:
-    """Candidate ``name`` runs for lengths below ``below`` (None: all the rest)."""
+    """Candidate ``name`` runs for lengths below ``below`` (None: all the rest) and batches
+    below ``batch_below`` (None: every batch), where no rule before it does."""
 
     below: int | None
     name: str
+    batch_below: int | None = None
+
+    def applies(self, batch: int, length: int) -> bool:
+        return ((self.below is None or length < self.below)
+                and (self.batch_below is None or batch < self.batch_below))
 
 
 @dataclass
@@ -58,19 +65,21 @@ class TuneResult:
     # "batch x length" -> the dispatching model's paired ratio to the original, where it
     # was timed itself (the shortest length: what its If costs)
     dispatch: dict[str, float] = field(default_factory=dict)
+    batch_dim: str = "batch"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"runs": self.describe(), "dim": self.dim,
-                "rules": [{"below": r.below, "candidate": r.name}
-                                           for r in self.rules],
+        return {"runs": self.describe(), "dim": self.dim, "batch_dim": self.batch_dim,
+                "rules": [{"below": r.below, "batch_below": r.batch_below,
+                           "candidate": r.name} for r in self.rules],
                 "table_ms": self.table, "dispatch_ratio": self.dispatch,
                 "machine": self.machine}
 
     def describe(self) -> str:
         parts = []
         for rule in self.rules:
-            parts.append(f"{self.dim} < {rule.below}: {rule.name}" if rule.below is not None
-                         else f"else: {rule.name}")
+            where = ([f"{self.batch_dim} < {rule.batch_below}"] if rule.batch_below else []) \
+                + ([f"{self.dim} < {rule.below}"] if rule.below is not None else [])
+            parts.append(f"{' and '.join(where) or 'else'}: {rule.name}")
         return "; ".join(parts)
 
 
@@ -124,6 +133,27 @@ def choose(table: Mapping[tuple[int, int], Mapping[str, float]],
     return rules
 
 
+def choose_by_batch(table: Mapping[tuple[int, int], Mapping[str, float]],
+                    original: str = ORIGINAL, margin: float = MARGIN) -> list[Rule]:
+    """Rules from timings, batch by batch: ``choose`` over each batch's lengths alone, then
+    batches with the same rules taken together (the boundary at the geometric mean of the
+    batches on either side), so that a form that wins at batch 1 and loses at batch 32 runs
+    where it wins (one rule list for all where every batch chose the same)."""
+    groups: list[tuple[list[int], list[Rule]]] = []
+    for batch in sorted({b for b, _ in table}):
+        rules = choose({p: t for p, t in table.items() if p[0] == batch}, original, margin)
+        if groups and groups[-1][1] == rules:
+            groups[-1][0].append(batch)
+        else:
+            groups.append(([batch], rules))
+    out: list[Rule] = []
+    for i, (batches, rules) in enumerate(groups):
+        bound = (None if i + 1 == len(groups)
+                 else int(round(math.sqrt(batches[-1] * groups[i + 1][0][0]))))
+        out += [Rule(r.below, r.name, bound) for r in rules]
+    return out
+
+
 def settle(ratios: Mapping[tuple[int, int], Mapping[str, float]], rules: list[Rule],
            probe: Mapping[tuple[int, int], float], original: str = ORIGINAL,
            margin: float = MARGIN) -> tuple[list[Rule], str]:
@@ -140,8 +170,7 @@ def settle(ratios: Mapping[tuple[int, int], Mapping[str, float]], rules: list[Ru
     if len(rules) == 1 or slow <= 1 + margin:
         return rules, ""
     points = [p for p, row in ratios.items() if original in row]
-    rule_at = {p: next(r.name for r in rules if r.below is None or p[1] < r.below)
-               for p in points}
+    rule_at = {p: next(r.name for r in rules if r.applies(*p)) for p in points}
     dispatched = {p: probe.get(p, ratios[p].get(rule_at[p], math.inf)) for p in points}
     options = {name: {p: ratios[p][name] for p in points}
                for name in sorted({n for row in ratios.values() for n in row} - {original})
@@ -189,7 +218,7 @@ def _read_below(graph: onnx.GraphProto) -> set[str]:
 
 
 def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
-            shared: dict[str, onnx.TensorProto]) -> onnx.GraphProto:
+            shared: dict[str, onnx.TensorProto], deep: bool = False) -> onnx.GraphProto:
     """One candidate as an If branch: its values prefixed (a subgraph may not redefine outer
     names), its initializers moved to the outer graph (by name where the same tensor is
     there already, else under the prefix), but for those the candidate's own subgraphs read:
@@ -197,14 +226,16 @@ def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
     prepacks a MatMul's constant weight from its own graph or the one above it, not from
     two levels up: the fused branch of a dispatching model ran 1.13x slower than the same
     fused model alone at batch 1, 128 tokens with its weights in the main graph, and as
-    fast with prepacking off in both. Such a weight is stored once per branch reading it."""
+    fast with prepacking off in both. Such a weight is stored once per branch reading it.
+    ``deep``: the branch lies two Ifs down or more (the third rule on), so every weight of
+    the candidate stays in it (its own MatMuls would be two levels below the main graph)."""
     graph = onnx.GraphProto()
     graph.CopyFrom(candidate.graph)
     mapping: dict[str, str] = {}
     below = _read_below(graph)
     inside = []
     for init in graph.initializer:
-        if init.name in below:
+        if deep or init.name in below:
             mapping[init.name] = f"{prefix}{init.name}"
             copy = onnx.TensorProto()
             copy.CopyFrom(init)
@@ -232,27 +263,35 @@ def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
     return graph
 
 
-def dispatch(candidates: Mapping[str, onnx.ModelProto], rules: Sequence[Rule], dim: str
-             ) -> onnx.ModelProto:
-    """A model that runs, for its length ``dim``, the candidate of the first rule whose bound
-    the length is below (one rule: that candidate itself)."""
+def dispatch(candidates: Mapping[str, onnx.ModelProto], rules: Sequence[Rule], dim: str,
+             batch_dim: str = "") -> onnx.ModelProto:
+    """A model that runs, for its length ``dim`` (and batch ``batch_dim``, where a rule
+    bounds it), the candidate of the first rule that applies (one rule: that candidate
+    itself)."""
     base = candidates[ORIGINAL]
     if len(rules) == 1:
         out = onnx.ModelProto()
         out.CopyFrom(candidates[rules[0].name])
         return out
-    where = next(((i.name, a) for i in base.graph.input
-                  for a, d in enumerate(i.type.tensor_type.shape.dim) if d.dim_param == dim), None)
-    if where is None:
-        raise ValueError(f"no input has the dim {dim!r}")
+    sizes = [(dim, "tune/length")]
+    if any(r.batch_below is not None for r in rules):
+        sizes.append((batch_dim, "tune/batch"))
+    nodes = []
+    for name, value in sizes:
+        where = next(((i.name, a) for i in base.graph.input
+                      for a, d in enumerate(i.type.tensor_type.shape.dim)
+                      if d.dim_param == name), None)
+        if where is None:
+            raise ValueError(f"no input has the dim {name!r}")
+        nodes += [helper.make_node("Shape", [where[0]], [f"{value}_shape"], start=where[1],
+                                   end=where[1] + 1),
+                  helper.make_node("Squeeze", [f"{value}_shape"], [value])]
     shared = {init.name: _plain(init) for init in base.graph.initializer}
     outer = {i.name for i in base.graph.input}
-    branches = [_branch(candidates[r.name], f"tune/{n}.{r.name}/", outer, shared)
-                for n, r in enumerate(rules)]
-    nodes = [helper.make_node("Shape", [where[0]], ["tune/shape"], start=where[1],
-                              end=where[1] + 1),
-             helper.make_node("Squeeze", ["tune/shape"], ["tune/length"]),
-             *_select(list(rules), branches, list(base.graph.output), 0)]
+    # rule n's branch is min(n + 1, len(rules) - 1) Ifs down (the rules' Ifs nest in else)
+    branches = [_branch(candidates[r.name], f"tune/{n}.{r.name}/", outer, shared,
+                        deep=min(n + 1, len(rules) - 1) > 1) for n, r in enumerate(rules)]
+    nodes += _select(list(rules), branches, list(base.graph.output), 0)
     graph = helper.make_graph(nodes, base.graph.name, list(base.graph.input),
                               list(base.graph.output), list(shared.values()))
     opsets: dict[str, int] = {}
@@ -274,9 +313,8 @@ def _plain(init: onnx.TensorProto) -> onnx.TensorProto:
 
 def _select(rules: list[Rule], branches: list[onnx.GraphProto],
             outputs: list[onnx.ValueInfoProto], depth: int) -> list[onnx.NodeProto]:
-    """Nodes computing ``outputs``: If(length < the first rule's bound) its branch, else the
-    rest of the rules (one more If inside the else branch while two or more are left)."""
-    bound, cond = f"tune/bound_{depth}", f"tune/below_{depth}"
+    """Nodes computing ``outputs``: If(the first rule applies) its branch, else the rest of
+    the rules (one more If inside the else branch while two or more are left)."""
     if len(rules) == 2:
         other = branches[1]
     else:
@@ -288,8 +326,17 @@ def _select(rules: list[Rule], branches: list[onnx.GraphProto],
             names.append(copy)
         other = helper.make_graph(_select(rules[1:], branches[1:], names, depth + 1),
                                   f"tune_else_{depth}", [], names)
-    return [helper.make_node("Constant", [], [bound],
-                             value=numpy_helper.from_array(np.array(rules[0].below, np.int64))),
-            helper.make_node("Less", ["tune/length", bound], [cond]),
-            helper.make_node("If", [cond], [o.name for o in outputs],
-                             then_branch=branches[0], else_branch=other)]
+    tests, nodes = [], []
+    for size, bound in (("length", rules[0].below), ("batch", rules[0].batch_below)):
+        if bound is not None:
+            name = f"tune/{size}_bound_{depth}"
+            nodes += [helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
+                          np.array(bound, np.int64))),
+                      helper.make_node("Less", [f"tune/{size}", name], [f"{name}_below"])]
+            tests.append(f"{name}_below")
+    cond = tests[0]
+    if len(tests) == 2:
+        cond = f"tune/both_{depth}"
+        nodes.append(helper.make_node("And", tests, [cond]))
+    return [*nodes, helper.make_node("If", [cond], [o.name for o in outputs],
+                                     then_branch=branches[0], else_branch=other)]

@@ -23,6 +23,7 @@ from mha_onnx.tune import (
     TuneConfig,
     TuneResult,
     choose,
+    choose_by_batch,
     dispatch,
     settle,
 )
@@ -59,15 +60,16 @@ def candidates(original: onnx.ModelProto
     return out, notes, results
 
 
-def _dim(model: onnx.ModelProto) -> str:
+def _dims(model: onnx.ModelProto) -> tuple[str, str]:
+    """(the length dim to dispatch on, the batch dim: "" where the batch is not dynamic)."""
     specs = input_specs(model)
     if any(len(s.dims) == 4 and s.name.startswith("past") for s in specs):
         raise InputSpecError("--tune: KV-cache models are not tuned yet",
                              hint="fuse it without --tune")
-    lengths = split_dims(specs)[1]
+    batches, lengths = split_dims(specs)
     if not lengths:
         raise InputSpecError("--tune needs a model with a dynamic length to dispatch on")
-    return lengths[-1]
+    return lengths[-1], (batches[0] if batches else "")
 
 
 def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
@@ -146,7 +148,7 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
         raise ConfigError(f"{source} is already {'tuned' if 'tuning' in done else 'fused'}",
                           hint="tune the original (unfused) model: the forms are chosen among "
                                "fusions of it, and fusing is quick")
-    dim = _dim(original)
+    dim, batch_dim = _dims(original)
     progress("fusing and verifying the candidates")
     models, notes, results = candidates(original)
     if len(models) == 1:
@@ -161,28 +163,49 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
         if not table:
             raise ConfigError("--tune: every point of the grid was skipped",
                               hint="smaller --tune-batch / --tune-seq-lens")
-        chosen = choose(ratios)
-        tuned = dispatch(models, chosen, dim)
+        chosen = choose_by_batch(ratios) if batch_dim else choose(ratios)
+        tuned = dispatch(models, chosen, dim, batch_dim)
         rules, why, probe = _settle(tuned, paths, chosen, ratios, cfg, heads, progress)
     if why:  # one candidate alone instead
         notes.append(why)
-        tuned = dispatch(models, rules, dim)
+        tuned = dispatch(models, rules, dim, batch_dim)
     result = TuneResult(rules, {f"{b}x{n}": t for (b, n), t in table.items()}, dim,
                         {**machine_info(), "threads": cfg.threads},
-                        {f"{b}x{n}": round(r, 4) for (b, n), r in probe.items()})
+                        {f"{b}x{n}": round(r, 4) for (b, n), r in probe.items()},
+                        batch_dim or "batch")
     labelled = [replace(r, form=f"tuned: {result.describe()}") if r.status == "fused" else r
                 for r in results]
     carry_metadata(original, tuned, labelled, "ort", "cpu")  # the original's, and the fusion
     metadata.write(tuned, {TUNING: result.to_dict()})
-    specs = input_specs(original)
-    lengths = sorted({n for _, n in table})
-    check = verify(original, tuned, cases=[case_for(specs, f"tuned, {dim} {n}", 2, [n], "some")
-                                           for n in lengths if n <= 1024])
+    check = verify(original, tuned, cases=_branch_cases(original, rules, table, dim))
     if not check.passed:
         raise ConfigError(f"the tuned model differs from the original: {check.first_failure()}",
                           hint="nothing was written; please report this model")
     write_model(tuned, output, force=force)
     return TuneReport(str(output), result, tuple(notes), time.perf_counter() - started)
+
+
+def _branch_cases(original: onnx.ModelProto, rules: list[Rule], table, dim: str) -> list:
+    """Verification cases reaching every branch ``rules`` can select: each grid length up to
+    1024 at batch 2, and for each rule the cheapest point (batch x length^2) where it is the
+    first that applies, among the batches 1, 2 and either side of each batch bound and the
+    grid lengths and either side of each length bound."""
+    specs = input_specs(original)
+    lengths = {n for _, n in table if n <= 1024}
+    points = {(2, n) for n in lengths}
+    batches = {1, 2} | {b for r in rules if r.batch_below for b in (r.batch_below - 1,
+                                                                     r.batch_below)}
+    lengths |= {n for r in rules if r.below for n in (r.below - 1, r.below) if n >= 1}
+
+    def first(batch: int, length: int) -> int:
+        return next(i for i, r in enumerate(rules) if r.applies(batch, length))
+
+    for i in range(len(rules)):
+        reach = [(b, n) for b in batches for n in lengths if b >= 1 and first(b, n) == i]
+        if reach:
+            points.add(min(reach, key=lambda p: (p[0] * p[1] ** 2, p)))
+    return [case_for(specs, f"tuned, batch {b}, {dim} {n}", b, [n], "some")
+            for b, n in sorted(points)]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from mha_onnx.cli import main
 from mha_onnx.runtimes import OrtRunner
-from mha_onnx.tune import ORIGINAL, Rule, choose, dispatch, settle
+from mha_onnx.tune import ORIGINAL, Rule, TuneResult, choose, choose_by_batch, dispatch, settle
 from tests.conftest import SMALL
 
 
@@ -117,6 +117,37 @@ def test_a_dispatch_measured_within_bounds_stands_whatever_the_forms_alone_read(
     assert settle(RATIOS, choose(RATIOS), {(1, 16): 1.03, (8, 16): 0.99})[1] == ""
 
 
+def test_a_form_that_wins_at_one_batch_and_loses_at_another_runs_where_it_wins():
+    """The causal base export on a 2-core EPYC (tools.bench_tune, 2026-12-01): the fusion
+    0.89-0.93x at batch 1, 1.02-1.05x at batch 32 for L <= 64; chosen over the lengths alone,
+    the original ran at both (batch 1 gave up its gains)."""
+    table = {(1, 16): {ORIGINAL: 1.0, "fused": 0.89}, (1, 256): {ORIGINAL: 1.0, "fused": 0.9},
+             (8, 16): {ORIGINAL: 1.0, "fused": 0.9}, (8, 256): {ORIGINAL: 1.0, "fused": 0.9},
+             (32, 16): {ORIGINAL: 1.0, "fused": 1.05}, (32, 256): {ORIGINAL: 1.0, "fused": 0.9}}
+    assert choose(table) == [Rule(64, ORIGINAL), Rule(None, "fused")]
+    rules = choose_by_batch(table)
+    assert rules == [Rule(None, "fused", 16), Rule(64, ORIGINAL), Rule(None, "fused")]
+    assert [next(r.name for r in rules if r.applies(b, n)) for b, n in table] == [
+        "fused", "fused", "fused", "fused", ORIGINAL, "fused"]
+    described = TuneResult(rules, {}, "seq", batch_dim="batch").describe()
+    assert described == "batch < 16: fused; seq < 64: original; else: fused"
+    # every batch choosing the same: one list, no batch bound
+    same = {p: t for p, t in table.items() if p[0] != 32}
+    assert choose_by_batch(same) == [Rule(None, "fused")]
+
+
+def test_the_dispatch_reads_the_batch_where_a_rule_bounds_it():
+    models = {ORIGINAL: _scaled(1.0), "two": _scaled(2.0), "three": _scaled(3.0)}
+    rules = [Rule(None, "two", 4), Rule(8, ORIGINAL), Rule(None, "three")]
+    tuned = dispatch(models, rules, "seq", "batch")
+    onnx.checker.check_model(tuned)
+    with OrtRunner(tuned.SerializeToString()) as run:
+        for batch, seq, factor in ((1, 4, 2.0), (3, 100, 2.0), (4, 4, 1.0), (9, 7, 1.0),
+                                   (4, 8, 3.0), (32, 100, 3.0)):
+            x = np.ones((batch, seq, 4), np.float32)
+            np.testing.assert_allclose(run.infer({"x": x})["y"], x * [1, 2, 3, 4] * factor)
+
+
 def _scaled(factor: float) -> onnx.ModelProto:
     """y = x * w (w shared by name across candidates), then * factor."""
     w = helper.make_tensor("w", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0])
@@ -212,3 +243,17 @@ def test_tune_refuses_options_it_would_ignore(tmp_path, extra):
                                        "--tune", *extra])
     assert result.exit_code == 2 and "--tune chooses the forms itself" in result.output
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_verification_reaches_every_branch_the_rules_can_select():
+    """The grid's lengths at batch 2, and each rule's cheapest point: batch 32's branches
+    for lengths from 512 on are reached at batch 16 (the bound), not left unverified."""
+    from mha_onnx.tune_run import _branch_cases
+
+    rules = [Rule(None, "fused", 16), Rule(512, ORIGINAL), Rule(None, "fused")]
+    table = {(b, n): {} for b in (1, 8, 32) for n in (16, 64, 256, 1024, 4096)}
+    points = {(c.dims["batch"], c.dims["seq"])
+              for c in _branch_cases(_scaled(1.0), rules, table, "seq")}
+    assert {(2, n) for n in (16, 64, 256, 1024)} <= points
+    assert {(1, 16), (16, 16), (16, 512)} <= points
+    assert all(n <= 1024 for _, n in points)
