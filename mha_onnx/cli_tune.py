@@ -14,7 +14,8 @@ def tune_options(command):
     for option in reversed([
         click.option("--tune", is_flag=True,
                      help="Time every form (and the original) on this machine over a batch x "
-                          "length grid and dispatch on the length to the fastest (ORT target)."),
+                          "length grid and dispatch on the batch and length to the fastest (ORT "
+                          "target)."),
         click.option("--tune-batch", default="1,8,32", show_default=True,
                      help="Batch sizes of the tuning grid."),
         click.option("--tune-seq-lens", default="16,64,256,1024,4096", show_default=True,
@@ -45,7 +46,8 @@ def run_tune(model: str, output: str, batches: str, seq_lens: str, threads: int 
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def tune_command(model, output, tune, tune_batch, tune_seq_lens, tune_threads, force, as_json):
     """Fuse MODEL with every form, time them (and MODEL itself) on this machine, and write a
-    model that runs the fastest for each length (`fuse --tune`; run it on the target)."""
+    model that runs the fastest for each batch and length (`fuse --tune`; run it on the
+    target)."""
     del tune  # `tune` always tunes
     report = run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.render())
