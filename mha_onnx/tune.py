@@ -138,10 +138,18 @@ def choose_by_batch(table: Mapping[tuple[int, int], Mapping[str, float]],
     """Rules from timings, batch by batch: ``choose`` over each batch's lengths alone, then
     batches with the same rules taken together (the boundary at the geometric mean of the
     batches on either side), so that a form that wins at batch 1 and loses at batch 32 runs
-    where it wins (one rule list for all where every batch chose the same)."""
+    where it wins (one rule list for all where every batch chose the same). A batch keeps
+    rules of its own only where they gain more than twice ``margin`` over ``choose``'s rules
+    for all batches at one of its points: each split is one more If deep for the batches
+    after it, and a noise-sized gain is not worth that."""
+    common = choose(table, original, margin)
     groups: list[tuple[list[int], list[Rule]]] = []
     for batch in sorted({b for b, _ in table}):
-        rules = choose({p: t for p, t in table.items() if p[0] == batch}, original, margin)
+        mine = {p: t for p, t in table.items() if p[0] == batch}
+        rules = choose(mine, original, margin)
+        if not any(_ratio(t, common, p, original) - _ratio(t, rules, p, original) > 2 * margin
+                   for p, t in mine.items()):
+            rules = common
         if groups and groups[-1][1] == rules:
             groups[-1][0].append(batch)
         else:
@@ -152,6 +160,12 @@ def choose_by_batch(table: Mapping[tuple[int, int], Mapping[str, float]],
                  else int(round(math.sqrt(batches[-1] * groups[i + 1][0][0]))))
         out += [Rule(r.below, r.name, bound) for r in rules]
     return out
+
+
+def _ratio(times: Mapping[str, float], rules: list[Rule], point: tuple[int, int],
+           original: str) -> float:
+    name = next(r.name for r in rules if r.applies(*point))
+    return times.get(name, math.inf) / times[original]
 
 
 def settle(ratios: Mapping[tuple[int, int], Mapping[str, float]], rules: list[Rule],

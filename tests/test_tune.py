@@ -257,3 +257,32 @@ def test_verification_reaches_every_branch_the_rules_can_select():
     assert {(2, n) for n in (16, 64, 256, 1024)} <= points
     assert {(1, 16), (16, 16), (16, 512)} <= points
     assert all(n <= 1024 for _, n in points)
+
+
+def test_a_batch_keeps_its_own_rules_only_for_more_than_noise():
+    """Batch 1's own choice (the fusion at L 16) gains 4 % over the common rules' original
+    there: under twice the margin, so no split (one more If deep for nothing sure)."""
+    table = {(1, 16): {ORIGINAL: 1.0, "fused": 0.96}, (1, 256): {ORIGINAL: 1.0, "fused": 0.9},
+             (32, 16): {ORIGINAL: 1.0, "fused": 1.05}, (32, 256): {ORIGINAL: 1.0, "fused": 0.9}}
+    assert choose_by_batch(table) == choose(table) == [Rule(64, ORIGINAL), Rule(None, "fused")]
+
+
+def test_departures_from_the_default_fusion_are_timed_again(monkeypatch):
+    """A point where the first timing read the fusion slower (a burst of other work) is
+    timed once more; the choice reads the geometric mean of both runs."""
+    from mha_onnx import tune_run
+    from mha_onnx.tune import TuneConfig
+
+    ratios = {(1, 16): {ORIGINAL: 1.0, "fused": 0.9}, (1, 128): {ORIGINAL: 1.0, "fused": 1.14},
+              (1, 512): {ORIGINAL: 1.0, "fused": 0.9}}
+    timed = []
+
+    def again(paths, cfg, heads, progress, points):
+        timed.append(points)
+        return {}, {p: {ORIGINAL: 1.0, "fused": 0.80} for p in points}
+
+    monkeypatch.setattr(tune_run, "_time", again)
+    rules = tune_run._confirmed({}, TuneConfig(), 1, ratios, "batch", lambda _: None)
+    assert timed == [[(1, 128)]]
+    assert rules == [Rule(None, "fused")]  # sqrt(1.14 * 0.80) = 0.955
+    assert ratios[(1, 128)]["fused"] == pytest.approx(0.955, abs=1e-3)

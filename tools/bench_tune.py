@@ -1,12 +1,15 @@
 """`fuse --tune` against the untuned fusion and the original, on this machine.
 
     .venv/bin/python -m tools.benchmark tune OUT_DIR [--threads 2] [--batches 1,8,32]
-        [--seq-lens 16,32,64,128,512,2048] [--models causal,key-padding,none,bert]
+        [--seq-lens 16,32,64,128,512,2048] [--models causal,key-padding,none,bert[,bert-base]]
 
 For each model (the base preset's causal, key-padding and no-mask exports, and a BERT-style
 Hugging Face encoder with a padding mask): tune it over the grid, then time the original,
 the default fusion and the tuned model interleaved in one process (`mha-onnx profile`,
-25 % of keys padded) and print each point's ratios to the original.
+25 % of keys padded) and print each point's ratios to the original. ``bert`` is a tiny
+encoder (tests/models.py, torch.export); ``bert-base`` (not in the default list) is a BERT
+of base width (hidden 768, 12 heads, 4 layers, random weights) exported by the TorchScript
+exporter with Optimum's input names and dims, as the files users have are made.
 """
 
 from __future__ import annotations
@@ -31,10 +34,34 @@ def _models(folder: Path, names: list[str]) -> dict[str, Path]:
                 from tests.models import hf
 
                 onnx.save(hf("bert", "eager"), path)
+            elif name == "bert-base":
+                _bert_base(path)
             else:
                 export_model(load_preset("base").replace(mask=name), path, force=True)
         out[name] = path
     return out
+
+
+def _bert_base(path: Path) -> None:
+    """A BERT of base width, random weights (seed 0), through torch.onnx.export's TorchScript
+    exporter (dynamo=False, opset 18), inputs as Optimum names them."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.BertConfig(hidden_size=768, num_attention_heads=12, num_hidden_layers=4,
+                           intermediate_size=3072, max_position_embeddings=512,
+                           attn_implementation="eager")
+    model = tf.BertModel(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.int64)
+    dims = {0: "batch_size", 1: "sequence_length"}
+    with torch.no_grad():
+        torch.onnx.export(model, (ids, mask), str(path), dynamo=False, opset_version=18,
+                          input_names=["input_ids", "attention_mask"],
+                          output_names=["last_hidden_state"],
+                          dynamic_axes={"input_ids": dims, "attention_mask": dims,
+                                        "last_hidden_state": dims})
 
 
 def main(argv: list[str] | None = None) -> int:
