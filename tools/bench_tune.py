@@ -52,7 +52,17 @@ def _bert_base(path: Path) -> None:
     config = tf.BertConfig(hidden_size=768, num_attention_heads=12, num_hidden_layers=4,
                            intermediate_size=3072, max_position_embeddings=512,
                            attn_implementation="eager")
-    model = tf.BertModel(config).eval()
+    bert = tf.BertModel(config).eval()
+
+    class Encoder(torch.nn.Module):  # (keyword arguments: the tracer's positional ones
+        def __init__(self):          # collide with transformers 5's forward)
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask):
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    model = Encoder().eval()
     ids = torch.randint(0, config.vocab_size, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.int64)
     dims = {0: "batch_size", 1: "sequence_length"}
