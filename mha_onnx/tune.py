@@ -256,15 +256,13 @@ def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
             copy.name = mapping[init.name]
             inside.append(copy)
             continue
-        kept = shared.get(init.name)
-        if kept is None or kept.raw_data != init.raw_data or kept.dims != init.dims \
-                or kept.data_type != init.data_type:
+        kept, plain = shared.get(init.name), _plain(init)  # (compared as raw bytes)
+        if kept is None or kept.raw_data != plain.raw_data or kept.dims != plain.dims \
+                or kept.data_type != plain.data_type:
             name = init.name if kept is None else f"{prefix}{init.name}"
             mapping[init.name] = name
-            copy = onnx.TensorProto()
-            copy.CopyFrom(init)
-            copy.name = name
-            shared[name] = copy
+            plain.name = name
+            shared[name] = plain
     for node in graph.node:
         for out in node.output:
             if out and out not in outer:
@@ -306,8 +304,11 @@ def dispatch(candidates: Mapping[str, onnx.ModelProto], rules: Sequence[Rule], d
     branches = [_branch(candidates[r.name], f"tune/{n}.{r.name}/", outer, shared,
                         deep=min(n + 1, len(rules) - 1) > 1) for n, r in enumerate(rules)]
     nodes += _select(list(rules), branches, list(base.graph.output), 0)
+    read = set().union(*({i for n in b.node for i in n.input} | _read_below(b)
+                         for b in branches))
+    kept = [init for name, init in shared.items() if name in read]  # (deep branches: copies)
     graph = helper.make_graph(nodes, base.graph.name, list(base.graph.input),
-                              list(base.graph.output), list(shared.values()))
+                              list(base.graph.output), kept)
     opsets: dict[str, int] = {}
     for model in candidates.values():
         for imp in model.opset_import:

@@ -171,6 +171,23 @@ def test_the_dispatching_model_runs_each_rules_candidate_and_shares_weights():
             np.testing.assert_allclose(run.infer({"x": x})["y"], x * [1, 2, 3, 4] * factor)
 
 
+def test_weights_only_deep_branches_read_are_not_kept_in_the_main_graph():
+    """From the third rule on a candidate's weights are in its branch (two Ifs down ORT would
+    not prepack them from the main graph); the main graph keeps only what a branch reads."""
+    renamed = _scaled(2.0)
+    renamed.graph.initializer[0].name = "w2"
+    renamed.graph.node[0].input[1] = "w2"
+    models = {ORIGINAL: _scaled(1.0), "two": renamed, "three": _scaled(3.0)}
+    tuned = dispatch(models, [Rule(8, "two"), Rule(32, ORIGINAL), Rule(None, "three")], "seq")
+    onnx.checker.check_model(tuned)
+    # the first rule's (its own factor under its prefix); none of the deep branches' weights
+    assert [i.name for i in tuned.graph.initializer] == ["w2", "tune/0.two/f"]
+    with OrtRunner(tuned.SerializeToString()) as run:
+        for seq, factor in ((4, 2.0), (8, 1.0), (32, 3.0)):
+            x = np.ones((1, seq, 4), np.float32)
+            np.testing.assert_allclose(run.infer({"x": x})["y"], x * [1, 2, 3, 4] * factor)
+
+
 def _nested(factor: float) -> onnx.ModelProto:
     """y = x * w inside an If's branches (as a fused model's forms are), then * factor."""
     def branch(name: str) -> onnx.GraphProto:
