@@ -303,3 +303,18 @@ def test_departures_from_the_default_fusion_are_timed_again(monkeypatch):
     assert timed == [[(1, 128)]]
     assert rules == [Rule(None, "fused")]  # sqrt(1.14 * 0.80) = 0.955
     assert ratios[(1, 128)]["fused"] == pytest.approx(0.955, abs=1e-3)
+
+
+def test_a_tuned_model_much_bigger_than_its_original_says_so():
+    from mha_onnx.tune_run import _size_note
+
+    models = {ORIGINAL: _scaled(1.0), "two": _scaled(2.0), "three": _scaled(3.0)}
+    small = dispatch(models, [Rule(8, "two"), Rule(None, ORIGINAL)], "seq")
+    assert _size_note(models[ORIGINAL], small) == []
+    big = models[ORIGINAL]
+    big.graph.initializer[0].CopyFrom(helper.make_tensor("w", TensorProto.FLOAT, [4096, 4],
+                                                         np.ones(4 * 4096).tolist()))
+    models = {ORIGINAL: big, "two": big, "three": big}
+    deep = dispatch(models, [Rule(8, "two"), Rule(32, "three"), Rule(None, ORIGINAL)], "seq")
+    (note,) = _size_note(big, deep)
+    assert note.startswith("the tuned model is 3.0x the original's size")
