@@ -102,7 +102,8 @@ def _source(x: ir.Value, heads: int, partial: tuple[ir.Value, ir.Value, int] | N
     if source is None and norm is None:
         shape = dims(x)
         if shape is None or len(shape) != 4 or shape[2 if before else 1] != heads \
-                or not isinstance(shape[3], int) or shape[3] % ROTARY_MULTIPLE:
+                or not isinstance(shape[3], int) or shape[3] % ROTARY_MULTIPLE \
+                or x.producer() is None:  # (joined puts its nodes after x's producer)
             return None
         return Rotated(None, x, x, heads=x, before_transpose=before)
     return Rotated(source, x, x, norm=norm, before_transpose=before)
@@ -115,7 +116,7 @@ def joined(found: Rotated) -> ir.Value:
     if found.norm is None and found.source is not None:
         return found.source
     tape = ir.tape.Tape()
-    after = found.norm or found.heads.producer()
+    after = found.norm if found.norm is not None else found.heads.producer()
     heads = found.norm.outputs[0] if found.norm is not None else found.heads
     shape = dims(heads)
     if found.norm is None and not found.before_transpose:
