@@ -308,13 +308,12 @@ def test_departures_from_the_default_fusion_are_timed_again(monkeypatch):
 def test_a_tuned_model_much_bigger_than_its_original_says_so():
     from mha_onnx.tune_run import _size_note
 
-    models = {ORIGINAL: _scaled(1.0), "two": _scaled(2.0), "three": _scaled(3.0)}
-    small = dispatch(models, [Rule(8, "two"), Rule(None, ORIGINAL)], "seq")
-    assert _size_note(models[ORIGINAL], small) == []
-    big = models[ORIGINAL]
+    big = _scaled(1.0)  # (weights that outweigh the graph's own bytes)
     big.graph.initializer[0].CopyFrom(helper.make_tensor("w", TensorProto.FLOAT, [4096, 4],
                                                          np.ones(4 * 4096).tolist()))
     models = {ORIGINAL: big, "two": big, "three": big}
+    two_rules = dispatch(models, [Rule(8, "two"), Rule(None, ORIGINAL)], "seq")
+    assert _size_note(big, two_rules) == []  # both one If down: the weights shared
     deep = dispatch(models, [Rule(8, "two"), Rule(32, "three"), Rule(None, ORIGINAL)], "seq")
-    (note,) = _size_note(big, deep)
+    (note,) = _size_note(big, deep)  # two candidates two Ifs down: two more copies
     assert note.startswith("the tuned model is 3.0x the original's size")
