@@ -56,6 +56,12 @@ class Rule:
                 and (self.batch_below is None or batch < self.batch_below))
 
 
+def first_rule(rules: Sequence[Rule], point: tuple[int, int]) -> int:
+    """The index of the rule that runs at ``point`` (batch, length): the first that applies
+    (the last rule applies everywhere)."""
+    return next(i for i, r in enumerate(rules) if r.applies(*point))
+
+
 @dataclass
 class TuneResult:
     rules: list[Rule]
@@ -65,7 +71,7 @@ class TuneResult:
     # "batch x length" -> the dispatching model's paired ratio to the original, where it
     # was timed itself (the shortest length: what its If costs)
     dispatch: dict[str, float] = field(default_factory=dict)
-    batch_dim: str = "batch"
+    batch_dim: str = ""  # (none where the model's batch is not dynamic: no rule bounds it)
 
     def to_dict(self) -> dict[str, Any]:
         return {"runs": self.describe(), "dim": self.dim, "batch_dim": self.batch_dim,
@@ -164,7 +170,7 @@ def choose_by_batch(table: Mapping[tuple[int, int], Mapping[str, float]],
 
 def _ratio(times: Mapping[str, float], rules: list[Rule], point: tuple[int, int],
            original: str) -> float:
-    name = next(r.name for r in rules if r.applies(*point))
+    name = rules[first_rule(rules, point)].name
     return times.get(name, math.inf) / times[original]
 
 
@@ -184,7 +190,7 @@ def settle(ratios: Mapping[tuple[int, int], Mapping[str, float]], rules: list[Ru
     if len(rules) == 1 or slow <= 1 + margin:
         return rules, ""
     points = [p for p, row in ratios.items() if original in row]
-    rule_at = {p: next(r.name for r in rules if r.applies(*p)) for p in points}
+    rule_at = {p: rules[first_rule(rules, p)].name for p in points}
     dispatched = {p: probe.get(p, ratios[p].get(rule_at[p], math.inf)) for p in points}
     options = {name: {p: ratios[p][name] for p in points}
                for name in sorted({n for row in ratios.values() for n in row} - {original})

@@ -27,6 +27,7 @@ from mha_onnx.tune import (
     choose,
     choose_by_batch,
     dispatch,
+    first_rule,
     settle,
 )
 
@@ -128,7 +129,7 @@ def _confirmed(paths: dict[str, str], cfg: TuneConfig, heads: int, ratios,
 
     rules = rules_for(ratios)
     disputed = [p for p in sorted(ratios)
-                if next(r.name for r in rules if r.applies(*p)) != DEFAULT]
+                if rules[first_rule(rules, p)].name != DEFAULT]
     if not disputed:
         return rules
     progress(f"timing again where the choice is not the default fusion: {len(disputed)} "
@@ -197,8 +198,7 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
         tuned = dispatch(models, rules, dim, batch_dim)
     result = TuneResult(rules, {f"{b}x{n}": t for (b, n), t in table.items()}, dim,
                         {**machine_info(), "threads": cfg.threads},
-                        {f"{b}x{n}": round(r, 4) for (b, n), r in probe.items()},
-                        batch_dim or "batch")
+                        {f"{b}x{n}": round(r, 4) for (b, n), r in probe.items()}, batch_dim)
     labelled = [replace(r, form=f"tuned: {result.describe()}") if r.status == "fused" else r
                 for r in results]
     carry_metadata(original, tuned, labelled, "ort", "cpu")  # the original's, and the fusion
@@ -236,11 +236,9 @@ def _branch_cases(original: onnx.ModelProto, rules: list[Rule], table, dim: str)
                                                                      r.batch_below)}
     lengths |= {n for r in rules if r.below for n in (r.below - 1, r.below) if n >= 1}
 
-    def first(batch: int, length: int) -> int:
-        return next(i for i, r in enumerate(rules) if r.applies(batch, length))
-
     for i in range(len(rules)):
-        reach = [(b, n) for b in batches for n in lengths if b >= 1 and first(b, n) == i]
+        reach = [(b, n) for b in batches for n in lengths
+                 if b >= 1 and first_rule(rules, (b, n)) == i]
         if reach:
             points.add(min(reach, key=lambda p: (p[0] * p[1] ** 2, p)))
     return [case_for(specs, f"tuned, batch {b}, {dim} {n}", b, [n], "some")
