@@ -238,7 +238,8 @@ def _read_below(graph: onnx.GraphProto) -> set[str]:
 
 
 def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
-            shared: dict[str, onnx.TensorProto], deep: bool = False) -> onnx.GraphProto:
+            shared: dict[str, onnx.TensorProto], deep: bool = False
+            ) -> tuple[onnx.GraphProto, dict[str, str]]:
     """One candidate as an If branch: its values prefixed (a subgraph may not redefine outer
     names), its initializers moved to the outer graph (by name where the same tensor is
     there already, else under the prefix), but for those the candidate's own subgraphs read:
@@ -248,7 +249,8 @@ def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
     fused model alone at batch 1, 128 tokens with its weights in the main graph, and as
     fast with prepacking off in both. Such a weight is stored once per branch reading it.
     ``deep``: the branch lies two Ifs down or more (the third rule on), so every weight of
-    the candidate stays in it (its own MatMuls would be two levels below the main graph)."""
+    the candidate stays in it (its own MatMuls would be two levels below the main graph).
+    Returns the branch and where each of the candidate's initializers went (its name there)."""
     graph = onnx.GraphProto()
     graph.CopyFrom(candidate.graph)
     mapping: dict[str, str] = {}
@@ -269,6 +271,7 @@ def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
             mapping[init.name] = name
             plain.name = name
             shared[name] = plain
+    stored = {init.name: mapping.get(init.name, init.name) for init in graph.initializer}
     for node in graph.node:
         for out in node.output:
             if out and out not in outer:
@@ -278,18 +281,22 @@ def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
     graph.initializer.extend(inside)
     del graph.input[:]
     graph.name = prefix.rstrip("/")
-    return graph
+    return graph, stored
 
 
 def dispatch(candidates: Mapping[str, onnx.ModelProto], rules: Sequence[Rule], dim: str,
-             batch_dim: str = "") -> onnx.ModelProto:
+             batch_dim: str = "", stored: dict[str, dict[str, str]] | None = None
+             ) -> onnx.ModelProto:
     """A model that runs, for its length ``dim`` (and batch ``batch_dim``, where a rule
     bounds it), the candidate of the first rule that applies (one rule: that candidate
-    itself)."""
+    itself). ``stored``, if given, is filled with each rule's candidate's initializer names
+    and the names they have in the model (first rule first: the shallowest copy)."""
     base = candidates[ORIGINAL]
+    stored = {} if stored is None else stored
     if len(rules) == 1:
         out = onnx.ModelProto()
         out.CopyFrom(candidates[rules[0].name])
+        stored[rules[0].name] = {i.name: i.name for i in out.graph.initializer}
         return out
     sizes = [(dim, "tune/length")]
     if any(r.batch_below is not None for r in rules):
@@ -307,8 +314,12 @@ def dispatch(candidates: Mapping[str, onnx.ModelProto], rules: Sequence[Rule], d
     shared = {init.name: _plain(init) for init in base.graph.initializer}
     outer = {i.name for i in base.graph.input}
     # rule n's branch is min(n + 1, len(rules) - 1) Ifs down (the rules' Ifs nest in else)
-    branches = [_branch(candidates[r.name], f"tune/{n}.{r.name}/", outer, shared,
-                        deep=min(n + 1, len(rules) - 1) > 1) for n, r in enumerate(rules)]
+    branches = []
+    for n, rule in enumerate(rules):
+        branch, names = _branch(candidates[rule.name], f"tune/{n}.{rule.name}/", outer, shared,
+                                deep=min(n + 1, len(rules) - 1) > 1)
+        branches.append(branch)
+        stored.setdefault(rule.name, names)
     nodes += _select(list(rules), branches, list(base.graph.output), 0)
     read = set().union(*({i for n in b.node for i in n.input} | _read_below(b)
                          for b in branches))

@@ -164,7 +164,6 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
                progress: Callable[[str], None] = lambda _: None) -> TuneReport:
     """Fuse every candidate, time them here, write the dispatching model (verified)."""
     from mha_onnx.profile.roofline import machine_info
-    from mha_onnx.rewrite.fuse import carry_metadata
     from mha_onnx.rewrite.verify import verify
 
     started = time.perf_counter()
@@ -191,18 +190,14 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
             raise ConfigError("--tune: every point of the grid was skipped",
                               hint="smaller --tune-batch / --tune-seq-lens")
         chosen = _confirmed(paths, cfg, heads, ratios, batch_dim, progress)
-        tuned = dispatch(models, chosen, dim, batch_dim)
-        rules, why, probe = _settle(tuned, paths, chosen, ratios, cfg, heads, progress)
+        rules, why, probe = _settle(dispatch(models, chosen, dim, batch_dim), paths, chosen,
+                                    ratios, cfg, heads, progress)
     if why:  # one candidate alone instead
         notes.append(why)
-        tuned = dispatch(models, rules, dim, batch_dim)
     result = TuneResult(rules, {f"{b}x{n}": t for (b, n), t in table.items()}, dim,
                         {**machine_info(), "threads": cfg.threads},
                         {f"{b}x{n}": round(r, 4) for (b, n), r in probe.items()}, batch_dim)
-    labelled = [replace(r, form=f"tuned: {result.describe()}") if r.status == "fused" else r
-                for r in results]
-    carry_metadata(original, tuned, labelled, "ort", "cpu")  # the original's, and the fusion
-    metadata.write(tuned, {TUNING: result.to_dict()})
+    tuned = assemble(original, models, result, results)
     check = verify(original, tuned, cases=_branch_cases(original, rules, table, dim))
     if not check.passed:
         raise ConfigError(f"the tuned model differs from the original: {check.first_failure()}",
@@ -210,6 +205,49 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
     notes += _size_note(original, tuned)
     write_model(tuned, output, force=force)
     return TuneReport(str(output), result, tuple(notes), time.perf_counter() - started)
+
+
+def assemble(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
+             result: TuneResult, results: list) -> onnx.ModelProto:
+    """The dispatching model of ``result``'s rules over ``models``, with the original's
+    metadata, the fusion's (each fused block labelled with the rules), the tuning table and
+    where the PyTorch reference finds each weight."""
+    from mha_onnx.rewrite.fuse import carry_metadata
+
+    stored: dict[str, dict[str, str]] = {}
+    tuned = dispatch(models, result.rules, result.dim, result.batch_dim, stored)
+    labelled = [replace(r, form=f"tuned: {result.describe()}") if r.status == "fused" else r
+                for r in results]
+    carry_metadata(original, tuned, labelled, "ort", "cpu")  # the original's, and the fusion
+    metadata.write(tuned, {TUNING: result.to_dict(), **_weights_at(original, models, stored)})
+    return tuned
+
+
+def _weights_at(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
+                stored: dict[str, dict[str, str]]) -> dict:
+    """The original's "params" (where the PyTorch reference finds each weight) pointed at
+    the tuned model's copies, a weight fuse packed at its "packed" slice there: a weight may
+    lie only in a branch, under its prefix. The first candidate holding it wins (``stored``
+    is in rule order: the shallowest copy). {} where the original records no params."""
+    params = metadata.loaded(original, "params")
+    if not params:
+        return {}
+    out_params, out_packed = {}, {}
+    for name, where in params.items():
+        initializer = where.get("initializer") if isinstance(where, dict) else None
+        for candidate, names in stored.items():
+            packed = metadata.loaded(models[candidate], "packed") or {}
+            if initializer in names:
+                out_params[name] = {**where, "initializer": names[initializer]}
+                break
+            if initializer in packed and packed[initializer][0] in names:
+                joined, start, end = packed[initializer]
+                out_packed[initializer] = [names[joined], start, end]
+                out_params[name] = where
+                break
+        else:
+            out_params[name] = where  # (not found: validate says which is missing)
+    return {"params": out_params, **({"packed": out_packed} if out_packed else {})}
 
 
 def _size_note(original: onnx.ModelProto, tuned: onnx.ModelProto) -> list[str]:

@@ -317,3 +317,28 @@ def test_a_tuned_model_much_bigger_than_its_original_says_so():
     deep = dispatch(models, [Rule(8, "two"), Rule(32, "three"), Rule(None, ORIGINAL)], "seq")
     (note,) = _size_note(big, deep)  # two candidates two Ifs down: two more copies
     assert note.startswith("the tuned model is 3.0x the original's size")
+
+
+@pytest.mark.parametrize("order", [("fused", "other", "original"), ("other", "original", "fused")])
+def test_validate_finds_the_weights_of_a_tuned_model_in_its_branches(export_cache, tmp_path,
+                                                                     order):
+    """Deep branches keep their weights, under a prefix, and a fusion packs Q, K and V: the
+    PyTorch reference still finds every weight (a three-rule tune failed validate with
+    "initializer 'w_k.bias' of w_k.bias is missing")."""
+    from mha_onnx.parity import ValidateConfig, validate_model
+    from mha_onnx.tune_run import _dims, assemble, candidates
+
+    original = onnx.load(export_cache(SMALL.replace(mask="key-padding")))
+    models, notes, results = candidates(original)
+    other = next(n for n in models if n not in (ORIGINAL, "fused"))
+    names = [other if n == "other" else n for n in order]
+    rules = [Rule(16 * 4 ** i, n) for i, n in enumerate(names[:-1])] + [Rule(None, names[-1])]
+    tuned = assemble(original, models, TuneResult(rules, {}, _dims(original)[0]),
+                     results)
+    from mha_onnx.parity.references import _initializers
+
+    deep = [n for n in _initializers(tuned.graph) if n.startswith(f"tune/{len(rules) - 1}.")]
+    assert deep  # (the last rule's candidate keeps its weights in its branch)
+    path = tmp_path / "tuned.onnx"
+    onnx.save(tuned, path)
+    assert validate_model(path, ValidateConfig())
