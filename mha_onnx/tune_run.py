@@ -7,7 +7,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -31,9 +31,14 @@ from mha_onnx.tune import (
     settle,
 )
 
-# A point is skipped when its attention scores alone would pass this many elements (a batch
-# of 32 at 4096 keys holds 32 * H * 4096^2 floats): what the grid cannot time here.
-MAX_SCORES = 2 ** 28
+# A point is skipped when its attention scores alone would pass this many elements (batch *
+# heads * length^2): the default grid's batch 32 x 1024 of the base export (8 heads, 2^28)
+# took 55 s on a 2-core machine, 38 s of it the first runs of four candidates faulting in
+# their memory: alone past the 60 s a tune may take. Its rules are those of the lengths
+# below it. A point of 2^24 or more is timed on 3 interleaved runs after the warm-up, not 5
+# (a run there takes 0.1 s or more on such a machine).
+MAX_SCORES = 2 ** 27
+QUICK_SCORES = 2 ** 24
 
 
 def candidates(original: onnx.ModelProto
@@ -78,29 +83,38 @@ def _dims(model: onnx.ModelProto) -> tuple[str, str]:
 def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
           progress: Callable[[str], None], points: list[tuple[int, int]] | None = None):
     """(p50 ms, median paired ratio to the original) per (batch, length) per candidate,
-    interleaved in one child process a point; ``points``: these (batch, length) only, else
-    the grid."""
+    interleaved, the whole grid in one child process, largest point first (see
+    ``measure_grid``: a session faults in its memory once); ``points``: these (batch,
+    length) only, else the grid."""
     import numpy as np
 
-    from mha_onnx.profile.worker import PointSpec, in_child
+    from mha_onnx.profile.worker import PointSpec, grid_in_child
 
-    table: dict[tuple[int, int], dict[str, float]] = {}
-    ratios: dict[tuple[int, int], dict[str, float]] = {}
     order = list(paths)
+    grid = []
     for batch, length in points or [(b, n) for b in cfg.batches for n in cfg.seq_lens]:
         if batch * heads * length * length > MAX_SCORES:
-            progress(f"batch {batch} x {length}: skipped (too large to time here)")
-            continue
-        spec = PointSpec(models=tuple(paths[n] for n in order), batch=batch,
-                         seq_len=length, threads=cfg.threads, warmup=2, iters=5,
-                         min_time=cfg.min_time, pad_fraction=cfg.pad_fraction)
-        raw = in_child({"point": asdict(spec)})
+            progress(f"batch {batch} x {length}: skipped (too large to time in the budget: "
+                     "the rules of the shorter lengths apply)")
+        else:
+            grid.append((batch, length))
+    grid.sort(key=lambda p: -p[0] * p[1] * p[1])
+    specs = [PointSpec(models=tuple(paths[n] for n in order), batch=batch, seq_len=length,
+                       threads=cfg.threads, warmup=2,
+                       iters=3 if batch * heads * length * length >= QUICK_SCORES else 5,
+                       min_time=cfg.min_time, pad_fraction=cfg.pad_fraction)
+                 for batch, length in grid]
+    table: dict[tuple[int, int], dict[str, float]] = {}
+    ratios: dict[tuple[int, int], dict[str, float]] = {}
+
+    def point_done(index: int, raw: dict) -> None:
+        batch, length = grid[index]
         mine = raw.get("models", {})
         if "error" in raw or "times" not in mine.get(paths[ORIGINAL], {}):
             why = raw.get("error") or mine.get(paths[ORIGINAL], {}).get("error", "?")
             progress(f"batch {batch} x {length}: skipped, the original does not run "
                      f"there ({why[:160]})")
-            continue
+            return
         runs = {n: np.array(mine[paths[n]]["times"]) for n in order
                 if "times" in mine.get(paths[n], {})}
         times = {n: float(np.median(t)) * 1e3 for n, t in runs.items()}
@@ -114,7 +128,9 @@ def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
         best = min(times, key=times.get)
         progress(f"batch {batch} x {length}: {best} {times[best]:.3g} ms "
                  f"(original {times[ORIGINAL]:.3g} ms)")
-    return table, ratios
+
+    grid_in_child(specs, point_done)
+    return ({p: table[p] for p in sorted(table)}, {p: ratios[p] for p in sorted(ratios)})
 
 
 def _confirmed(paths: dict[str, str], cfg: TuneConfig, heads: int, ratios,

@@ -1,5 +1,6 @@
 """The measuring child process: ``python -m mha_onnx.profile`` reads one request (a point
-spec or a roofline request) as JSON on stdin and prints its result as JSON."""
+spec, a grid of them or a roofline request) as JSON on stdin and prints its result as JSON
+(a grid: one line per point as it ends)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from mha_onnx.errors import MhaOnnxError
 
 def main() -> None:
     request = json.loads(sys.stdin.read())
+    if "points" in request:  # a grid: one line per point as it ends
+        from mha_onnx.profile.worker import PointSpec, measure_grid
+
+        specs = [PointSpec(**{**data, "models": tuple(data["models"])})
+                 for data in request["points"]]
+        for n, result in enumerate(measure_grid(specs)):
+            print(json.dumps({"index": n, "result": result}), flush=True)
+        return
     try:
         if request.get("roofline"):
             from mha_onnx.profile.roofline import matmul_roofline

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -226,9 +226,11 @@ def _bound_run(runner, feeds: dict[str, np.ndarray], proto) -> Callable[[], Any]
     return lambda: runner.session.run_with_iobinding(binding)
 
 
-def measure(spec: PointSpec) -> dict[str, Any]:
+def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, Any]:
     """Time ``spec`` in this process: per model its run times and session time; for one
-    model also the peak memory of the runs and, if asked, the time per op."""
+    model also the peak memory of the runs and, if asked, the time per op. ``kept``: the
+    sessions of earlier points of one grid by model, reused and left open (each made once:
+    see :func:`measure_grid`)."""
     device0 = device_used() if spec.provider in ("cuda", "tensorrt") else None
     from mha_onnx.errors import ProviderError
     from mha_onnx.runtime_openvino import is_openvino
@@ -237,7 +239,7 @@ def measure(spec: PointSpec) -> dict[str, Any]:
     refused: dict[str, dict[str, str]] = {}
     for model in spec.models:
         start = time.perf_counter()
-        runner = _runner(spec, model)
+        runner = (kept or {}).get(model) or _runner(spec, model)
         try:  # one model a runtime refuses (OpenVINO and a contrib op) leaves the others timed
             runner.session  # noqa: B018
         except ProviderError as exc:
@@ -245,6 +247,8 @@ def measure(spec: PointSpec) -> dict[str, Any]:
             continue
         sessions[model] = time.perf_counter() - start
         runners.append(runner)
+        if kept is not None:
+            kept[model] = runner
         proto = _proto(model)
         feeds = _feeds(spec, proto)
         first = first or (feeds, proto)
@@ -255,7 +259,7 @@ def measure(spec: PointSpec) -> dict[str, Any]:
     reset_peak_rss()
     times = timed_loop(runs, warmup=spec.warmup, iters=spec.iters, min_time=spec.min_time)
     peak, device = peak_rss(), device_used()
-    for runner in runners:
+    for runner in runners if kept is None else []:
         runner.close()
     timed = [m for m in spec.models if m not in refused]
     out: dict[str, Any] = {"models": {**{m: {"times": t, "session_s": sessions[m]}
@@ -268,6 +272,26 @@ def measure(spec: PointSpec) -> dict[str, Any]:
         if (spec.op_breakdown or spec.trace_dir) and not is_openvino(spec.provider):
             out.update(_op_times(spec))
     return out
+
+
+def measure_grid(specs: list[PointSpec]) -> Iterator[dict[str, Any]]:
+    """Each spec's result in turn (as :func:`measure`'s, or {"error": ...}), every model's
+    session made once for the whole grid: a session's first runs at a shape larger than any
+    before it fault in its memory (batch 32 x 1024 tokens of the base causal export: 38 s of
+    warm-up runs for 4 candidates, 1.2-1.7 s a run after), so a grid timed largest first pays
+    that once, not at every point."""
+    from mha_onnx.errors import MhaOnnxError
+
+    kept: dict[str, Any] = {}
+    try:
+        for spec in specs:
+            try:
+                yield measure(spec, kept)
+            except MhaOnnxError as exc:
+                yield {"error": str(exc)}
+    finally:
+        for runner in kept.values():
+            runner.close()
 
 
 def _op_times(spec: PointSpec) -> dict[str, Any]:
@@ -310,3 +334,31 @@ def in_child(payload: dict[str, Any] | PointSpec) -> dict[str, Any]:
         tail = (done.stderr.strip().splitlines() or ["child process failed"])[-1]
         return {"error": tail[:300]}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def grid_in_child(specs: list[PointSpec], on_result: Callable[[int, dict[str, Any]], None]
+                  ) -> None:
+    """Time ``specs`` in one child process (:func:`measure_grid`), ``on_result(index,
+    result)`` as each point ends. A crash ends that child: the point it was timing comes
+    back as the error, and the rest are timed each in a child of its own."""
+    done = set()
+    with subprocess.Popen([sys.executable, "-m", "mha_onnx.profile"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}) as child:
+        child.stdin.write(json.dumps({"points": [asdict(s) for s in specs]}))
+        child.stdin.close()
+        for line in child.stdout:
+            if line.startswith("{"):
+                result = json.loads(line)
+                done.add(result["index"])
+                on_result(result["index"], result["result"])
+        stderr = child.stderr.read()
+    if len(done) == len(specs):
+        return
+    rest = [n for n in range(len(specs)) if n not in done]
+    code = child.returncode
+    why = (f"onnxruntime crashed ({signal.Signals(-code).name}) in the measuring process"
+           if code < 0 else (stderr.strip().splitlines() or ["child process failed"])[-1][:300])
+    on_result(rest[0], {"error": why})
+    for n in rest[1:]:
+        on_result(n, in_child(specs[n]))
