@@ -6,10 +6,9 @@ interleaved in one process with sleeping thread pools (the profile machinery), a
 batch and length the candidate whose ratio to the original is lowest wins (the original is a
 candidate: where it wins, it runs). Lengths with the same winner form intervals, batches
 with the same intervals form groups; the boundaries lie at the geometric mean of the grid
-values on either side. The tuned model dispatches at run time on the batch and length:
-``If(batch < b1 and L < l1)`` candidate 1, else ``If(...)`` ...,
-each branch one candidate's graph (weights shared from the outer graph, but for those the
-candidate's own Ifs read, which stay in its branch: see ``_branch``). That If costs a
+values on either side. The tuned model dispatches at run time on the batch and length: the
+rules are a table in the graph, the first that applies names the candidate, and each
+candidate is one If branch (:mod:`mha_onnx.tune_dispatch`). That dispatch costs a
 constant time of its own, which the candidates' timings do not hold: the dispatching model
 is timed itself at the grid's shortest length, and where it loses there, one candidate
 alone is written instead if it stays within MARGIN of the original everywhere and gives up
@@ -24,10 +23,6 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
-import onnx
-from onnx import helper, numpy_helper
 
 ORIGINAL = "original"
 TUNING = "tuning"
@@ -207,168 +202,3 @@ def settle(ratios: Mapping[tuple[int, int], Mapping[str, float]], rules: list[Ru
         f"the dispatch ran {slow:.2f}x the original at the shortest length (its If); {best} "
         f"alone {'stays within' if fits else 'is less slow at its worst, though not within'} "
         f"{margin:.0%} of the original and gives up nothing the dispatch gained: {best} alone")
-
-
-# -- the dispatching model --------------------------------------------------------------------
-
-def _rename_graph(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
-    """Rename values in ``graph`` and in its subgraphs' references to them, in place."""
-    for node in graph.node:
-        node.input[:] = [mapping.get(n, n) for n in node.input]
-        node.output[:] = [mapping.get(n, n) for n in node.output]
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _rename_graph(attr.g, mapping)
-            for sub in attr.graphs:
-                _rename_graph(sub, mapping)
-    for value in list(graph.output) + list(graph.value_info):
-        value.name = mapping.get(value.name, value.name)
-
-
-def _read_below(graph: onnx.GraphProto) -> set[str]:
-    """The names the subgraphs of ``graph``'s nodes read (at any depth)."""
-    names: set[str] = set()
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else []) \
-                    + list(attr.graphs):
-                names.update(i for n in sub.node for i in n.input)
-                names |= _read_below(sub)
-    return names
-
-
-def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
-            shared: dict[str, onnx.TensorProto], deep: bool = False
-            ) -> tuple[onnx.GraphProto, dict[str, str]]:
-    """One candidate as an If branch: its values prefixed (a subgraph may not redefine outer
-    names), its initializers moved to the outer graph (by name where the same tensor is
-    there already, else under the prefix), but for those the candidate's own subgraphs read:
-    they stay in the branch (prefixed), one level above their readers. ONNX Runtime 1.31
-    prepacks a MatMul's constant weight from its own graph or the one above it, not from
-    two levels up: the fused branch of a dispatching model ran 1.13x slower than the same
-    fused model alone at batch 1, 128 tokens with its weights in the main graph, and as
-    fast with prepacking off in both. Such a weight is stored once per branch reading it.
-    ``deep``: the branch lies two Ifs down or more (the third rule on), so every weight of
-    the candidate stays in it (its own MatMuls would be two levels below the main graph).
-    Returns the branch and where each of the candidate's initializers went (its name there)."""
-    graph = onnx.GraphProto()
-    graph.CopyFrom(candidate.graph)
-    mapping: dict[str, str] = {}
-    below = _read_below(graph)
-    inside = []
-    for init in graph.initializer:
-        if deep or init.name in below:
-            mapping[init.name] = f"{prefix}{init.name}"
-            copy = onnx.TensorProto()
-            copy.CopyFrom(init)
-            copy.name = mapping[init.name]
-            inside.append(copy)
-            continue
-        kept, plain = shared.get(init.name), _plain(init)  # (compared as raw bytes)
-        if kept is None or kept.raw_data != plain.raw_data or kept.dims != plain.dims \
-                or kept.data_type != plain.data_type:
-            name = init.name if kept is None else f"{prefix}{init.name}"
-            mapping[init.name] = name
-            plain.name = name
-            shared[name] = plain
-    stored = {init.name: mapping.get(init.name, init.name) for init in graph.initializer}
-    for node in graph.node:
-        for out in node.output:
-            if out and out not in outer:
-                mapping[out] = f"{prefix}{out}"
-    _rename_graph(graph, mapping)
-    del graph.initializer[:]
-    graph.initializer.extend(inside)
-    del graph.input[:]
-    graph.name = prefix.rstrip("/")
-    return graph, stored
-
-
-def dispatch(candidates: Mapping[str, onnx.ModelProto], rules: Sequence[Rule], dim: str,
-             batch_dim: str = "", stored: dict[str, dict[str, str]] | None = None
-             ) -> onnx.ModelProto:
-    """A model that runs, for its length ``dim`` (and batch ``batch_dim``, where a rule
-    bounds it), the candidate of the first rule that applies (one rule: that candidate
-    itself). ``stored``, if given, is filled with each rule's candidate's initializer names
-    and the names they have in the model (first rule first: the shallowest copy)."""
-    base = candidates[ORIGINAL]
-    stored = {} if stored is None else stored
-    if len(rules) == 1:
-        out = onnx.ModelProto()
-        out.CopyFrom(candidates[rules[0].name])
-        stored[rules[0].name] = {i.name: i.name for i in out.graph.initializer}
-        return out
-    sizes = [(dim, "tune/length")]
-    if any(r.batch_below is not None for r in rules):
-        sizes.append((batch_dim, "tune/batch"))
-    nodes = []
-    for name, value in sizes:
-        where = next(((i.name, a) for i in base.graph.input
-                      for a, d in enumerate(i.type.tensor_type.shape.dim)
-                      if d.dim_param == name), None)
-        if where is None:
-            raise ValueError(f"no input has the dim {name!r}")
-        nodes += [helper.make_node("Shape", [where[0]], [f"{value}_shape"], start=where[1],
-                                   end=where[1] + 1),
-                  helper.make_node("Squeeze", [f"{value}_shape"], [value])]
-    shared = {init.name: _plain(init) for init in base.graph.initializer}
-    outer = {i.name for i in base.graph.input}
-    # rule n's branch is min(n + 1, len(rules) - 1) Ifs down (the rules' Ifs nest in else)
-    branches = []
-    for n, rule in enumerate(rules):
-        branch, names = _branch(candidates[rule.name], f"tune/{n}.{rule.name}/", outer, shared,
-                                deep=min(n + 1, len(rules) - 1) > 1)
-        branches.append(branch)
-        stored.setdefault(rule.name, names)
-    nodes += _select(list(rules), branches, list(base.graph.output), 0)
-    read = set().union(*({i for n in b.node for i in n.input} | _read_below(b)
-                         for b in branches))
-    kept = [init for name, init in shared.items() if name in read]  # (deep branches: copies)
-    graph = helper.make_graph(nodes, base.graph.name, list(base.graph.input),
-                              list(base.graph.output), kept)
-    opsets: dict[str, int] = {}
-    for model in candidates.values():
-        for imp in model.opset_import:
-            opsets[imp.domain] = max(opsets.get(imp.domain, 0), imp.version)
-    out = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v)
-                                                  for d, v in opsets.items()],
-                            ir_version=max(m.ir_version for m in candidates.values()))
-    out.producer_name, out.producer_version = base.producer_name, base.producer_version
-    out.metadata_props.extend(base.metadata_props)
-    return out
-
-
-def _plain(init: onnx.TensorProto) -> onnx.TensorProto:
-    """An initializer with its data as raw bytes (so that equal tensors compare equal)."""
-    return numpy_helper.from_array(numpy_helper.to_array(init), init.name)
-
-
-def _select(rules: list[Rule], branches: list[onnx.GraphProto],
-            outputs: list[onnx.ValueInfoProto], depth: int) -> list[onnx.NodeProto]:
-    """Nodes computing ``outputs``: If(the first rule applies) its branch, else the rest of
-    the rules (one more If inside the else branch while two or more are left)."""
-    if len(rules) == 2:
-        other = branches[1]
-    else:
-        names = []
-        for value in outputs:
-            copy = onnx.ValueInfoProto()
-            copy.CopyFrom(value)
-            copy.name = f"tune/d{depth}/{value.name}"
-            names.append(copy)
-        other = helper.make_graph(_select(rules[1:], branches[1:], names, depth + 1),
-                                  f"tune_else_{depth}", [], names)
-    tests, nodes = [], []
-    for size, bound in (("length", rules[0].below), ("batch", rules[0].batch_below)):
-        if bound is not None:
-            name = f"tune/{size}_bound_{depth}"
-            nodes += [helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
-                          np.array(bound, np.int64))),
-                      helper.make_node("Less", [f"tune/{size}", name], [f"{name}_below"])]
-            tests.append(f"{name}_below")
-    cond = tests[0]
-    if len(tests) == 2:
-        cond = f"tune/both_{depth}"
-        nodes.append(helper.make_node("And", tests, [cond]))
-    return [*nodes, helper.make_node("If", [cond], [o.name for o in outputs],
-                                     then_branch=branches[0], else_branch=other)]

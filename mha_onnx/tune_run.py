@@ -26,10 +26,10 @@ from mha_onnx.tune import (
     TuneResult,
     choose,
     choose_by_batch,
-    dispatch,
     first_rule,
     settle,
 )
+from mha_onnx.tune_dispatch import dispatch
 
 # A point is skipped when its attention scores alone would pass this many elements (batch *
 # heads * length^2): the default grid's batch 32 x 1024 of the base export (8 heads, 2^28)
@@ -267,15 +267,17 @@ def _weights_at(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
 
 
 def _size_note(original: onnx.ModelProto, tuned: onnx.ModelProto) -> list[str]:
-    """A note where the tuned model is much bigger than the original (the weights of every
-    candidate from the third rule on are copied into its branch: tune._branch)."""
+    """A note where the tuned model is much bigger than the original (the weights of the
+    candidates past the second are held again by the else graph above them:
+    tune_dispatch)."""
     grown = tuned.ByteSize() / max(original.ByteSize(), 1)
     if grown < 1.5:
         return []
-    return [f"the tuned model is {grown:.1f}x the original's size: each candidate from the "
-            "third rule on keeps its own copy of the weights (ONNX Runtime prepacks a "
-            "MatMul's weight only from one graph up, and ran such a candidate up to 1.3x "
-            "slower with its weights shared); a smaller grid gives fewer rules"]
+    return [f"the tuned model is {grown:.1f}x the original's size: past the first two "
+            "candidates, each If's else graph holds a copy of the weights of the candidates "
+            "inside it (ONNX Runtime prepacks a MatMul's weight only from one graph up, and "
+            "ran such a candidate up to 1.3x slower with its weights shared); a smaller grid "
+            "gives fewer candidates"]
 
 
 def _branch_cases(original: onnx.ModelProto, rules: list[Rule], table, dim: str) -> list:

@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 
 from mha_onnx.cli import main
 from mha_onnx.runtimes import OrtRunner
-from mha_onnx.tune import ORIGINAL, Rule, TuneResult, choose, choose_by_batch, dispatch, settle
+from mha_onnx.tune import ORIGINAL, Rule, TuneResult, choose, choose_by_batch, settle
+from mha_onnx.tune_dispatch import dispatch
 from tests.conftest import SMALL
 
 
@@ -171,19 +172,33 @@ def test_the_dispatching_model_runs_each_rules_candidate_and_shares_weights():
             np.testing.assert_allclose(run.infer({"x": x})["y"], x * [1, 2, 3, 4] * factor)
 
 
-def test_weights_only_deep_branches_read_are_not_kept_in_the_main_graph():
-    """From the third rule on a candidate's weights are in its branch (two Ifs down ORT would
-    not prepack them from the main graph); the main graph keeps only what a branch reads."""
+def _ifs(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    out = []
+    for node in graph.node:
+        out += [node] if node.op_type == "If" else []
+        for attr in node.attribute:
+            out += _ifs(attr.g) if attr.type == onnx.AttributeProto.GRAPH else []
+    return out
+
+
+def test_each_candidate_is_one_branch_its_weights_one_graph_above_it():
+    """A candidate several rules name is one branch; the main graph holds the first
+    candidate's weights, the else graph the weights of the two inside it (two Ifs down ORT
+    would not prepack them from the main graph), equal tensors there stored once."""
     renamed = _scaled(2.0)
     renamed.graph.initializer[0].name = "w2"
     renamed.graph.node[0].input[1] = "w2"
     models = {ORIGINAL: _scaled(1.0), "two": renamed, "three": _scaled(3.0)}
-    tuned = dispatch(models, [Rule(8, "two"), Rule(32, ORIGINAL), Rule(None, "three")], "seq")
+    rules = [Rule(8, "two"), Rule(32, ORIGINAL), Rule(64, "two"), Rule(None, "three")]
+    tuned = dispatch(models, rules, "seq")
     onnx.checker.check_model(tuned)
-    # the first rule's (its own factor under its prefix); none of the deep branches' weights
-    assert [i.name for i in tuned.graph.initializer] == ["w2", "tune/0.two/f"]
+    assert [i.name for i in tuned.graph.initializer] == ["w2", "f"]  # "two"'s
+    ifs = _ifs(tuned.graph)
+    assert len(ifs) == 2  # three candidates, four rules
+    inner = next(a.g for a in ifs[0].attribute if a.name == "else_branch")
+    assert sorted(i.name for i in inner.initializer) == ["tune/three/f", "tune/w1/f", "tune/w1/w"]
     with OrtRunner(tuned.SerializeToString()) as run:
-        for seq, factor in ((4, 2.0), (8, 1.0), (32, 3.0)):
+        for seq, factor in ((4, 2.0), (8, 1.0), (31, 1.0), (32, 2.0), (63, 2.0), (64, 3.0)):
             x = np.ones((1, seq, 4), np.float32)
             np.testing.assert_allclose(run.infer({"x": x})["y"], x * [1, 2, 3, 4] * factor)
 
@@ -209,7 +224,7 @@ def test_weights_a_candidates_subgraphs_read_stay_one_level_above_them():
     onnx.checker.check_model(tuned)
     assert [i.name for i in tuned.graph.initializer].count("w") == 1  # the original's
     fused = next(a.g for a in tuned.graph.node[-1].attribute if a.name == "else_branch")
-    assert [i.name for i in fused.initializer] == ["tune/1.fused/w"]
+    assert [i.name for i in fused.initializer] == ["tune/fused/w"]
     with OrtRunner(tuned.SerializeToString()) as run:
         for seq, factor in ((4, 1.0), (8, 2.0)):
             x = np.ones((1, seq, 4), np.float32)
@@ -315,16 +330,16 @@ def test_a_tuned_model_much_bigger_than_its_original_says_so():
     two_rules = dispatch(models, [Rule(8, "two"), Rule(None, ORIGINAL)], "seq")
     assert _size_note(big, two_rules) == []  # both one If down: the weights shared
     deep = dispatch(models, [Rule(8, "two"), Rule(32, "three"), Rule(None, ORIGINAL)], "seq")
-    (note,) = _size_note(big, deep)  # two candidates two Ifs down: two more copies
-    assert note.startswith("the tuned model is 3.0x the original's size")
+    (note,) = _size_note(big, deep)  # two candidates two Ifs down: one more copy, shared
+    assert note.startswith("the tuned model is 2.0x the original's size")
 
 
 @pytest.mark.parametrize("order", [("fused", "other", "original"), ("other", "original", "fused")])
 def test_validate_finds_the_weights_of_a_tuned_model_in_its_branches(export_cache, tmp_path,
                                                                      order):
-    """Deep branches keep their weights, under a prefix, and a fusion packs Q, K and V: the
-    PyTorch reference still finds every weight (a three-rule tune failed validate with
-    "initializer 'w_k.bias' of w_k.bias is missing")."""
+    """Deep branches' weights are held below the main graph, under a prefix, and a fusion
+    packs Q, K and V: the PyTorch reference still finds every weight (a three-rule tune
+    failed validate with "initializer 'w_k.bias' of w_k.bias is missing")."""
     from mha_onnx.parity import ValidateConfig, validate_model
     from mha_onnx.tune_run import _dims, assemble, candidates
 
@@ -337,8 +352,8 @@ def test_validate_finds_the_weights_of_a_tuned_model_in_its_branches(export_cach
                      results)
     from mha_onnx.parity.references import _initializers
 
-    deep = [n for n in _initializers(tuned.graph) if n.startswith(f"tune/{len(rules) - 1}.")]
-    assert deep  # (the last rule's candidate keeps its weights in its branch)
+    deep = [n for n in _initializers(tuned.graph) if n.startswith("tune/w1/")]
+    assert deep  # (the last two candidates' weights are held by the else graph above them)
     path = tmp_path / "tuned.onnx"
     onnx.save(tuned, path)
     assert validate_model(path, ValidateConfig())

@@ -1,12 +1,13 @@
 """A tuned model's candidate two Ifs down: its weights in the main graph or in its branch.
 
-``fuse --tune`` writes a chain of Ifs, one per rule, each nested in the previous one's else
-branch, so the third rule's candidate runs two Ifs below the main graph. ONNX Runtime 1.31
+``fuse --tune`` writes a chain of Ifs, one per candidate, each nested in the previous one's
+else branch, so the third candidate runs two Ifs below the main graph. ONNX Runtime 1.31
 prepacks a MatMul's constant weight only from the MatMul's own graph or the one right above
-it; this times the base no-mask export alone against a three-rule dispatching model whose
-last rule runs that same export, with its weights in the main graph (shared, as tune.py kept
-them before) and in its own branch (tune.py now), timed in turn (the order swapped every
-round), 40 rounds, medians, 2 threads, sleeping thread pools:
+it; this times the base no-mask export alone against a three-candidate dispatching model
+whose last candidate is that same export, with its weights in the main graph (shared, as
+tune.py kept them at first) and in the else graph right above its branch (tune_dispatch
+now), timed in turn (the order swapped every round), 40 rounds, medians, 2 threads,
+sleeping thread pools:
 
     .venv/bin/python -m tools.experiments.deep_branch
 """
@@ -28,26 +29,26 @@ def main() -> None:
     from mha_onnx.config import load_preset
     from mha_onnx.export import export_model
     from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.tune_dispatch import dispatch
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "none.onnx"
         export_model(load_preset("base").replace(mask="none"), path, force=True)
         original = onnx.load(path)
-    models = {tune.ORIGINAL: original, "fused": original}
-    rules = [tune.Rule(8, "fused"), tune.Rule(12, "fused"), tune.Rule(None, tune.ORIGINAL)]
-    shared = tune._branch
-    try:  # every branch's weights shared from the main graph but for its Ifs' own
-        tune._branch = lambda *args, deep=False: shared(*args)
-        in_main = tune.dispatch(models, rules, "seq_q")
-    finally:
-        tune._branch = shared
-    inside = tune.dispatch(models, rules, "seq_q")
+    models = {"a": original, "b": original, tune.ORIGINAL: original}
+    rules = [tune.Rule(8, "a"), tune.Rule(12, "b"), tune.Rule(None, tune.ORIGINAL)]
+    inside = dispatch(models, rules, "seq_q")
+    in_main = onnx.ModelProto()
+    in_main.CopyFrom(inside)
+    nested = next(a.g for a in in_main.graph.node[-1].attribute if a.name == "else_branch")
+    in_main.graph.initializer.extend(nested.initializer)  # (the names are unique)
+    del nested.initializer[:]
     graphs = {"alone": original, "weights in the main graph": in_main,
-              "weights in its branch": inside}
+              "weights in the graph above": inside}
     runners = {k: OrtRunner(m.SerializeToString(), "cpu", threads=2, spinning=False)
                for k, m in graphs.items()}
     name = original.graph.input[0].name
-    print("| batch | length | alone ms | weights in the main graph | weights in its branch |")
+    print("| batch | length | alone ms | weights in the main graph | weights in the graph above |")
     print("|---|---|---|---|---|")
     for batch, length in SHAPES:
         feeds = {name: np.random.default_rng(0).standard_normal(
@@ -63,7 +64,7 @@ def main() -> None:
         alone = median["alone"]
         print(f"| {batch} | {length} | {alone:.2f} | "
               f"{median['weights in the main graph'] / alone:.2f}x | "
-              f"{median['weights in its branch'] / alone:.2f}x |", flush=True)
+              f"{median['weights in the graph above'] / alone:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
