@@ -333,3 +333,15 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     clone = onnx.ModelProto()
     clone.CopyFrom(model)
     return clone
+
+
+def all_initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Every initializer of ``graph`` and of its subgraphs (a tuned model's branches hold
+    some), by name."""
+    out = {t.name: t for t in graph.initializer}
+    for node in all_nodes(graph):
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else []) \
+                    + list(attr.graphs):
+                out.update({t.name: t for t in sub.initializer if t.name not in out})
+    return out

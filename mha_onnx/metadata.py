@@ -39,6 +39,11 @@ def decoded(model: onnx.ModelProto) -> dict[str, Any]:
     """Like :func:`read`, with the JSON values decoded (for inspect and reports)."""
     out: dict[str, Any] = {}
     for key, value in read(model).items():
+        if key == "original_weights":
+            continue
+        if key == "original":  # (the original kept: its size only)
+            out[key] = f"kept for `mha-onnx tune` to tune again ({len(value):,} bytes)"
+            continue
         try:
             out[key] = json.loads(value) if key in JSON_KEYS else value
         except json.JSONDecodeError:

@@ -184,12 +184,7 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
 
     started = time.perf_counter()
     output = prepare_output(output, force=force)
-    original = read_model(source)
-    done = [k for k in ("tuning", "fusion") if k in metadata.read(original)]
-    if done:
-        raise ConfigError(f"{source} is already {'tuned' if 'tuning' in done else 'fused'}",
-                          hint="tune the original (unfused) model: the forms are chosen among "
-                               "fusions of it, and fusing is quick")
+    original = _the_original(source, progress)
     dim, batch_dim = _dims(original)
     progress("fusing and verifying the candidates")
     models, notes, results = candidates(original)
@@ -226,8 +221,10 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
 def assemble(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
              result: TuneResult, results: list) -> onnx.ModelProto:
     """The dispatching model of ``result``'s rules over ``models``, with the original's
-    metadata, the fusion's (each fused block labelled with the rules), the tuning table and
-    where the PyTorch reference finds each weight."""
+    metadata, the fusion's (each fused block labelled with the rules), the tuning table,
+    where the PyTorch reference finds each weight, and the original kept (so that ``tune``
+    can tune it again elsewhere: mha_onnx.original)."""
+    from mha_onnx.original import record
     from mha_onnx.rewrite.fuse import carry_metadata
 
     stored: dict[str, dict[str, str]] = {}
@@ -235,35 +232,62 @@ def assemble(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
     labelled = [replace(r, form=f"tuned: {result.describe()}") if r.status == "fused" else r
                 for r in results]
     carry_metadata(original, tuned, labelled, "ort", "cpu")  # the original's, and the fusion
-    metadata.write(tuned, {TUNING: result.to_dict(), **_weights_at(original, models, stored)})
+    packed = _packed_at(models, stored)
+    metadata.write(tuned, {TUNING: result.to_dict(), **_weights_at(original, stored, packed),
+                           **({"packed": packed} if packed else {})})
+    record(original, tuned)
     return tuned
 
 
-def _weights_at(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
-                stored: dict[str, dict[str, str]]) -> dict:
+def _packed_at(models: dict[str, onnx.ModelProto], stored: dict[str, dict[str, str]]
+               ) -> dict[str, list]:
+    """Each weight a candidate's fusion packed: [joined, start, end], the joined tensor by
+    its name in the tuned model (the first candidate holding it: the shallowest copy)."""
+    out: dict[str, list] = {}
+    for candidate, names in stored.items():
+        for name, (joined, start, end) in (metadata.loaded(models[candidate], "packed")
+                                           or {}).items():
+            if joined in names:
+                out.setdefault(name, [names[joined], start, end])
+    return out
+
+
+def _weights_at(original: onnx.ModelProto, stored: dict[str, dict[str, str]],
+                packed: dict[str, list]) -> dict:
     """The original's "params" (where the PyTorch reference finds each weight) pointed at
-    the tuned model's copies, a weight fuse packed at its "packed" slice there: a weight may
-    lie only in a branch, under its prefix. The first candidate holding it wins (``stored``
-    is in rule order: the shallowest copy). {} where the original records no params."""
+    the tuned model's copies (a weight may lie only in a branch, under its prefix; a packed
+    one is found by ``packed``). The first candidate holding it wins (``stored`` is in rule
+    order: the shallowest copy). {} where the original records no params."""
     params = metadata.loaded(original, "params")
     if not params:
         return {}
-    out_params, out_packed = {}, {}
+    out = {}
     for name, where in params.items():
         initializer = where.get("initializer") if isinstance(where, dict) else None
-        for candidate, names in stored.items():
-            packed = metadata.loaded(models[candidate], "packed") or {}
-            if initializer in names:
-                out_params[name] = {**where, "initializer": names[initializer]}
-                break
-            if initializer in packed and packed[initializer][0] in names:
-                joined, start, end = packed[initializer]
-                out_packed[initializer] = [names[joined], start, end]
-                out_params[name] = where
-                break
-        else:
-            out_params[name] = where  # (not found: validate says which is missing)
-    return {"params": out_params, **({"packed": out_packed} if out_packed else {})}
+        at = next((names[initializer] for names in stored.values() if initializer in names),
+                  None)
+        out[name] = where if at is None else {**where, "initializer": at}
+    return {"params": out}
+
+
+def _the_original(source: str | Path, progress: Callable[[str], None]) -> onnx.ModelProto:
+    """``source``, or the original a fused or tuned ``source`` keeps (tuned again from it:
+    the forms are chosen among fusions of the original)."""
+    from mha_onnx.original import restore
+
+    model = read_model(source)
+    done = [k for k in ("tuning", "fusion") if k in metadata.read(model)]
+    if not done:
+        return model
+    original = restore(model)
+    if original is None:
+        raise ConfigError(f"{source} is already {'tuned' if 'tuning' in done else 'fused'} and "
+                          "does not keep its original (fused by an older mha-onnx, with "
+                          "external data, or with over 256 MB of weights fuse rewrote)",
+                          hint="tune the original (unfused) model")
+    progress(f"{source} is {'tuned' if 'tuning' in done else 'fused'}: tuning again from "
+             "the original it keeps")
+    return original
 
 
 def _size_note(original: onnx.ModelProto, tuned: onnx.ModelProto) -> list[str]:

@@ -12,7 +12,7 @@ import onnx
 from mha_onnx import metadata
 from mha_onnx.cache import shared_view
 from mha_onnx.errors import InputSpecError, MhaOnnxError, RuntimeCrash
-from mha_onnx.graphio import read_model
+from mha_onnx.graphio import all_initializers, read_model
 from mha_onnx.inputs import input_specs
 from mha_onnx.metadata import CheckResult, session_options
 from mha_onnx.parity.config import ValidateConfig
@@ -38,17 +38,6 @@ def _weight(arrays: dict, packed: dict, name: str) -> np.ndarray | None:
         raise metadata.damaged("packed", f"entry {name!r}: {exc!r}") from exc
 
 
-def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
-    """Every initializer of ``graph`` and of its subgraphs, by name."""
-    out = {t.name: t for t in graph.initializer}
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else []) \
-                    + list(attr.graphs):
-                out = {**_initializers(sub), **out}
-    return out
-
-
 class TorchReference:
     """The PyTorch reference rebuilt from an export's metadata and initializers (float32)."""
 
@@ -63,7 +52,7 @@ class TorchReference:
         assert config is not None
         self.config = config
         params = metadata.loaded(source, "params") or {}
-        arrays = _initializers(source.graph)  # (a tuned model's may lie in its branches)
+        arrays = all_initializers(source.graph)  # (a tuned model's may lie in its branches)
         packed = metadata.loaded(source, "packed") or {}
         state = {}
         for name, where in params.items():

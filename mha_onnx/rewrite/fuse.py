@@ -24,6 +24,7 @@ from mha_onnx.errors import BlocksLeft, ConfigError, FusionError, RuntimeCrash
 from mha_onnx.graphdims import dim_floors, with_related_dims
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.inputs import input_specs, load_inputs
+from mha_onnx.original import record as record_original
 from mha_onnx.preflight import Preflight, preflight
 from mha_onnx.rewrite.blocks import all_graphs, find_blocks, why_left
 from mha_onnx.rewrite.core import (
@@ -287,6 +288,8 @@ def fuse_file(
     level = _safe_level(preflight(source), "the original model") if verify_result else "all"
     fused, results, notes = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
     carry_metadata(original, fused, results, target, (forms or Forms()).ep)
+    if target == "ort":  # (for `mha-onnx tune` on another machine)
+        record_original(original, fused)
     notes += _unused_overrides(forms, results)
     unguarded = unguarded_norms(original)
     if unguarded:
