@@ -343,13 +343,16 @@ def profile(ctx, models, providers, batches, seq_lens, warmup, iters, min_time, 
               type=click.Choice(["cpu", "cuda", "tensorrt", "openvino"]),
               help="A config per target (repeat; the first is config.pbtxt). Default: cpu.")
 @click.option("--instances", type=int, default=1, show_default=True, help="Instances per device.")
+@click.option("--target-model", "target_models", multiple=True, metavar="TARGET=MODEL",
+              help="A model of its own for a target (one tuned there: `mha-onnx tune`), "
+                   "loaded by that target's config (repeat).")
 @click.option("--from-profile", default=None, help="A profile --json: batch sizes, queue delay, threads.")
 @click.option("--lengths", default="1:128:2048", show_default=True,
               help="min:opt:max sequence length of TensorRT's optimisation profile.")
 @click.option("--force", is_flag=True, help="Write into an existing model folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def package(model, repository, name, max_batch_size, targets, instances, from_profile, lengths,
-            force, as_json):
+def package(model, repository, name, max_batch_size, targets, instances, target_models,
+            from_profile, lengths, force, as_json):
     """Write a Triton Inference Server model repository (onnxruntime backend) for MODEL."""
     from pathlib import Path
 
@@ -360,10 +363,14 @@ def package(model, repository, name, max_batch_size, targets, instances, from_pr
         low, opt, high = (int(x) for x in lengths.split(":"))
     except ValueError:
         raise ConfigError(f"malformed --lengths {lengths!r}", hint="e.g. --lengths 1:128:2048") from None
+    pairs = tuple(tuple(p.split("=", 1)) for p in target_models)
+    if any(len(p) != 2 or not all(p) for p in pairs):
+        raise ConfigError(f"malformed --target-model {target_models}",
+                          hint="e.g. --target-model cuda=model.cuda.tuned.onnx")
     config = PackageConfig(name=name or Path(model).stem.replace(".", "_"),
                            max_batch_size=max_batch_size, targets=tuple(targets) or ("cpu",),
                            instances=instances, from_profile=from_profile,
-                           lengths=(low, opt, high), force=force)
+                           lengths=(low, opt, high), force=force, target_models=pairs)
     _emit(package_model(model, repository, config), as_json)
 
 

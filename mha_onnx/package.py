@@ -28,12 +28,10 @@ from mha_onnx.graphio import external_files, prepare_folder, read_model
 from mha_onnx.input_roles import all_nodes
 from mha_onnx.inputs import InputSpec, input_specs, split_dims
 from mha_onnx.metadata import session_options
+from mha_onnx.package_readme import TRITON_TYPES, serving_readme
 from mha_onnx.table import table
 
 TARGETS = ("cpu", "cuda", "tensorrt", "openvino")  # openvino: Triton's OpenVINO backend, CPU
-TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "float64": "TYPE_FP64",
-                "bool": "TYPE_BOOL", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
-                "int8": "TYPE_INT8", "uint8": "TYPE_UINT8"}
 # Triton's onnxruntime backend: optimization.graph.level (-1 basic, 1 extended, 2 none;
 # absent: all, ORT's default).
 GRAPH_LEVELS = {"basic": -1, "extended": 1, "none": 2}
@@ -48,6 +46,8 @@ class PackageConfig:
     from_profile: str | None = None
     lengths: tuple[int, int, int] = (1, 128, 2048)  # min, opt, max length for TensorRT
     force: bool = False
+    # target -> a model of its own for it (one tuned there: `mha-onnx tune`), else the model
+    target_models: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "_-." for c in self.name):
@@ -59,6 +59,10 @@ class PackageConfig:
         if unknown or not self.targets:
             raise ConfigError(f"unknown target(s) {', '.join(unknown) or '(none)'}",
                               hint=f"targets: {', '.join(TARGETS)}")
+        stray = [t for t, _ in self.target_models if t not in self.targets]
+        if stray:
+            raise ConfigError(f"--target-model for {', '.join(stray)}, which is not a --target",
+                              hint="add the --target, or drop its --target-model")
         low, opt, high = self.lengths
         if not 1 <= low <= opt <= high:
             raise ConfigError("lengths must satisfy 1 <= min <= opt <= max")
@@ -297,25 +301,74 @@ def package_model(source: str | Path, repository: str | Path, cfg: PackageConfig
     """Write the model repository (refusing a non-empty model folder without ``force``)."""
     started = time.perf_counter()
     model = read_model(source)
+    own = {t: (p, _same_interface(model, p, t)) for t, p in cfg.target_models}
     folder = prepare_folder(Path(repository) / cfg.name, force=cfg.force)
     batching = batching_from_profile(cfg.from_profile, cfg.max_batch_size)
     cfg, notes = package_notes(model, cfg, batching)
     threads = _best_threads(cfg.from_profile)
-    configs = {t: to_pbtxt(triton_config(model, cfg, t, batching,
-                                         threads if t in ("cpu", "openvino") else 0))
-               + "\n" for t in cfg.targets}
+    configs = {}
+    for t in cfg.targets:
+        config = triton_config(own[t][1] if t in own else model, cfg, t, batching,
+                               threads if t in ("cpu", "openvino") else 0)
+        if t in own:  # Triton loads this file for this config
+            config["default_model_filename"] = f"model.{t}.onnx"
+            notes.append(f"{t}: 1/model.{t}.onnx ({_tuned_where(own[t][1])})")
+        configs[t] = to_pbtxt(config) + "\n"
     version = folder / "1"
     version.mkdir(exist_ok=True)
     files = [_copy(source, version / "model.onnx")]
-    for data in external_files(read_model(source, load_external_data=False), source):
-        files.append(_copy(data, version / data.name))
+    files += _copy_data(source, version, set())
+    for target, (path, _) in own.items():
+        files.append(_copy(path, version / f"model.{target}.onnx"))
+        files += _copy_data(path, version, {f.name for f in files})
     (folder / "configs").mkdir(exist_ok=True)
     for target, text in configs.items():
         files.append(_write(folder / "configs" / f"{target}.pbtxt", text))
     files.append(_write(folder / "config.pbtxt", configs[cfg.targets[0]]))
-    files.append(_write(folder / "README.md", serving_readme(model, cfg, batching)))
+    files.append(_write(folder / "README.md", serving_readme(model, cfg, batching,
+                                                             _outputs(model))))
     return PackageReport(str(repository), cfg.name, tuple(str(f) for f in files), configs,
                          batching, time.perf_counter() - started, tuple(notes))
+
+
+def _same_interface(model, path: str, target: str):
+    """The model given for ``target``, refused unless its inputs and outputs are the
+    model's (one client serves every target)."""
+    other = read_model(path)
+    mine = ([(s.name, s.dtype, s.dims) for s in input_specs(model)],
+            [(s.name, s.dtype, s.dims) for s in _outputs(model)])
+    theirs = ([(s.name, s.dtype, s.dims) for s in input_specs(other)],
+              [(s.name, s.dtype, s.dims) for s in _outputs(other)])
+    if mine != theirs:
+        raise ConfigError(f"--target-model {target}={path} has other inputs or outputs than "
+                          "the model", hint="give a model tuned or fused from the same one")
+    return other
+
+
+def _tuned_where(model) -> str:
+    """Where a target's model was tuned, from its tuning record."""
+    from mha_onnx import metadata
+
+    tuning = metadata.loaded(model, "tuning")
+    if not tuning:
+        return "not tuned"
+    machine = tuning.get("machine", {})
+    return (f"tuned on {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
+            f"onnxruntime {machine.get('onnxruntime', '?')}, "
+            f"{machine.get('threads') or 'default'} threads: {tuning.get('runs', '?')}")
+
+
+def _copy_data(source: str | Path, version: Path, taken: set[str]) -> list[Path]:
+    """The external data files of ``source`` beside its copy (refused where another model
+    of the repository already has a file of that name)."""
+    out = []
+    for data in external_files(read_model(source, load_external_data=False), source):
+        if data.name in taken:
+            raise ConfigError(f"{source}'s external data {data.name} has the name of another "
+                              "file of the repository",
+                              hint="save that model with another data file name")
+        out.append(_copy(data, version / data.name))
+    return out
 
 
 def _copy(src: str | Path, dst: Path) -> Path:
@@ -342,58 +395,3 @@ def _best_threads(path: str | None) -> int:
         return 0
     counts = [b["threads"] for b in cpu]
     return max(set(counts), key=counts.count)
-
-
-def serving_readme(model, cfg: PackageConfig, batching: dict[str, Any]) -> str:
-    """How to serve the repository and send a request (written beside the model)."""
-    specs = input_specs(model)
-    example = ", ".join(f'"{s.name}": {s.dtype.name}[{", ".join(str(d) for d in s.dims)}]'
-                        for s in specs)
-    gpus = "--gpus=all " if any(t != "cpu" for t in cfg.targets) else ""
-    lines = [
-        f"# {cfg.name}: served by Triton Inference Server ("
-        + ", ".join(f"{b} backend" for b in dict.fromkeys(
-            "openvino" if t == "openvino" else "onnxruntime" for t in cfg.targets)) + ")",
-        "",
-        "Written by `mha-onnx package`. Serve the repository with NVIDIA's Triton container",
-        "whose onnxruntime backend is built with ONNX Runtime 1.31 (the release notes'",
-        "framework matrix lists the ORT version of each `nvcr.io/nvidia/tritonserver:<YY.MM>-py3`",
-        "image; pick that tag for TRITON_IMAGE):",
-        "",
-        "```sh",
-        f"docker run --rm {gpus}-p8000:8000 -p8001:8001 -p8002:8002 \\",
-        "  -v $PWD/REPO:/models $TRITON_IMAGE \\",
-        f"  tritonserver --model-repository=/models --model-control-mode=explicit "
-        f"--load-model={cfg.name}",
-        "```",
-        "",
-        f"Targets: {', '.join(cfg.targets)}; `config.pbtxt` is the {cfg.targets[0]} config. Another "
-        "one is selected with `--model-config-name=<target>` (files in `configs/`).",
-        f"Dynamic batching: {json.dumps(batching) or 'Triton defaults'}; max batch size "
-        f"{cfg.max_batch_size}.",
-        "",
-        f"Inputs: {example}. A request with `tritonclient` (pip install 'tritonclient[http]'):",
-        "",
-        "```python",
-        "import numpy as np, tritonclient.http as http",
-        'client = http.InferenceServerClient("localhost:8000")',
-        "inputs = []",
-        *[_request_line(s, set(split_dims(specs)[0])) for s in specs],
-        f'result = client.infer("{cfg.name}", inputs)',
-        *[f'print(result.as_numpy("{o.name}").shape)' for o in _outputs(model)],
-        "```",
-        "",
-        "Scaling out: the repository is the unit. Replicas are more Triton servers on the same",
-        "repository (a Kubernetes Deployment behind a Service), or KServe's InferenceService with",
-        "`modelFormat: onnx` (its ONNX runtime is Triton) pointing `storageUri` at a copy of REPO.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _request_line(spec: InputSpec, batch_dims: set) -> str:
-    shape = [d if isinstance(d, int) else (2 if d in batch_dims else 16) for d in spec.dims]
-    triton = TRITON_TYPES[spec.dtype.name].removeprefix("TYPE_")
-    data = (f"np.zeros({shape}, dtype=np.{spec.dtype.name})" if spec.role != "data"
-            else f"np.random.rand(*{shape}).astype(np.{spec.dtype.name})")
-    return (f'inputs.append(http.InferInput("{spec.name}", {shape}, "{triton}")); '
-            f"inputs[-1].set_data_from_numpy({data})")

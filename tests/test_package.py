@@ -214,3 +214,30 @@ def test_an_openvino_target_for_tritons_openvino_backend(export_cache, tmp_path,
     refused = CliRunner().invoke(main, ["package", str(fused), "-o", str(tmp_path / "r2"),
                                         "--target", "openvino"])
     assert refused.exit_code == 3 and "GroupQueryAttention" in refused.output
+
+
+def test_a_target_takes_a_model_of_its_own(export_cache, tmp_path, model_config_pb2):
+    """--target-model cuda=M: that target's config loads M (default_model_filename), the
+    others the model; a model with other inputs, or for a target not packaged, is refused."""
+    src = export_cache(CFG)
+    tuned = tmp_path / "tuned.onnx"
+    assert CliRunner().invoke(main, ["fuse", str(src), "-o", str(tuned)]).exit_code == 0
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(main, ["package", str(src), "-o", str(repo), "--name", "m",
+                                       "--target", "cpu", "--target", "cuda",
+                                       "--target-model", f"cuda={tuned}"])
+    assert result.exit_code == 0, result.output
+    folder = repo / "m"
+    cuda = _parse(model_config_pb2, folder / "configs" / "cuda.pbtxt")
+    cpu = _parse(model_config_pb2, folder / "configs" / "cpu.pbtxt")
+    assert cuda.default_model_filename == "model.cuda.onnx" and not cpu.default_model_filename
+    assert (folder / "1" / "model.cuda.onnx").read_bytes() == tuned.read_bytes()
+    assert "cuda: 1/model.cuda.onnx (not tuned)" in result.output
+    assert "cuda loads `1/model.cuda.onnx`" in (folder / "README.md").read_text()
+    other = export_cache(CFG.replace(mask="none"))
+    for extra, says in ((["--target", "cuda", "--target-model", f"cuda={other}"],
+                         "other inputs or outputs"),
+                        (["--target-model", f"cuda={tuned}"], "which is not a --target"),
+                        (["--target-model", "cuda"], "malformed --target-model")):
+        bad = CliRunner().invoke(main, ["package", str(src), "-o", str(tmp_path / "r2"), *extra])
+        assert bad.exit_code == 2 and says in bad.output, bad.output
