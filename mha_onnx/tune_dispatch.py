@@ -108,7 +108,7 @@ def _chain(candidates: Mapping[str, onnx.ModelProto], names: list[str], first: i
     are left). ``held``: the initializers of the graph these nodes are in."""
     def branch(n: int, holder: dict[str, onnx.TensorProto]) -> onnx.GraphProto:
         graph, stored[names[n]] = _branch(candidates[names[n]], f"tune/{names[n]}/", outer,
-                                          holder, f"tune/w{first}/")
+                                          holder, f"tune/w{first}/" if first else "")
         return graph
 
     then = branch(first, held)
@@ -136,8 +136,9 @@ def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
             holder: dict[str, onnx.TensorProto], holder_prefix: str
             ) -> tuple[onnx.GraphProto, dict[str, str]]:
     """One candidate as an If branch: its values prefixed (a subgraph may not redefine outer
-    names), its initializers moved to ``holder`` (the graph above the branch: by name where
-    an equal tensor is there already, compared as raw bytes, else under a prefix), but for
+    names), its initializers moved to ``holder`` (the graph above the branch, its names
+    under ``holder_prefix``: by name where an equal tensor is there already, compared as raw
+    bytes, else under the candidate's prefix), but for
     those the candidate's own subgraphs read: they stay in the branch (prefixed), one level
     above their readers. Returns the branch and where each initializer went."""
     graph = onnx.GraphProto()
@@ -154,7 +155,7 @@ def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
             inside.append(copy)
             continue
         plain = _plain(init)
-        name = init.name if holder_prefix == "tune/w0/" else f"{holder_prefix}{init.name}"
+        name = f"{holder_prefix}{init.name}"
         kept = holder.get(name)
         if kept is not None and (kept.raw_data != plain.raw_data or kept.dims != plain.dims
                                  or kept.data_type != plain.data_type):

@@ -109,11 +109,12 @@ def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
 
     def point_done(index: int, raw: dict) -> None:
         batch, length = grid[index]
+        done.append(index)
+        where = f"{len(done)}/{len(grid)} batch {batch} x {length}"
         mine = raw.get("models", {})
         if "error" in raw or "times" not in mine.get(paths[ORIGINAL], {}):
             why = raw.get("error") or mine.get(paths[ORIGINAL], {}).get("error", "?")
-            progress(f"batch {batch} x {length}: skipped, the original does not run "
-                     f"there ({why[:160]})")
+            progress(f"{where}: skipped, the original does not run there ({why[:160]})")
             return
         runs = {n: np.array(mine[paths[n]]["times"]) for n in order
                 if "times" in mine.get(paths[n], {})}
@@ -126,9 +127,9 @@ def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
                                                       runs[ORIGINAL][:len(t)]))
                                    for n, t in runs.items()}
         best = min(times, key=times.get)
-        progress(f"batch {batch} x {length}: {best} {times[best]:.3g} ms "
-                 f"(original {times[ORIGINAL]:.3g} ms)")
+        progress(f"{where}: {best} {times[best]:.3g} ms (original {times[ORIGINAL]:.3g} ms)")
 
+    done: list[int] = []
     grid_in_child(specs, point_done)
     return ({p: table[p] for p in sorted(table)}, {p: ratios[p] for p in sorted(ratios)})
 
