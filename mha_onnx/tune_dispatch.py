@@ -73,9 +73,10 @@ def _which(base: onnx.ModelProto, rules: Sequence[Rule], names: list[str], dim: 
         return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
             np.array(values, np.int64), name))
 
-    sizes = [(dim, "tune/length", [r.below for r in rules])]
-    if any(r.batch_below is not None for r in rules):
-        sizes.append((batch_dim, "tune/batch", [r.batch_below for r in rules]))
+    sizes = [(size, value, bounds) for size, value, bounds in (
+        (dim, "tune/length", [r.below for r in rules]),
+        (batch_dim, "tune/batch", [r.batch_below for r in rules]))
+        if any(b is not None for b in bounds)]  # (what no rule bounds is not read)
     nodes, tests = [], []
     for size, value, bounds in sizes:
         where = next(((i.name, a) for i in base.graph.input

@@ -69,15 +69,17 @@ def candidates(original: onnx.ModelProto
 
 
 def _dims(model: onnx.ModelProto) -> tuple[str, str]:
-    """(the length dim to dispatch on, the batch dim: "" where the batch is not dynamic)."""
+    """(the length dim to dispatch on, the batch dim), "" where the model has none dynamic
+    (a ViT's images have no length: it is tuned over the batch alone)."""
     specs = input_specs(model)
     if any(len(s.dims) == 4 and s.name.startswith("past") for s in specs):
         raise InputSpecError("--tune: KV-cache models are not tuned yet",
                              hint="fuse it without --tune")
     batches, lengths = split_dims(specs)
-    if not lengths:
-        raise InputSpecError("--tune needs a model with a dynamic length to dispatch on")
-    return lengths[-1], (batches[0] if batches else "")
+    if not lengths and not batches:
+        raise InputSpecError("--tune needs a model with a dynamic batch or length to "
+                             "dispatch on")
+    return (lengths[-1] if lengths else ""), (batches[0] if batches else "")
 
 
 def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
@@ -110,7 +112,7 @@ def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
     def point_done(index: int, raw: dict) -> None:
         batch, length = grid[index]
         done.append(index)
-        where = f"{len(done)}/{len(grid)} batch {batch} x {length}"
+        where = f"{len(done)}/{len(grid)} batch {batch}" + (f" x {length}" if length else "")
         mine = raw.get("models", {})
         if "error" in raw or "times" not in mine.get(paths[ORIGINAL], {}):
             why = raw.get("error") or mine.get(paths[ORIGINAL], {}).get("error", "?")
@@ -169,7 +171,8 @@ def _settle(tuned: onnx.ModelProto, paths: dict[str, str], rules: list[Rule], ra
     path = str(Path(paths[ORIGINAL]).with_name("dispatch.onnx"))
     onnx.save(tuned, path)
     shortest = min(n for _, n in ratios)
-    progress(f"timing the dispatching model itself at length {shortest}")
+    progress("timing the dispatching model itself" + (f" at length {shortest}" if shortest
+                                                       else ""))
     probe_cfg = replace(cfg, seq_lens=(shortest,))
     _, probe = _time({ORIGINAL: paths[ORIGINAL], "dispatch": path}, probe_cfg,
                      heads, progress)
@@ -187,6 +190,8 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
     output = prepare_output(output, force=force)
     original = _the_original(source, progress)
     dim, batch_dim = _dims(original)
+    if not dim:  # (one point a batch: the model's own sizes; 0 stands for no length)
+        cfg = replace(cfg, seq_lens=(0,))
     progress("fusing and verifying the candidates")
     models, notes, results = candidates(original)
     if len(models) == 1:
@@ -343,7 +348,8 @@ class TuneReport:
                  f"  runs: {self.result.describe()}"]
         for key, times in self.result.table.items():
             best = min(times, key=times.get)
-            lines.append(f"  batch x length {key}: {best} {times[best]:.3g} ms, original "
+            lines.append(f"  {'batch' if key.endswith('x0') else 'batch x length'} "
+                         f"{key.removesuffix('x0')}: {best} {times[best]:.3g} ms, original "
                          f"{times[ORIGINAL]:.3g} ms ({times[best] / times[ORIGINAL]:.2f}x)")
         lines += [f"  note: {n}" for n in self.notes]
         lines.append(f"  wrote {self.output}")

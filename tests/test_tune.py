@@ -361,3 +361,27 @@ def test_validate_finds_the_weights_of_a_tuned_model_in_its_branches(export_cach
     path = tmp_path / "tuned.onnx"
     onnx.save(tuned, path)
     assert validate_model(path, ValidateConfig())
+
+
+def test_a_model_without_a_length_dispatches_on_its_batch_alone():
+    models = {ORIGINAL: _scaled(1.0), "two": _scaled(2.0)}
+    tuned = dispatch(models, [Rule(None, "two", 4), Rule(None, ORIGINAL)], "", "batch")
+    assert not any(n.input and n.input[0] == "tune/length" for n in tuned.graph.node)
+    with OrtRunner(tuned.SerializeToString()) as run:
+        for batch, factor in ((1, 2.0), (3, 2.0), (4, 1.0)):
+            x = np.ones((batch, 5, 4), np.float32)
+            np.testing.assert_allclose(run.infer({"x": x})["y"], x * [1, 2, 3, 4] * factor)
+
+
+def test_an_optimum_vit_is_tuned_over_its_batch(tmp_path):
+    """Its images have no length (every dim symbolic, sizes taken from the graph): one point
+    a batch, rules bound by the batch only."""
+    from pathlib import Path
+
+    vit = Path(__file__).parent / "fixtures" / "optimum" / "vit" / "model.onnx"
+    result = CliRunner().invoke(main, ["tune", str(vit), "-o", str(tmp_path / "t.onnx"),
+                                       "--tune-batch", "1,4", "--tune-threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert set(report["tuning"]["table_ms"]) == {"1x0", "4x0"}
+    assert all(r["below"] is None for r in report["tuning"]["rules"])
