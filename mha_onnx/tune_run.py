@@ -74,7 +74,7 @@ def _dims(model: onnx.ModelProto) -> tuple[str, str]:
     specs = input_specs(model)
     if any(len(s.dims) == 4 and s.name.startswith("past") for s in specs):
         raise InputSpecError("--tune: KV-cache models are not tuned yet",
-                             hint="fuse it without --tune")
+                             hint="fuse it without --tune: a fused KV-cache model runs as it is")
     batches, lengths = split_dims(specs)
     if not lengths and not batches:
         raise InputSpecError("--tune needs a model with a dynamic batch or length to "
