@@ -5,8 +5,8 @@ What is kept is the original's graph without the weights the written model alrea
 a weight stored there under any name (the same bytes) is found again by its content, a
 weight fuse packed into a joined tensor (``packed``: Q, K and V side by side) by its slice
 of it; only what neither holds (a mask buffer, a weight fuse rewrote) is kept as bytes.
-Every restored weight is compared with the original's when it is recorded, so a restore
-gives the original back exactly or is not recorded at all. The record is one metadata value
+A weight is taken as held only where its bytes, dtype and shape match (by digest, or a
+packed slice compared element by element), so a restore gives the original back exactly. The record is one metadata value
 (``mha_onnx.original``, base64 of the graph's protobuf, compressed), which ``inspect`` shows by size.
 """
 
@@ -39,8 +39,8 @@ def record(original: onnx.ModelProto, model: onnx.ModelProto,
            packed: Mapping[str, list] | None = None) -> bool:
     """Keep ``original`` in ``model``'s metadata (see the module); ``packed``: name ->
     [joined, start, end] of the weights fuse packed (names as ``model`` has them; default:
-    its "packed" metadata). False
-    where it is not kept: external data, or too much that ``model`` does not hold."""
+    its "packed" metadata). False where it is not kept: external data, or too much that
+    ``model`` does not hold."""
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in original.graph.initializer):
         return False
     packed = metadata.loaded(model, "packed") if packed is None else packed

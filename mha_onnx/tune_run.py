@@ -239,7 +239,7 @@ def assemble(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
                 for r in results]
     carry_metadata(original, tuned, labelled, "ort", "cpu")  # the original's, and the fusion
     packed = _packed_at(models, stored)
-    metadata.write(tuned, {TUNING: result.to_dict(), **_weights_at(original, stored, packed),
+    metadata.write(tuned, {TUNING: result.to_dict(), **_weights_at(original, stored),
                            **({"packed": packed} if packed else {})})
     record(original, tuned)
     return tuned
@@ -258,12 +258,12 @@ def _packed_at(models: dict[str, onnx.ModelProto], stored: dict[str, dict[str, s
     return out
 
 
-def _weights_at(original: onnx.ModelProto, stored: dict[str, dict[str, str]],
-                packed: dict[str, list]) -> dict:
+def _weights_at(original: onnx.ModelProto, stored: dict[str, dict[str, str]]) -> dict:
     """The original's "params" (where the PyTorch reference finds each weight) pointed at
     the tuned model's copies (a weight may lie only in a branch, under its prefix; a packed
-    one is found by ``packed``). The first candidate holding it wins (``stored`` is in rule
-    order: the shallowest copy). {} where the original records no params."""
+    one is found by the tuned model's "packed"). The first candidate holding it wins
+    (``stored`` is in rule order: the shallowest copy). {} where the original records no
+    params."""
     params = metadata.loaded(original, "params")
     if not params:
         return {}
@@ -291,8 +291,10 @@ def _the_original(source: str | Path, progress: Callable[[str], None]) -> onnx.M
                           "does not keep its original (fused by an older mha-onnx, with "
                           "external data, or with over 256 MB of weights fuse rewrote)",
                           hint="tune the original (unfused) model")
+    ep = (metadata.loaded(model, "fusion") or {}).get("ep", "cpu")
     progress(f"{source} is {'tuned' if 'tuning' in done else 'fused'}: tuning again from "
-             "the original it keeps")
+             "the original it keeps" + ("" if ep == "cpu" else f" (its forms were for {ep}; "
+                                        "the tuner times forms on the CPU)"))
     return original
 
 

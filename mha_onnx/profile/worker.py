@@ -342,9 +342,12 @@ def grid_in_child(specs: list[PointSpec], on_result: Callable[[int, dict[str, An
     result)`` as each point ends. A crash ends that child: the point it was timing comes
     back as the error, and the rest are timed each in a child of its own."""
     done = set()
-    with subprocess.Popen([sys.executable, "-m", "mha_onnx.profile"], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"}) as child:
+    # (stderr to a file: a child writing more warnings than a pipe holds would block while
+    # this process reads its stdout)
+    with tempfile.TemporaryFile("w+") as errors, subprocess.Popen(
+            [sys.executable, "-m", "mha_onnx.profile"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=errors, text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"}) as child:
         child.stdin.write(json.dumps({"points": [asdict(s) for s in specs]}))
         child.stdin.close()
         for line in child.stdout:
@@ -352,7 +355,9 @@ def grid_in_child(specs: list[PointSpec], on_result: Callable[[int, dict[str, An
                 result = json.loads(line)
                 done.add(result["index"])
                 on_result(result["index"], result["result"])
-        stderr = child.stderr.read()
+        child.wait()
+        errors.seek(0)
+        stderr = errors.read()
     if len(done) == len(specs):
         return
     rest = [n for n in range(len(specs)) if n not in done]
