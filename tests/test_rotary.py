@@ -10,6 +10,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
+from mha_onnx.input_roles import all_nodes
 from mha_onnx.rewrite.forms import COUNTED, NO_PAST, ONE_TOKEN, either, rotating_kernels
 from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.norms import fuse_norms
@@ -241,7 +242,7 @@ def _same_outputs(original: onnx.ModelProto, model: onnx.ModelProto,
 
 THREE_RUNS = pytest.mark.parametrize("positions", [
     np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # counted up: the kernel rotates
-    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # not: the exporter's rotation
+    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # not: RotaryEmbedding, then the kernel
     np.array([[3], [11]]),  # one token per row: the kernel
 ], ids=["counted", "left-padded", "one-token"])
 
@@ -249,19 +250,41 @@ THREE_RUNS = pytest.mark.parametrize("positions", [
 def test_the_rotation_moves_into_the_kernel_behind_a_guard():
     folded, model = _folded(_model())
     assert list(folded.blocks.values()) == ["position_ids"]
-    gqa = []
-    for node in model.graph.node:
-        for attr in node.attribute:
-            gqa += [n for n in attr.g.node if n.op_type == "GroupQueryAttention"]
+    nodes = list(all_nodes(model.graph))
+    gqa = [n for n in nodes if n.op_type == "GroupQueryAttention"]
     rotating = [n for n in gqa if any(a.name == "do_rotary" and a.i == 1 for a in n.attribute)]
-    assert len(gqa) == 2 and len(rotating) == 1
+    ropes = {o: n for n in nodes if n.op_type == "RotaryEmbedding" for o in n.output}
+    # rotating itself | reading RotaryEmbedding's Q and K | as exported
+    assert len(gqa) == 3 and len(rotating) == 1
     assert list(rotating[0].input[:3]) == ["q", "k", "v"]  # the projections, not rotated
+    roped = [n for n in gqa if n.input[0] in ropes and n.input[1] in ropes]
+    assert len(roped) == 1 and [ropes[i].input[0] for i in roped[0].input[:2]] == ["q", "k"]
     assert "Neg" not in _ops(model) and "Cos" not in _ops(model)  # moved into the branch
+
+
+@pytest.mark.parametrize("positions, kernel", [
+    (np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]), False),
+    (np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]), True),
+], ids=["counted", "left-padded"])
+def test_a_left_padded_prompt_is_rotated_by_rotary_embedding(tmp_path, positions, kernel):
+    """The kernel counts a prompt's positions up from the first row's first: a left-padded
+    prompt runs RotaryEmbedding over the same tables, each token at its own position, not
+    the exporter's dozen ops (ORT's profiler says which ran)."""
+    from mha_onnx.runtimes import read_profile
+
+    original = _model()
+    _, model = _folded(original)
+    feeds = _feeds(*positions.shape, positions, np.random.default_rng(0))
+    _same_outputs(original, model, feeds)
+    runner = OrtRunner(model.SerializeToString(), "cpu", profile_dir=str(tmp_path))
+    runner.infer(feeds)
+    ran = {e.op_type for e in read_profile(runner.end_profiling())}
+    assert ("RotaryEmbedding" in ran) == kernel and "Neg" not in ran
 
 
 @pytest.mark.parametrize("positions", [
     np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]),  # a prompt counted up: the kernel rotates
-    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # a left-padded row: the exporter's rotation
+    np.array([[0, 1, 2, 3, 4], [1, 1, 0, 1, 2]]),  # a left-padded row: RotaryEmbedding
     np.array([[60, 61, 62, 63, 64], [60, 61, 62, 63, 64]]),  # past the tables: the exporter's
     np.array([[3], [11]]),  # one token per row, each at its own position: the kernel
 ], ids=["counted", "left-padded", "past-the-tables", "one-token"])
@@ -380,15 +403,19 @@ def test_forms_mark_each_kernel_that_rotates():
     both = rotating_kernels(cached, "position_ids", step=True, prompt=True)
     assert both.label == ("If(one new token, positions in the tables): GQA with past, rotary "
                           "inside | If(one new token): GQA with past | If(no past, positions "
-                          "counted): GQA (causal), rotary inside | If(no past): GQA (causal) | "
-                          "MHA + bias")
-    assert [COUNTED in f.cases for f in both.chain()] == [True, False, True, False, False]
+                          "counted): GQA (causal), rotary inside | If(no past, positions in "
+                          "the tables): RotaryEmbedding, GQA (causal) | If(no past): GQA "
+                          "(causal) | MHA + bias")
+    assert [COUNTED in f.cases for f in both.chain()] == [True, False, True, False, False,
+                                                           False]
     only_prompt = rotating_kernels(cached, "p", step=False, prompt=True)
-    assert [f.kernel for f in only_prompt.chain()][:3] == [
-        "GQA with past", "GQA (causal), rotary inside", "GQA (causal)"]
+    assert [f.kernel for f in only_prompt.chain()][:4] == [
+        "GQA with past", "GQA (causal), rotary inside", "RotaryEmbedding, GQA (causal)",
+        "GQA (causal)"]
     plain = rotating_kernels(either("right padding", "GQA", "MHA"), "p", step=False,
                              prompt=True)
     assert plain.label == ("If(right padding, positions counted): GQA, rotary inside | "
+                           "If(right padding, positions in the tables): RotaryEmbedding, GQA | "
                            "If(right padding): GQA | MHA")
 
 

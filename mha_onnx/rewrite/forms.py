@@ -73,11 +73,19 @@ def rotating_form(form: Form, positions: str, prompts: bool = True) -> Form:
     """``form`` whose first kernel rotates Q and K itself (rotary.py) where ``positions``
     are inside its tables and, for a kernel that also runs prompts, count up (or the run adds
     one token): ``If(guard, positions ...): kernel, rotary inside | If(guard): kernel | ...``,
-    the same kernel reading the exporter's rotation next."""
+    the same kernel reading the exporter's rotation next; for prompts, between the two,
+    the kernel reading Q and K rotated by RotaryEmbedding where the positions are inside the
+    tables but not counted up."""
     check = "positions counted" if prompts else "positions in the tables"
     guard = f"{form.guard}, {check}" if form.guard else check
-    return replace(form, kernel=f"{form.kernel}, rotary inside", guard=guard, otherwise=form,
-                   cases=form.cases | {COUNTED}, positions=positions)
+    otherwise = form
+    if prompts:  # a prompt not counted up (left-padded rows): RotaryEmbedding, then the kernel
+        inside = f"{form.guard}, positions in the tables" if form.guard else \
+            "positions in the tables"
+        otherwise = replace(form, kernel=f"RotaryEmbedding, {form.kernel}", guard=inside,
+                            otherwise=form)
+    return replace(form, kernel=f"{form.kernel}, rotary inside", guard=guard,
+                   otherwise=otherwise, cases=form.cases | {COUNTED}, positions=positions)
 
 
 def rotating_kernels(form: Form, positions: str, *, step: bool, prompt: bool) -> Form:

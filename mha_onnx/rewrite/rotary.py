@@ -118,7 +118,13 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
         if q.rows is None:  # (gathered rows: another tensor, left alone)
             _read_shapes_from(node.inputs[0], reads[0])
             _read_shapes_from(node.inputs[1], reads[1])
-        packed.update(_rotate_inside(node, q, reads, found, guards[key]))
+        inside = None
+        if prompts:  # (a prompt not counted up: RotaryEmbedding, then the kernel)
+            inside_key = (id(found.positions), False, rows)
+            if inside_key not in guards:
+                guards[inside_key] = _counted(graph, found.positions, rows, False)
+            inside = guards[inside_key]
+        packed.update(_rotate_inside(node, (q, k), reads, found, guards[key], inside))
         block = str(node.meta.get(BLOCK, node.name))
         folded[block] = found.positions.name or ""
         (prompted if prompts else stepped).add(block)
@@ -258,17 +264,24 @@ def _at_top(graph: ir.Graph, tape: ir.tape.Tape, value: ir.Value, name: str) -> 
     return value
 
 
-def _rotate_inside(node: ir.Node, q: Rotated, reads: tuple[ir.Value, ir.Value],
-                   tables: _Tables, ok: ir.Value) -> dict[str, tuple[str, int, int]]:
-    """``node`` replaced by If(ok): the same kernel rotating Q and K itself | ``node`` as it
-    was. The kernel reads ``reads``: Q and K unrotated as [B, S, heads*D] (rotation.joined),
+def _rotate_inside(node: ir.Node, qk: tuple[Rotated, Rotated],
+                   reads: tuple[ir.Value, ir.Value], tables: _Tables, ok: ir.Value,
+                   inside: ir.Value | None) -> dict[str, tuple[str, int, int]]:
+    """``node`` replaced by If(ok): the same kernel rotating Q and K itself | (a kernel
+    that runs prompts: ``inside`` given) If(inside: every position inside the tables) the
+    kernel reading Q and K rotated by
+    RotaryEmbedding over the same tables, position by position (a left-padded prompt,
+    whose rows the kernel would count up from the first row's first position) | ``node``
+    as it was. The kernel reads ``reads``: Q and K unrotated as [B, S, heads*D] (rotation.joined),
     the projections before their heads were split where they were, packed into one
     tensor where they are three MatMuls of one input (packing.py). Rows gathered before the
     kernel (kept keys first) are read ungathered, the branch running only where the gather
     changes nothing (every row keeps all its keys: seqlens_k = total - 1); the kernel
     rotates a prompt's token s at the first position + s, which a reordered row is not.
     Returns where packed weights went."""
-    graph = node.graph
+    graph, q = node.graph, qk[0]
+    roped = _roped(node, qk, reads, tables) if inside is not None else None  # (before the
+    # packing rewires node's inputs)
     inputs = list(node.inputs) + [None] * max(0, 10 - len(node.inputs))
     value = unsplit(inputs[2], int_attr(node, "kv_num_heads", 0)) or inputs[2]
     sources = [*reads, value]
@@ -291,8 +304,16 @@ def _rotate_inside(node: ir.Node, q: Rotated, reads: tuple[ir.Value, ir.Value],
         new.name, new.type, new.shape = f"{old.name}_rotating", old.type, old.shape
     fast = ir.Graph([], rotating.outputs, nodes=[rotating], name=f"{node.name}_rotating")
     written = ir.Graph([], [], nodes=[], name=f"{node.name}_as_exported")
+    other = written
+    if roped is not None:
+        inner = ir.Node("", "If", [inside], [ir.AttrGraph("then_branch", roped),
+                                             ir.AttrGraph("else_branch", written)],
+                        num_outputs=len(node.outputs), name=f"{node.name}_if_inside")
+        for new, old in zip(inner.outputs, node.outputs, strict=True):
+            new.name, new.type, new.shape = f"{old.name}_inside", old.type, old.shape
+        other = ir.Graph([], inner.outputs, nodes=[inner], name=f"{node.name}_not_counted")
     choose = ir.Node("", "If", [ok], [ir.AttrGraph("then_branch", fast),
-                                       ir.AttrGraph("else_branch", written)],
+                                       ir.AttrGraph("else_branch", other)],
                      num_outputs=len(node.outputs), name=f"{node.name}_if_counted")
     graph.insert_before(node, choose)
     for new, old in zip(choose.outputs, node.outputs, strict=True):
@@ -304,6 +325,45 @@ def _rotate_inside(node: ir.Node, q: Rotated, reads: tuple[ir.Value, ir.Value],
     written.append(node)
     written.outputs.extend(node.outputs)
     return packed
+
+
+def _roped(node: ir.Node, qk: tuple[Rotated, Rotated], reads: tuple[ir.Value, ir.Value],
+           tables: _Tables) -> ir.Graph:
+    """A branch running a copy of ``node`` whose Q and K are ``reads`` rotated by
+    RotaryEmbedding (the tables, each token at its own position; rows gathered the way the
+    exporter's rotated ones are, where they are)."""
+    nodes: list[ir.Node] = []
+    kernel_inputs = list(node.inputs)
+    width = 2 * tables.cos.shape[1]
+    for n, (found, read, heads) in enumerate(zip(qk, reads, (
+            int_attr(node, "num_heads", 0), int_attr(node, "kv_num_heads", 0)), strict=True)):
+        rope = ir.Node(MS_DOMAIN, "RotaryEmbedding", [read, tables.positions, tables.cos,
+                                                      tables.sin],
+                       [ir.AttrInt64("interleaved", int(tables.interleaved)),
+                        ir.AttrInt64("num_heads", heads),
+                        ir.AttrInt64("rotary_embedding_dim", width)],
+                       name=f"{node.name}_rope_{n}")
+        rope.outputs[0].type, rope.outputs[0].shape = read.type, read.shape
+        rope.outputs[0].name = f"{node.name}_rope_{n}_out"
+        nodes.append(rope)
+        value = rope.outputs[0]
+        if found.rows is not None:  # Gather(Reshape(rotated, [-1, C]), rows) as exported
+            flat = found.rows.inputs[0].producer()
+            again = ir.Node("", "Reshape", [value, flat.inputs[1]], name=f"{flat.name}_rope")
+            gather = ir.Node("", "Gather", [again.outputs[0], found.rows.inputs[1]],
+                             [ir.AttrInt64("axis", 0)], name=f"{found.rows.name}_rope")
+            nodes += [again, gather]
+            again.outputs[0].name = f"{node.name}_rope_{n}_flat"
+            value = gather.outputs[0]
+            value.name = f"{node.name}_rope_{n}_rows"
+        value.type, value.shape = node.inputs[n].type, node.inputs[n].shape
+        kernel_inputs[n] = value
+    kernel = ir.Node(MS_DOMAIN, node.op_type, kernel_inputs, list(node.attributes.values()),
+                     num_outputs=len(node.outputs), name=f"{node.name}_roped")
+    kernel.meta.update(node.meta)
+    for new, old in zip(kernel.outputs, node.outputs, strict=True):
+        new.name, new.type, new.shape = f"{old.name}_roped", old.type, old.shape
+    return ir.Graph([], kernel.outputs, nodes=[*nodes, kernel], name=f"{node.name}_roped")
 
 
 def _within_tables(ok: ir.Value, total: ir.Value, rows: int) -> ir.Value:
