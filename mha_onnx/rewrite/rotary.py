@@ -280,8 +280,7 @@ def _rotate_inside(node: ir.Node, qk: tuple[Rotated, Rotated],
     rotates a prompt's token s at the first position + s, which a reordered row is not.
     Returns where packed weights went."""
     graph, q = node.graph, qk[0]
-    roped = _roped(node, qk, reads, tables) if inside is not None else None  # (before the
-    # packing rewires node's inputs)
+    roped = None if inside is None else _roped(node, qk, reads, tables)  # (before packing)
     inputs = list(node.inputs) + [None] * max(0, 10 - len(node.inputs))
     value = unsplit(inputs[2], int_attr(node, "kv_num_heads", 0)) or inputs[2]
     sources = [*reads, value]
@@ -304,14 +303,7 @@ def _rotate_inside(node: ir.Node, qk: tuple[Rotated, Rotated],
         new.name, new.type, new.shape = f"{old.name}_rotating", old.type, old.shape
     fast = ir.Graph([], rotating.outputs, nodes=[rotating], name=f"{node.name}_rotating")
     written = ir.Graph([], [], nodes=[], name=f"{node.name}_as_exported")
-    other = written
-    if roped is not None:
-        inner = ir.Node("", "If", [inside], [ir.AttrGraph("then_branch", roped),
-                                             ir.AttrGraph("else_branch", written)],
-                        num_outputs=len(node.outputs), name=f"{node.name}_if_inside")
-        for new, old in zip(inner.outputs, node.outputs, strict=True):
-            new.name, new.type, new.shape = f"{old.name}_inside", old.type, old.shape
-        other = ir.Graph([], inner.outputs, nodes=[inner], name=f"{node.name}_not_counted")
+    other = written if roped is None else _if_inside(node, inside, roped, written)
     choose = ir.Node("", "If", [ok], [ir.AttrGraph("then_branch", fast),
                                        ir.AttrGraph("else_branch", other)],
                      num_outputs=len(node.outputs), name=f"{node.name}_if_counted")
@@ -327,18 +319,26 @@ def _rotate_inside(node: ir.Node, qk: tuple[Rotated, Rotated],
     return packed
 
 
+def _if_inside(node: ir.Node, inside: ir.Value, roped: ir.Graph, written: ir.Graph
+               ) -> ir.Graph:
+    """A branch of one If(inside): ``roped`` | ``written`` (node's outputs' names suffixed)."""
+    inner = ir.Node("", "If", [inside], [ir.AttrGraph("then_branch", roped),
+                                         ir.AttrGraph("else_branch", written)],
+                    num_outputs=len(node.outputs), name=f"{node.name}_if_inside")
+    for new, old in zip(inner.outputs, node.outputs, strict=True):
+        new.name, new.type, new.shape = f"{old.name}_inside", old.type, old.shape
+    return ir.Graph([], inner.outputs, nodes=[inner], name=f"{node.name}_not_counted")
+
+
 def _roped(node: ir.Node, qk: tuple[Rotated, Rotated], reads: tuple[ir.Value, ir.Value],
            tables: _Tables) -> ir.Graph:
     """A branch running a copy of ``node`` whose Q and K are ``reads`` rotated by
     RotaryEmbedding (the tables, each token at its own position; rows gathered the way the
     exporter's rotated ones are, where they are)."""
-    nodes: list[ir.Node] = []
-    kernel_inputs = list(node.inputs)
-    width = 2 * tables.cos.shape[1]
+    nodes, kernel_inputs, width = [], list(node.inputs), 2 * tables.cos.shape[1]
     for n, (found, read, heads) in enumerate(zip(qk, reads, (
             int_attr(node, "num_heads", 0), int_attr(node, "kv_num_heads", 0)), strict=True)):
-        rope = ir.Node(MS_DOMAIN, "RotaryEmbedding", [read, tables.positions, tables.cos,
-                                                      tables.sin],
+        rope = ir.Node(MS_DOMAIN, "RotaryEmbedding", [read, tables.positions, tables.cos, tables.sin],
                        [ir.AttrInt64("interleaved", int(tables.interleaved)),
                         ir.AttrInt64("num_heads", heads),
                         ir.AttrInt64("rotary_embedding_dim", width)],
