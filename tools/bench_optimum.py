@@ -8,7 +8,7 @@ folder:
     .venv-genai/bin/python -m tools.bench_optimum genai DIR    # ORT GenAI's builder
     .venv/bin/python -m tools.benchmark optimum run DIR [--threads 2] [--prompt 1024]
         [--context 4096] [--batch 1] [--left-pad 0.5] [--min-time 1] [--op-shares]
-        [--out FILE.md]
+        [--reuse] [--out FILE.md]
 
 The model: Llama, hidden 1024, 16 query / 4 K/V heads (head 64), 2 layers, fp32, random
 weights (seed 0), a vocabulary of 512 (a BPE trained on a few sentences: GenAI's builder
@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--left-pad", type=float, default=0.0,
                         help="row b's first left_pad*b/batch of positions padded (0: none)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="time the fused/exported graphs an earlier run wrote (default: "
+                             "made anew)")
     parser.add_argument("--op-shares", action="store_true",
                         help="instead of timing: kernels per call and kernel-time shares "
                              "by op type, prompt and decode step")

@@ -17,12 +17,19 @@ KV, D = 4, 64
 HEADROOM = 8
 
 
-def _graphs(folder: Path) -> dict[str, Path]:
+def _graphs(folder: Path, reuse: bool = False) -> dict[str, Path]:
+    """The graphs to time; the ones this project and ORT's optimizer write are made anew
+    unless ``reuse`` (a run after a change of the code must not time an earlier run's)."""
     from mha_onnx.rewrite import fuse_file
 
     original = folder / "optimum" / "model.onnx"
     out = {"Optimum export": original}
     fused, shared = folder / "fused.onnx", folder / "fused.shared.onnx"
+    made = [fused, shared, folder / "export.onnx", folder / "export.shared.onnx",
+            folder / "ort_optimizer.onnx"]
+    for path in [] if reuse else made:
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".data").unlink(missing_ok=True)
     if not fused.exists():
         print(fuse_file(original, fused).render(), flush=True)
     if not shared.exists():
@@ -168,7 +175,7 @@ def op_shares(graphs: dict[str, Path], args) -> None:
 def run(args, command: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     folder = Path(args.folder)
-    graphs = _graphs(folder)
+    graphs = _graphs(folder, args.reuse)
     if args.op_shares:
         op_shares(graphs, args)
         return
