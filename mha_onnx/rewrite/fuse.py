@@ -288,8 +288,6 @@ def fuse_file(
     level = _safe_level(preflight(source), "the original model") if verify_result else "all"
     fused, results, notes = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
     carry_metadata(original, fused, results, target, (forms or Forms()).ep)
-    if target == "ort":  # (for `mha-onnx tune` on another machine)
-        record_original(original, fused)
     notes += _unused_overrides(forms, results)
     unguarded = unguarded_norms(original)
     if unguarded:
@@ -316,6 +314,8 @@ def fuse_file(
             verification = verify_on_openvino(original, fused, verification, cases=cases,
                                               given=given, atol=atol, rtol=rtol)
         _refuse_mismatch(verification, unguarded)
+    if target == "ort":  # (for `mha-onnx tune` on another machine; once it is to be written)
+        record_original(original, fused)
     write_model(fused, output, force=force)
     return FuseReport(
         input=str(source), output=str(output), target=target, blocks=tuple(results),
