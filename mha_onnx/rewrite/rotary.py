@@ -111,19 +111,17 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
             continue
         prompts = not node.meta.get(STEP, False)  # else its guard admits one-token runs only
         rows = found.cos.shape[0]
-        key = (id(found.positions), prompts, rows)
-        if key not in guards:
-            guards[key] = _counted(graph, found.positions, rows, prompts)
+        inside_key, key = ((id(found.positions), p, rows) for p in (False, prompts))
+        if inside_key not in guards:
+            guards[inside_key] = _counted(graph, found.positions, rows)
+        if key not in guards:  # (a prompt's: counted up, on top of inside the tables)
+            guards[key] = _counted(graph, found.positions, rows, guards[inside_key])
         reads = joined(q), joined(k)
         if q.rows is None:  # (gathered rows: another tensor, left alone)
             _read_shapes_from(node.inputs[0], reads[0])
             _read_shapes_from(node.inputs[1], reads[1])
-        inside = None
-        if prompts:  # (a prompt not counted up: RotaryEmbedding, then the kernel)
-            inside_key = (id(found.positions), False, rows)
-            if inside_key not in guards:
-                guards[inside_key] = _counted(graph, found.positions, rows, False)
-            inside = guards[inside_key]
+        # (a prompt not counted up: RotaryEmbedding over the tables, then the kernel)
+        inside = guards[inside_key] if prompts else None
         packed.update(_rotate_inside(node, (q, k), reads, found, guards[key], inside))
         block = str(node.meta.get(BLOCK, node.name))
         folded[block] = found.positions.name or ""
@@ -229,21 +227,23 @@ def _at(runner: SliceRunner, name: str, shape, positions: np.ndarray, dtype: ir.
     return np.asarray(cos), np.asarray(sin)
 
 
-def _counted(graph: ir.Graph, positions: ir.Value, rows: int, prompts: bool) -> ir.Value:
-    """bool: every position inside the tables, and (``prompts``: for a kernel that runs
-    more than one new token) one new token or every row counted up from the first row's
-    first position (what the kernel assumes of a prompt). Built once per positions input
-    and kind, at the top of the graph."""
+def _counted(graph: ir.Graph, positions: ir.Value, rows: int,
+             inside: ir.Value | None = None) -> ir.Value:
+    """bool: every position inside the tables; given ``inside`` (that bool, for a kernel
+    that runs more than one new token): it and one new token or every row counted up from
+    the first row's first position (what the kernel assumes of a prompt). Built once per
+    positions input and kind, at the top of the graph (after ``inside``)."""
     tape = ir.tape.Tape()
 
     def const(values) -> ir.Value:
         return tape.op("Constant", [], {"value": ir.tensor(np.array(values, np.int64))})
 
     pos = positions  # int64 (_tables)
-    inside = tape.op("And", [
-        tape.op("Less", [tape.op("ReduceMax", [pos], {"keepdims": 0}), const(rows)]),
-        tape.op("GreaterOrEqual", [tape.op("ReduceMin", [pos], {"keepdims": 0}), const(0)])])
-    if not prompts:
+    if inside is None:
+        inside = tape.op("And", [
+            tape.op("Less", [tape.op("ReduceMax", [pos], {"keepdims": 0}), const(rows)]),
+            tape.op("GreaterOrEqual", [tape.op("ReduceMin", [pos], {"keepdims": 0}),
+                                       const(0)])])
         return _at_top(graph, tape, inside, f"{positions.name}_inside")
     seq = tape.op("Squeeze", [tape.op("Shape", [pos], {"start": 1, "end": 2}), const([0])])
     first = tape.op("Slice", [pos, const([0, 0]), const([1, 1]), const([0, 1])])
@@ -255,7 +255,9 @@ def _counted(graph: ir.Graph, positions: ir.Value, rows: int, prompts: bool) -> 
         tape.op("Equal", [seq, const(1)]),
         tape.op("Equal", [every, tape.op("Constant", [], {"value": ir.tensor(np.int32(1))})]),
     ])])
-    return _at_top(graph, tape, ok, f"{positions.name}_counted")
+    ok.name = f"{positions.name}_counted"
+    graph.insert_after(inside.producer(), list(tape.nodes))
+    return ok
 
 
 def _at_top(graph: ir.Graph, tape: ir.tape.Tape, value: ir.Value, name: str) -> ir.Value:
