@@ -8,10 +8,10 @@ folder:
     .venv-genai/bin/python -m tools.bench_optimum genai DIR    # ORT GenAI's builder
     .venv/bin/python -m tools.benchmark optimum run DIR [--threads 2] [--prompt 1024]
         [--context 4096] [--batch 1] [--left-pad 0.5] [--min-time 1] [--op-shares]
-        [--reuse] [--out FILE.md]
+        [--reuse] [--reverse] [--out FILE.md]
 
 The model: Llama, hidden 1024, 16 query / 4 K/V heads (head 64), 2 layers, fp32, random
-weights (seed 0), a vocabulary of 512 (a BPE trained on a few sentences: GenAI's builder
+weights (seed 0; `make --layers N` for more layers), a vocabulary of 512 (a BPE trained on a few sentences: GenAI's builder
 needs a tokenizer) so that the layers, not the LM head, are timed. ``run`` fuses the export
 (appended cache, and ``--kv-cache shared``), exports the HF folder with ``mha-onnx export
 --model`` (both cache forms; transformers 5, no Optimum), applies ORT's optimizer (model_type gpt2, the
@@ -38,7 +38,7 @@ from tools import suite
 HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB, MAX_POS = 1024, 16, 4, 2, 512, 8192
 
 
-def make(folder: Path) -> None:
+def make(folder: Path, layers: int = LAYERS) -> None:
     """HF folder (config, weights, tokenizer) and Optimum's export of it (.venv-optimum)."""
     import torch
     import transformers as tf
@@ -47,7 +47,7 @@ def make(folder: Path) -> None:
 
     hf = folder / "hf"
     config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2816,
-                            num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                            num_hidden_layers=layers, num_attention_heads=HEADS,
                             num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS,
                             bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
@@ -80,17 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=LAYERS,
+                        help="make: decoder layers (run reads them from the export)")
     parser.add_argument("--left-pad", type=float, default=0.0,
                         help="row b's first left_pad*b/batch of positions padded (0: none)")
     parser.add_argument("--reuse", action="store_true",
                         help="time the fused/exported graphs an earlier run wrote (default: "
                              "made anew)")
+    parser.add_argument("--reverse", action="store_true",
+                        help="make the sessions (and their buffers) in the reverse order: "
+                             "the order alone has moved a graph's time by several %% here")
     parser.add_argument("--op-shares", action="store_true",
                         help="instead of timing: kernels per call and kernel-time shares "
                              "by op type, prompt and decode step")
     args = parser.parse_args(argv)
     if args.action == "make":
-        make(args.folder)
+        make(args.folder, args.layers)
     elif args.action == "genai":
         genai(args.folder)
     else:
