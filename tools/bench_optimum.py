@@ -10,19 +10,22 @@ folder:
         [--context 4096] [--batch 1] [--left-pad 0.5] [--min-time 1] [--op-shares]
         [--reuse] [--reverse] [--out FILE.md]
 
-The model: Llama, hidden 1024, 16 query / 4 K/V heads (head 64), 2 layers, fp32, random
-weights (seed 0; `make --layers N` for more layers), a vocabulary of 512 (a BPE trained on a few sentences: GenAI's builder
-needs a tokenizer) so that the layers, not the LM head, are timed. ``run`` fuses the export
-(appended cache, and ``--kv-cache shared``), exports the HF folder with ``mha-onnx export
---model`` (both cache forms; transformers 5, no Optimum), applies ORT's optimizer (model_type gpt2, the
-one its Llama path uses; opt_level 1), checks every graph's outputs against the export's,
-then times each graph in turn in one process (sleeping thread pools, ``--threads``):
+The model: Llama, hidden 1024, 16 query / 4 K/V heads (head 64), 2 layers (``make --layers
+N``: more), fp32, random weights (seed 0), a vocabulary of 512 (a BPE trained on a few
+sentences: GenAI's builder needs a tokenizer) so that the layers, not the LM head, are
+timed. ``run`` fuses the export (appended cache, and ``--kv-cache shared``), exports the HF
+folder with ``mha-onnx export --model`` (both cache forms; transformers 5, no Optimum),
+applies ORT's optimizer (model_type gpt2, the one its Llama path uses; opt_level 1), checks
+every graph's outputs against the export's, then times each graph in turn in one process
+(sleeping thread pools, ``--threads``):
 
 - prompt: ``--prompt`` tokens, empty cache;
 - decode: one token after ``--context`` cached positions (GenAI's graph and the shared form
   with their cache buffers bound as past and present, the others with an appended cache);
 - the export and GenAI's graph a second time each, in sessions of their own: the noise
   floor of the run (two sessions of one graph have read up to 8 % apart here);
+- ``--reverse``: the sessions and their buffers made in the reverse order of the table (two
+  different graphs have read several per cent apart by that order alone: docs/bench.md);
 - ``--left-pad F``: row b's first F*b/batch positions padded (attention_mask 0, position_ids
   counted over kept positions; GenAI's and the shared buffers hold each row's kept keys
   first, its per-row lengths), logits compared where the mask keeps.
