@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxscript.optimizer import remove_unused_nodes
 
 from mha_onnx.graphio import check_structure
-from mha_onnx.rewrite.norms import fuse_norms
+from mha_onnx.rewrite.norms import fuse_norms, omit_unread_outputs
 from mha_onnx.runtimes import OrtRunner
 
 F = TensorProto.FLOAT
@@ -62,9 +63,14 @@ def test_rms_norm_and_residual_fuse(reciprocal):
     model = ir.from_proto(original)
     assert fuse_norms(model) == 2
     remove_unused_nodes(model)
+    common_passes.NameFixPass()(model)  # (as fuse does, before the unread outputs go)
+    omit_unread_outputs(model.graph)
     fused = ir.to_proto(model)
     ops = [(n.domain, n.op_type) for n in fused.graph.node]
     assert ops == [("com.microsoft", "SkipSimplifiedLayerNormalization")]
+    # the mean and 1/std nothing reads are not asked for (ORT's kernel skips writing them)
+    outputs = list(fused.graph.node[0].output)
+    assert outputs[1:3] == ["", ""] and outputs[0] == "y" and outputs[3] == "h"
     check_structure(fused)  # ORT's ops are not refused by the checker
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal((2, 5, DIM)).astype(np.float32) for n in "ab"}
@@ -138,3 +144,18 @@ def test_residuals_left_as_they_are(case):
              "residual is an output": lambda: _layer_norm_model(residual_out=True),
              "residual read twice": lambda: _layer_norm_model(read_twice=True)}[case]()
     assert residual_sums(ir.from_proto(model)) == 0
+
+
+def test_a_norm_output_something_reads_stays_named():
+    """The 1/std a graph returns (or reads) is kept; the mean nothing reads goes."""
+    node = helper.make_node("SkipSimplifiedLayerNormalization", ["a", "b", "w"],
+                            ["y", "mean", "inv_std", "h"], domain="com.microsoft")
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(n, F, ["B", "S", DIM]) for n in "ab"],
+        [helper.make_tensor_value_info("y", F, ["B", "S", DIM]),
+         helper.make_tensor_value_info("inv_std", F, ["B", "S", 1])],
+        [numpy_helper.from_array(np.ones(DIM, np.float32), "w")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)], ir_version=9))
+    omit_unread_outputs(model.graph)
+    assert list(ir.to_proto(model).graph.node[0].output) == ["y", "", "inv_std", "h"]

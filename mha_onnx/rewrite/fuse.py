@@ -43,7 +43,7 @@ from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAt
 from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.lower.rules import lower_to_ort
 from mha_onnx.rewrite.lower.shared import share_interface, shared_rows
-from mha_onnx.rewrite.norms import unguarded_norms
+from mha_onnx.rewrite.norms import omit_unread_outputs, unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.scores import Reject
@@ -148,6 +148,7 @@ def fuse_model(
     model.opset_imports.pop(FUSION_DOMAIN, None)
     remove_unused_nodes(model)
     common_passes.NameFixPass()(model)
+    omit_unread_outputs(model.graph)
     results = _results(before, blog, chosen)
     fused = ir.to_proto(model)
     if packed:  # validate rebuilds PyTorch references from weights: where each one went
