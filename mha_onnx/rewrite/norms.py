@@ -124,7 +124,6 @@ def omit_unread_outputs(graph: ir.Graph) -> None:
                     value.name = ""
 
 
-
 def residual_sums(model: ir.Model) -> int:
     """The residual ``Add`` that only a float32 LayerNormalization reads written as ``Sum``,
     for the CPU: ONNX Runtime fuses such an ``Add -> LayerNormalization`` into
