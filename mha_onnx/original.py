@@ -6,8 +6,9 @@ a weight stored there under any name (the same bytes) is found again by its cont
 weight fuse packed into a joined tensor (``packed``: Q, K and V side by side) by its slice
 of it; only what neither holds (a mask buffer, a weight fuse rewrote) is kept as bytes.
 A weight is taken as held only where its bytes, dtype and shape match (by digest, or a
-packed slice compared element by element), so a restore gives the original back exactly. The record is one metadata value
-(``mha_onnx.original``, base64 of the graph's protobuf, compressed), which ``inspect`` shows by size.
+packed slice compared element by element), so a restore gives the original back exactly.
+The record is one metadata value (``mha_onnx.original``, base64 of the graph's protobuf,
+compressed), which ``inspect`` shows by size.
 """
 
 from __future__ import annotations

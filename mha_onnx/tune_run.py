@@ -109,6 +109,8 @@ def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
     table: dict[tuple[int, int], dict[str, float]] = {}
     ratios: dict[tuple[int, int], dict[str, float]] = {}
 
+    done: list[int] = []
+
     def point_done(index: int, raw: dict) -> None:
         batch, length = grid[index]
         done.append(index)
@@ -131,7 +133,6 @@ def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
         best = min(times, key=times.get)
         progress(f"{where}: {best} {times[best]:.3g} ms (original {times[ORIGINAL]:.3g} ms)")
 
-    done: list[int] = []
     grid_in_child(specs, point_done)
     return ({p: table[p] for p in sorted(table)}, {p: ratios[p] for p in sorted(ratios)})
 

@@ -120,8 +120,7 @@ def fold_rotary(model: ir.Model, max_positions: int = MAX_POSITIONS) -> Folded:
         if q.rows is None:  # (gathered rows: another tensor, left alone)
             _read_shapes_from(node.inputs[0], reads[0])
             _read_shapes_from(node.inputs[1], reads[1])
-        # (a prompt not counted up: RotaryEmbedding over the tables, then the kernel)
-        inside = guards[inside_key] if prompts else None
+        inside = guards[inside_key] if prompts else None  # (not counted up: RotaryEmbedding)
         packed.update(_rotate_inside(node, (q, k), reads, found, guards[key], inside))
         block = str(node.meta.get(BLOCK, node.name))
         folded[block] = found.positions.name or ""
@@ -271,16 +270,15 @@ def _rotate_inside(node: ir.Node, qk: tuple[Rotated, Rotated],
                    inside: ir.Value | None) -> dict[str, tuple[str, int, int]]:
     """``node`` replaced by If(ok): the same kernel rotating Q and K itself | (a kernel
     that runs prompts: ``inside`` given) If(inside: every position inside the tables) the
-    kernel reading Q and K rotated by
-    RotaryEmbedding over the same tables, position by position (a left-padded prompt,
-    whose rows the kernel would count up from the first row's first position) | ``node``
-    as it was. The kernel reads ``reads``: Q and K unrotated as [B, S, heads*D] (rotation.joined),
-    the projections before their heads were split where they were, packed into one
-    tensor where they are three MatMuls of one input (packing.py). Rows gathered before the
-    kernel (kept keys first) are read ungathered, the branch running only where the gather
-    changes nothing (every row keeps all its keys: seqlens_k = total - 1); the kernel
-    rotates a prompt's token s at the first position + s, which a reordered row is not.
-    Returns where packed weights went."""
+    kernel reading Q and K rotated by RotaryEmbedding over the same tables, position by
+    position (a left-padded prompt, whose rows the kernel would count up from the first
+    row's first position) | ``node`` as it was. The kernel reads ``reads``: Q and K
+    unrotated as [B, S, heads*D] (rotation.joined), the projections before their heads were
+    split where they were, packed into one tensor where they are three MatMuls of one input
+    (packing.py). Rows gathered before the kernel (kept keys first) are read ungathered, the
+    branch running only where the gather changes nothing (every row keeps all its keys:
+    seqlens_k = total - 1); the kernel rotates a prompt's token s at the first position +
+    s, which a reordered row is not. Returns where packed weights went."""
     graph, q = node.graph, qk[0]
     roped = None if inside is None else _roped(node, qk, reads, tables)  # (before packing)
     inputs = list(node.inputs) + [None] * max(0, 10 - len(node.inputs))
@@ -340,7 +338,8 @@ def _roped(node: ir.Node, qk: tuple[Rotated, Rotated], reads: tuple[ir.Value, ir
     nodes, kernel_inputs, width = [], list(node.inputs), 2 * tables.cos.shape[1]
     for n, (found, read, heads) in enumerate(zip(qk, reads, (
             int_attr(node, "num_heads", 0), int_attr(node, "kv_num_heads", 0)), strict=True)):
-        rope = ir.Node(MS_DOMAIN, "RotaryEmbedding", [read, tables.positions, tables.cos, tables.sin],
+        rope = ir.Node(MS_DOMAIN, "RotaryEmbedding",
+                       [read, tables.positions, tables.cos, tables.sin],
                        [ir.AttrInt64("interleaved", int(tables.interleaved)),
                         ir.AttrInt64("num_heads", heads),
                         ir.AttrInt64("rotary_embedding_dim", width)],
