@@ -1,0 +1,308 @@
+"""The generation loop over ONNX Runtime: a prompt run, then one token per step, as
+production runs a decoder.
+
+Each run goes through one IO binding: the cache never passes through numpy (an appended
+cache's presents are bound as the next step's pasts as ORT returned them; a shared cache is
+one buffer per past, bound as both past and present and written in place), and the logits
+are written by ORT into arrays allocated once, of which only each row's last position is
+read. Rows are left-padded to the longest prompt (``prompt_feeds``), as transformers pads
+for generation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mha_onnx.cache import LENGTH_INPUT, device_of
+from mha_onnx.errors import ConfigError, ModelFileError
+from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
+from mha_onnx.generate.sampling import Sampling, next_tokens
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """``max_length``: positions of a shared cache's buffers (default: the longest prompt
+    plus ``max_new_tokens``, which every run needs); ``eos``: token ids that end a row
+    (None: the model's own, from its metadata or HF config)."""
+
+    max_new_tokens: int = 32
+    sampling: Sampling = Sampling()
+    eos: tuple[int, ...] | None = None
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ConfigError(f"--max-length must be >= 2, got {self.max_length}")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """New tokens per row (an EOS that ended a row included) and the timings of the run."""
+
+    sequences: tuple[tuple[int, ...], ...]
+    prompt_lengths: tuple[int, ...]
+    stopped: tuple[str, ...]  # per row: "eos" or "length"
+    time_to_first_token_ms: float
+    seconds: float
+    steps: int  # runs after the prompt
+    decode_seconds: float
+    ort_seconds: float  # inside ONNX Runtime's run, prompt and steps
+    interface: DecoderInterface
+    eos: tuple[int, ...]
+    sampling: Sampling
+    texts: tuple[str, ...] | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens of every row over the whole run (prompt included)."""
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second of the steps after the prompt (batch x steps / their time)."""
+        batch = len(self.sequences)
+        return batch * self.steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"sequences": [list(s) for s in self.sequences],
+               "prompt_lengths": list(self.prompt_lengths), "stopped": list(self.stopped),
+               "new_tokens": self.new_tokens,
+               "time_to_first_token_ms": round(self.time_to_first_token_ms, 3),
+               "tokens_per_s": round(self.tokens_per_s, 2),
+               "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+               "ms_per_step": round(1e3 * self.decode_seconds / max(1, self.steps), 3),
+               "seconds": round(self.seconds, 4),
+               "ort_share": round(self.ort_seconds / self.seconds, 4) if self.seconds else None,
+               "steps": self.steps, "eos_token_id": list(self.eos),
+               "sampling": self.sampling.to_dict(), "model": self.interface.to_dict(),
+               "notes": list(self.notes)}
+        if self.texts is not None:
+            out["texts"] = list(self.texts)
+        return out
+
+    def render(self) -> str:
+        rows = len(self.sequences)
+        lines = [f"generated {self.new_tokens} token(s) for {rows} prompt(s) "
+                 f"({self.interface.form} cache, "
+                 f"{'sampled' if self.sampling.sample else 'greedy'}): "
+                 f"first token {self.time_to_first_token_ms:.1f} ms, "
+                 f"{self.decode_tokens_per_s:.1f} tokens/s after it "
+                 f"({1e3 * self.decode_seconds / max(1, self.steps):.2f} ms per step, "
+                 f"{100 * self.ort_seconds / max(self.seconds, 1e-9):.0f} % inside ONNX "
+                 "Runtime)"]
+        for n, seq in enumerate(self.sequences):
+            shown = repr(self.texts[n]) if self.texts is not None else \
+                " ".join(str(t) for t in seq)
+            lines.append(f"  [{n}] ({self.prompt_lengths[n]} prompt tokens, "
+                         f"{len(seq)} new, {self.stopped[n]}) {shown}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def prompt_feeds(prompts: Sequence[Sequence[int]], interface: DecoderInterface,
+                 pad: int) -> dict[str, np.ndarray]:
+    """The prompt run's inputs: ids left-padded with ``pad`` to the longest prompt, the mask
+    (0 on padding), positions counted over each row's kept tokens (1 on padding, as
+    transformers fills them; never read)."""
+    batch, longest = len(prompts), max(len(p) for p in prompts)
+    ids = np.full((batch, longest), pad, np.int64)
+    mask = np.zeros((batch, longest), np.int64)
+    for b, prompt in enumerate(prompts):
+        ids[b, longest - len(prompt):] = prompt
+        mask[b, longest - len(prompt):] = 1
+    positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)
+    feeds = {IDS: ids, MASK: mask, POSITIONS: positions}
+    return {k: v.astype(interface.dtypes[k]) for k, v in feeds.items() if k in interface.dtypes}
+
+
+class Generator:
+    """A decoder file and one ONNX Runtime session for it; :meth:`generate` runs a batch."""
+
+    def __init__(self, model: str | Path, *, provider: str = "cpu", threads: int | None = None,
+                 interface: DecoderInterface | None = None) -> None:
+        from mha_onnx.generate.interface import read_interface
+        from mha_onnx.graphio import read_model
+        from mha_onnx.metadata import session_options
+        from mha_onnx.runtimes import OrtRunner
+
+        proto = read_model(model, load_external_data=False)
+        self.path = Path(model)
+        self.interface = interface or read_interface(proto, model)
+        level = session_options(proto).get("optimization", "all")
+        self.runner = OrtRunner(str(model), provider, threads=threads, optimization=level)
+        self.device = device_of(provider)
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check(self, prompts: Sequence[Sequence[int]], config: GenerationConfig) -> int:
+        """Refuses what the model cannot run; returns the buffers' length."""
+        iface = self.interface
+        if not prompts:
+            raise ConfigError("no prompts given", hint="--prompts takes a JSON list of token-id "
+                                                       "lists, e.g. [[1, 2, 3], [4, 5]]")
+        for n, prompt in enumerate(prompts):
+            if not len(prompt):
+                raise ConfigError(f"prompt {n} is empty", hint="every prompt needs a token")
+            bad = [t for t in prompt if not 0 <= int(t) < iface.vocab]
+            if bad:
+                raise ConfigError(f"prompt {n} has token id(s) outside the vocabulary of "
+                                  f"{iface.vocab}: {bad[:5]}", hint="ids are 0..vocab-1")
+        longest = max(len(p) for p in prompts)
+        needed = longest + config.max_new_tokens
+        capacity = config.max_length or needed
+        if needed > capacity:
+            raise ConfigError(f"the longest prompt ({longest} tokens) and --max-new-tokens "
+                              f"{config.max_new_tokens} need {needed} positions, more than "
+                              f"--max-length {capacity}",
+                              hint="raise --max-length or shorten the prompts")
+        if iface.position_limit is not None and \
+                max(len(p) for p in prompts) + config.max_new_tokens > iface.position_limit:
+            raise ConfigError(f"the longest prompt ({longest} tokens) and --max-new-tokens "
+                              f"{config.max_new_tokens} go past the model's position table "
+                              f"of {iface.position_limit} positions",
+                              hint="shorten the prompts or generate fewer tokens")
+        return capacity
+
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
+                 on_step: Callable[[int, int], None] | None = None) -> GenerationResult:
+        """Generate for every prompt (one batch); ``on_step(done, total)`` after each run."""
+        capacity = self.check(prompts, config)
+        iface = self.interface
+        eos = iface.tokens.eos if config.eos is None else tuple(config.eos)
+        pad = iface.tokens.pad if iface.tokens.pad is not None else (eos[0] if eos else 0)
+        rng = np.random.default_rng(config.sampling.seed)
+        run = _BoundRuns(self.runner.session, iface, len(prompts), capacity, self.device)
+        started = time.perf_counter()
+        feeds = prompt_feeds(prompts, iface, pad)
+        logits = run(feeds, new=feeds[IDS].shape[1], past=0)
+        token = next_tokens(logits, config.sampling, rng)
+        first = time.perf_counter()
+        batch = len(prompts)
+        out: list[list[int]] = [[] for _ in range(batch)]
+        stopped = ["length"] * batch
+        live = np.ones(batch, bool)
+        width = feeds[IDS].shape[1]
+        mask = np.ones((batch, width + config.max_new_tokens), np.int64)  # padding kept 0
+        if MASK in feeds:
+            mask[:, :width] = feeds[MASK]
+        kept = np.array([len(p) for p in prompts], np.int64)  # the next token's position
+        steps = 0
+        for step in range(config.max_new_tokens):
+            for b in np.flatnonzero(live):
+                out[b].append(int(token[b]))
+                if int(token[b]) in eos:
+                    live[b], stopped[b] = False, "eos"
+            if on_step is not None:
+                on_step(step + 1, config.max_new_tokens)
+            if step + 1 == config.max_new_tokens or not live.any():
+                break
+            width += 1
+            feeds = {IDS: token[:, None], MASK: mask[:, :width],
+                     POSITIONS: kept[:, None]}
+            feeds = {k: v.astype(iface.dtypes[k]) for k, v in feeds.items()
+                     if k in iface.dtypes}
+            logits = run(feeds, new=1, past=width - 1)
+            token = next_tokens(logits, config.sampling, rng)
+            kept += 1
+            steps += 1
+        done = time.perf_counter()
+        return GenerationResult(
+            sequences=tuple(tuple(s) for s in out),
+            prompt_lengths=tuple(len(p) for p in prompts), stopped=tuple(stopped),
+            time_to_first_token_ms=1e3 * (first - started), seconds=done - started,
+            steps=steps, decode_seconds=done - first, ort_seconds=run.ort_seconds,
+            interface=iface, eos=eos, sampling=config.sampling,
+            notes=tuple(_notes(iface, eos, config)))
+
+
+def _notes(iface: DecoderInterface, eos: tuple[int, ...], config: GenerationConfig) -> list[str]:
+    if eos or config.eos is not None:
+        return []
+    return ["the model names no end-of-sequence token inside its vocabulary: every row ran "
+            "--max-new-tokens (give --eos ID)"]
+
+
+class _BoundRuns:
+    """One IO binding over the whole generation: the cache handed from run to run without a
+    copy, the logits written into arrays allocated here; returns each row's last logits."""
+
+    def __init__(self, session: Any, iface: DecoderInterface, batch: int, capacity: int,
+                 device: str) -> None:
+        import onnxruntime as ort
+
+        self.ort, self.session, self.iface = ort, session, iface
+        self.binding = session.io_binding()
+        self.device, self.batch, self.ort_seconds = device, batch, 0.0
+        self.outputs = [o.name for o in session.get_outputs()]
+        self.presents = {present: past for past, present in iface.pasts}
+        shape = (batch, iface.kv_heads, capacity if iface.shared else 0, iface.head_size)
+        self.cache = {past: ort.OrtValue.ortvalue_from_numpy(
+            np.zeros(shape, iface.kv_dtype), device, 0) for past, _ in iface.pasts}
+        self.logits: dict[int, np.ndarray] = {}
+        self.dtype = np.dtype(_output_dtype(session, LOGITS))
+
+    def _logits_buffer(self, rows: int) -> np.ndarray:
+        if rows not in self.logits:  # a prompt's [B, S, V] once, a step's [B, 1, V] reused
+            self.logits = {k: v for k, v in self.logits.items() if k == 1}
+            self.logits[rows] = np.empty((self.batch, rows, self.iface.vocab), self.dtype)
+        return self.logits[rows]
+
+    def __call__(self, feeds: dict[str, np.ndarray], new: int, past: int) -> np.ndarray:
+        binding, iface = self.binding, self.iface
+        held = [np.ascontiguousarray(v) for v in feeds.values()]  # alive until the run
+        for name, value in zip(feeds, held, strict=True):
+            binding.bind_cpu_input(name, value)
+        if iface.length_input:
+            held.append(np.array(past, np.int64))
+            binding.bind_cpu_input(LENGTH_INPUT, held[-1])
+        for name, value in self.cache.items():
+            binding.bind_ortvalue_input(name, value)
+        logits = self._logits_buffer(1 if iface.last_logits else new)
+        for name in self.outputs:  # in the session's order
+            if name == LOGITS:
+                binding.bind_output(name, "cpu", 0, self.dtype, list(logits.shape),
+                                    logits.ctypes.data)
+            elif name in self.presents and iface.shared:
+                binding.bind_ortvalue_output(name, self.cache[self.presents[name]])
+            else:
+                binding.bind_output(name, self.device, 0)
+        started = time.perf_counter()
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as exc:
+            if type(exc).__module__.startswith("onnxruntime"):
+                raise ModelFileError(f"onnxruntime failed to run the model: {exc}") from exc
+            raise
+        self.ort_seconds += time.perf_counter() - started
+        if not iface.shared:
+            values = binding.get_outputs()
+            for name, value in zip(self.outputs, values, strict=True):
+                if name in self.presents:
+                    self.cache[self.presents[name]] = value
+        return logits[:, -1, :].astype(np.float32, copy=False)
+
+
+def _output_dtype(session: Any, name: str) -> str:
+    kind = next(o.type for o in session.get_outputs() if o.name == name)
+    return {"tensor(float)": "float32", "tensor(float16)": "float16",
+            "tensor(double)": "float64"}.get(kind, "float32")
