@@ -8,7 +8,7 @@ PRESET ?= base
 # make test runs the suite in this many processes (pytest-xdist; the machines have 2 cores).
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-fast lint clean fixtures bench-envs
+.PHONY: run test test-fast lint clean fixtures bench-envs genai-env
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,9 +29,19 @@ run: $(VENV)/.installed
 	$(CLI) package $(OUT)/$(PRESET).fused.onnx -o $(OUT)/repo --name $(PRESET) \
 		--from-profile $(OUT)/profile.json --force
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(GENAI_RT)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
+# ONNX Runtime GenAI's generator alone (it pulls onnxruntime 1.32; ours is pinned at 1.31), so
+# that the tests run it on the folders export and fuse write (tests/genai.py); a few seconds.
+GENAI_RT := .venv-genai-rt
+$(GENAI_RT)/.installed:
+	test -x $(GENAI_RT)/bin/python || $(PYTHON) -m venv $(GENAI_RT)
+	$(GENAI_RT)/bin/python -m pip install -q onnxruntime-genai==0.18.0
+	touch $@
+
+genai-env: $(GENAI_RT)/.installed
 
 # Optimum exports committed under tests/fixtures/optimum (optimum-onnx 0.1.0 needs
 # transformers < 4.58, so it gets an environment of its own; not part of make test).

@@ -57,8 +57,19 @@ def _appended_outputs(model: onnx.ModelProto) -> dict[str, str]:
 
 
 def is_shared(model: onnx.ModelProto) -> bool:
-    """A model whose caches are max-length buffers with a ``past_sequence_length`` input."""
-    return bool(cache_pairs(model)) and any(i.name == LENGTH_INPUT for i in model.graph.input)
+    """A model whose caches are max-length buffers (``fuse --kv-cache shared``): as fuse
+    recorded it, or by its ``past_sequence_length`` input."""
+    from mha_onnx import metadata
+
+    recorded = metadata.loaded(model, "kv_cache") or {}
+    return bool(cache_pairs(model)) and (recorded.get("form") == "shared" or takes_length(model))
+
+
+def takes_length(model: onnx.ModelProto) -> bool:
+    """Does a shared-buffer model take its cached length as the ``past_sequence_length``
+    input? (Else it reads it from the shapes: the mask's length minus the new tokens, as
+    ONNX Runtime GenAI feeds a shared buffer.)"""
+    return any(i.name == LENGTH_INPUT for i in model.graph.input)
 
 
 def shared_view(model: onnx.ModelProto) -> tuple[list[InputSpec], dict[str, str]]:
@@ -147,17 +158,19 @@ def _packed(pasts: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray],
 
 def to_shared(feeds: Mapping[str, np.ndarray], specs: Sequence[InputSpec],
               pairs: Mapping[str, str], headroom: int = 3,
-              rows: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+              rows: Mapping[str, Any] | None = None,
+              length_input: bool = True) -> dict[str, np.ndarray]:
     """Appended-interface feeds (``specs``: :func:`appended_specs`) as a shared-buffer model
     takes them: each past in a buffer ``headroom`` positions longer than the run needs (NaN
-    after the past; ``rows``: each row's kept positions first) and the cached length as
-    ``past_sequence_length``."""
+    after the past; ``rows``: each row's kept positions first) and, where the model takes
+    it (``length_input``), the cached length as ``past_sequence_length``."""
     pasts = {name: feeds[name] for name in pairs}
     past_len = next(iter(pasts.values())).shape[2]
     capacity = past_len + new_tokens(specs, pairs, feeds) + headroom
     out = {k: v for k, v in feeds.items() if k not in pasts}
     pasts = _packed(pasts, feeds, rows)
-    out[LENGTH_INPUT] = np.array(past_len, np.int64)
+    if length_input:
+        out[LENGTH_INPUT] = np.array(past_len, np.int64)
     out.update({name: _buffer(past, capacity) for name, past in pasts.items()})
     return out
 
@@ -187,11 +200,14 @@ def bound_step(session: Any, feeds: Mapping[str, np.ndarray], buffers: Mapping[s
                pairs: Mapping[str, str], device: str = "cpu") -> tuple[Any, Callable[[], None]]:
     """(binding, run): every past bound to its buffer (an OrtValue) and its present to the
     same buffer, so that ORT writes the new positions in place; the other outputs are
-    allocated by ORT on ``device``."""
+    allocated by ORT on ``device``. Feeds the model does not take are left out."""
     import onnxruntime as ort
 
     binding = session.io_binding()
+    names = {i.name for i in session.get_inputs()}  # (a cached length it reads from shapes)
     for name, array in feeds.items():
+        if name not in names:
+            continue
         if name in buffers:
             binding.bind_ortvalue_input(name, buffers[name])
         else:

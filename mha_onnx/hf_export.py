@@ -53,6 +53,8 @@ class HfExportConfig:
     fuse: bool = True
     kv_cache: str = "appended"
     force: bool = False
+    genai: bool = True  # text generation: genai_config.json and the tokenizer beside it
+    logits: str = "all"  # "last": the LM head of each row's last kept position only
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -61,6 +63,8 @@ class HfExportConfig:
             raise ConfigError(f"unsupported dtype {self.dtype!r}", hint="float32 | float16")
         if self.kv_cache not in ("appended", "shared"):
             raise ConfigError(f"unknown --kv-cache {self.kv_cache!r}", hint="appended | shared")
+        if self.logits not in ("all", "last"):
+            raise ConfigError(f"unknown --logits {self.logits!r}", hint="all | last")
 
 
 @dataclass(frozen=True)
@@ -212,12 +216,30 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
             validations.append(validation)
         for final, target in made.items():  # every part passed: now written
             shutil.copyfile(final, target)
+    if task == "text-generation-with-past" and cfg.genai:
+        from mha_onnx.generate.genai import write_genai_folder
+
+        notes.append(write_genai_folder(output, folder).note())
     if seq2seq:
         notes.append(f"encoder written to {targets['encoder']} (input_ids, attention_mask -> "
                      "last_hidden_state); the decoder takes its last_hidden_state as "
                      "encoder_hidden_states")
     return HfExportReport(str(output), task, "; ".join(fused), validations[-1],
                           time.perf_counter() - started, tuple(notes))
+
+
+def _generation(config: Any, model: Any) -> dict[str, Any]:
+    """The HF config's fields a generation loop needs, the token ids as the model's
+    generation_config has them (which is what transformers.generate reads)."""
+    from mha_onnx.generate.interface import generation_record
+
+    record = generation_record(config)
+    settings = getattr(model, "generation_config", None)
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(settings, key, None)
+        if value is not None:
+            record[key] = value
+    return record
 
 
 def _learned_positions(model: Any) -> bool:
@@ -247,8 +269,19 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
     table = getattr(config, "max_position_embeddings", None)  # vision: one per patch
     if table and task != "image-feature-extraction" and _learned_positions(model):
         record["positions"] = int(table)  # validate stays within the table
-    metadata.write(proto, {"version": __version__, "hf_model": record})
+    values = {"version": __version__, "hf_model": record}
+    if task == "text-generation-with-past":  # what a generation loop and GenAI read
+        values["generation"] = _generation(config, model)
+    metadata.write(proto, values)
     proto.producer_name, proto.producer_version = "mha-onnx", __version__
+    if cfg.logits == "last" and part != "encoder":
+        if task not in ("text-generation-with-past", "text2text-generation-with-past"):
+            raise ConfigError(f"--logits last: {task} has no logits",
+                              hint="--logits last is for decoders")
+        from mha_onnx.rewrite.last_logits import with_last_logits
+
+        progress("logits of the last position only (checked against the export)")
+        proto = with_last_logits(proto)
     exported = tmp / f"{name}.exported.onnx"
     write_model(proto, exported, force=True)
     final, fused = exported, "not fused (--no-fuse)"

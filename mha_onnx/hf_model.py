@@ -68,7 +68,7 @@ def infer_task(config: Any) -> str:
     arch = " ".join(getattr(config, "architectures", None) or [])
     if getattr(config, "is_encoder_decoder", False):
         return "text2text-generation-with-past"
-    if "ForCausalLM" in arch:
+    if "ForCausalLM" in arch or "LMHeadModel" in arch:  # GPT-2's GPT2LMHeadModel
         return "text-generation-with-past"
     if hasattr(config, "image_size") and hasattr(config, "num_channels"):
         return "image-feature-extraction"

@@ -81,7 +81,7 @@ def _child(request: dict) -> dict:
 
 
 def _main() -> None:
-    from mha_onnx.cache import is_shared, row_layout, shared_view, to_shared
+    from mha_onnx.cache import is_shared, row_layout, shared_view, takes_length, to_shared
     from mha_onnx.errors import MhaOnnxError
     from mha_onnx.graphio import read_model
     from mha_onnx.inputs import case_for, make_inputs
@@ -93,7 +93,8 @@ def _main() -> None:
         specs, pairs = shared_view(model)  # a shared cache: appended feeds put in buffers
         feeds = make_inputs(specs, case_for(specs, "preflight", 2, [7, 5]))
         if is_shared(model):
-            feeds = to_shared(feeds, specs, pairs, rows=row_layout(model))
+            feeds = to_shared(feeds, specs, pairs, rows=row_layout(model),
+                              length_input=takes_length(model))
         with OrtRunner(request["model"], request["provider"], optimization=request["level"],
                        strict=False) as runner:
             runner.infer(feeds)

@@ -194,7 +194,9 @@ def test_shared_cache_is_a_max_length_buffer_with_a_length_input(export_cache, t
     input; verified against the appended original at every case (a prompt, one new token,
     new tokens after a past with a batch, padded keys: the general branch). With a padding
     mask input the buffers hold per-row lengths (its padded rows stay on GQA), verified on
-    left-padded prompts and steps too."""
+    left-padded prompts and steps too, and the cached length is read from the shapes (the
+    mask's length minus the new tokens, as ONNX Runtime GenAI feeds a shared buffer): no
+    extra input."""
     src = export_cache(CFG.replace(cache_padding=padding))
     out, report = _shared(tmp_path, src)
     (block,) = report["blocks"]
@@ -210,13 +212,16 @@ def test_shared_cache_is_a_max_length_buffer_with_a_length_input(export_cache, t
     model = onnx.load(out)
     dims = _dims(model)
     assert dims["past_key"] == dims["present_key"] == ["batch", 4, "max_sequence_length", 8]
-    assert dims["past_sequence_length"] == []
+    assert ("past_sequence_length" in dims) != padding
+    if not padding:
+        assert dims["past_sequence_length"] == []
     assert "Concat" not in {n.op_type for n in model.graph.node
                             if any(o in ("present_key", "present_value") for o in n.output)}
     recorded = json.loads(next(p.value for p in model.metadata_props
                                if p.key == "mha_onnx.kv_cache"))
     rows = {"rows": {"input": "key_padding_mask", "zero_is_padded": False}} if padding else {}
-    assert recorded == {"form": "shared", "past_dim": "past_seq", **rows,
+    length = "mask - ids" if padding else "past_sequence_length"
+    assert recorded == {"form": "shared", "past_dim": "past_seq", **rows, "past_length": length,
                         "pairs": {"past_key": "present_key", "past_value": "present_value"}}
 
 

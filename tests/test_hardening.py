@@ -5,6 +5,7 @@ what each got is docs/bad-inputs.md (regenerate: MHA_ONNX_UPDATE_DOCS=1 pytest -
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import re
@@ -105,6 +106,12 @@ def files(tmp_path_factory, export_cache):
     del model.metadata_props[:]
     f["no_metadata"] = root / "plain.onnx"
     onnx.save(model, f["no_metadata"])
+    optimum = Path(__file__).parent / "fixtures" / "optimum"
+    f["llama"], f["gpt2"] = optimum / "llama" / "model.onnx", optimum / "gpt2" / "model.onnx"
+    for name, prompts in (("p_empty", []), ("p_vocab", [[1, 500]]), ("p_ok", [[1, 2, 3]]),
+                          ("p_long", [[5] * 250])):
+        f[name] = root / f"{name}.json"
+        f[name].write_text(json.dumps(prompts))
     return f
 
 
@@ -143,6 +150,20 @@ CASES = [
     ("malformed --seq-lens", "profile {good} --seq-lens 12,x", 2, "malformed --seq-lens"),
     ("shape too large for memory", "profile {good} --seq-lens 3000000", 2, "needs about"),
     ("validate shape too large for memory", "validate {good} --shapes 1:3000000", 2, "needs about"),
+    ("generate: no prompts", "generate {llama} --prompts {p_empty}", 2, "no prompts"),
+    ("generate: ids outside the vocabulary", "generate {llama} --prompts {p_vocab}", 2,
+     "outside the vocabulary"),
+    ("generate: prompt and new tokens longer than the buffer",
+     "generate {llama} --prompts {p_ok} --max-length 8 --max-new-tokens 8", 2,
+     "more than --max-length 8"),
+    ("generate: past the position table", "generate {gpt2} --prompts {p_long}", 2,
+     "position table of 256"),
+    ("generate: not a token decoder", "generate {good} --prompts {p_ok}", 2,
+     "not a token decoder"),
+    ("fuse --logits last without logits", "fuse {good} -o {out} --logits last", 2,
+     "--logits last needs"),
+    ("package a decoder for TensorRT", "package {llama} -o {folder}/repo --target tensorrt", 2,
+     "onnxruntime backend only"),
 ]
 
 

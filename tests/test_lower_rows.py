@@ -143,13 +143,15 @@ def test_an_optimum_llama_left_padded_batch_stays_on_gqa(tmp_path):
     assert result.exit_code == 0, result.output
     fused = onnx.load(out)
     assert kv.row_layout(fused) == {"input": "attention_mask", "zero_is_padded": True}
+    assert not kv.takes_length(fused)  # GenAI's contract: the cached length from the shapes
     specs, pairs = kv.shared_view(fused)
     for past, new, padding, gqa in [(0, 12, "left", 2), (12, 1, "left", 2), (0, 12, "some", 0)]:
         dims = case_for(specs, "x", 4, [new]).dims
         dims.update({s.dims[2]: past for s in specs if s.name in pairs})
         feeds = make_inputs(specs, ShapeCase("x", dims, padding))
-        assert _gqa_runs(out, kv.to_shared(feeds, specs, pairs, rows=kv.row_layout(fused))) \
-            == gqa, (past, new, padding)
+        shared = kv.to_shared(feeds, specs, pairs, rows=kv.row_layout(fused),
+                              length_input=kv.takes_length(fused))
+        assert _gqa_runs(out, shared) == gqa, (past, new, padding)
     result = CliRunner().invoke(main, ["validate", str(out), "--reference", str(src)])
     assert result.exit_code == 0 and "decode step 16" in result.output, result.output
     # validate says which kernels the steps ran: left-padded or not, GQA in both layers

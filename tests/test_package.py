@@ -163,9 +163,10 @@ def test_report_keeps_every_thread_count_of_one_machine(export_cache, tmp_path):
 
 
 def test_package_says_what_a_deployment_must_know(tmp_path):
-    """An Optimum GPT-2 (256 positions), fused: TensorRT gets a warning naming the ORT-only
-    ops and a profile capped at the position table; a profile of one batch size sets no
-    batching."""
+    """An Optimum GPT-2 (256 positions), fused and served stateless (the client sends the
+    cache: a stateful decoder runs on the onnxruntime backend only): TensorRT gets a warning
+    naming the ORT-only ops and a profile capped at the position table; a profile of one
+    batch size sets no batching."""
     from pathlib import Path
 
     from mha_onnx.rewrite import fuse_file
@@ -179,7 +180,7 @@ def test_package_says_what_a_deployment_must_know(tmp_path):
     profile.write_text(result.output[result.output.index("{"):])
     result = CliRunner().invoke(main, ["package", str(fused), "-o", str(tmp_path / "repo"),
                                        "--target", "cpu", "--target", "tensorrt",
-                                       "--from-profile", str(profile), "--json"])
+                                       "--stateless", "--from-profile", str(profile), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     notes = " ".join(report["notes"])
@@ -241,3 +242,77 @@ def test_a_target_takes_a_model_of_its_own(export_cache, tmp_path, model_config_
                         (["--target-model", "cuda"], "malformed --target-model")):
         bad = CliRunner().invoke(main, ["package", str(src), "-o", str(tmp_path / "r2"), *extra])
         assert bad.exit_code == 2 and says in bad.output, bad.output
+
+
+@pytest.mark.parametrize("form", ["export", "appended", "shared"])
+def test_a_kv_decoder_is_served_statefully_and_its_readme_runs(tmp_path, model_config_pb2,
+                                                                form):
+    """A decoder with a KV cache: sequence batching with one implicit state per past (the
+    cache stays on the server), request inputs without the cache; the README's client loop,
+    run as written against a stand-in for Triton (tests/triton_emulator.py), generates the
+    tokens `mha-onnx generate` does."""
+    from mha_onnx.generate import GenerationConfig, Generator
+    from tests.test_optimum import FIXTURES
+    from tests.triton_emulator import Server, run_readme
+
+    model = FIXTURES / "llama" / "model.onnx"
+    if form != "export":
+        model = tmp_path / f"{form}.onnx"
+        result = CliRunner().invoke(main, ["fuse", str(FIXTURES / "llama" / "model.onnx"),
+                                           "-o", str(model), "--kv-cache", form])
+        assert result.exit_code == 0, result.output
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(main, ["package", str(model), "-o", str(repo), "--name", "lm",
+                                       "--lengths", "1:64:64", "--json"])
+    assert result.exit_code == 0, result.output
+    config = _parse(model_config_pb2, repo / "lm" / "config.pbtxt")
+    assert config.max_batch_size == 1 and config.sequence_batching.HasField("direct")
+    states = config.sequence_batching.state
+    assert [s.input_name for s in states] == [f"past_key_values.{n}.{k}" for n in range(2)
+                                              for k in ("key", "value")]
+    assert [i.name for i in config.input] == ["input_ids", "attention_mask", "position_ids"]
+    assert [list(s.initial_state[0].dims) for s in states] == \
+        [[2, 64 if form == "shared" else 1, 16]] * 4
+    scope = run_readme(repo / "lm" / "README.md", Server(repo, "lm", model_config_pb2))
+    with Generator(model) as generator:
+        want = generator.generate([[1, 2, 3, 4, 5]], GenerationConfig(8, eos=())).sequences[0]
+    assert scope["tokens"] == list(want)
+    readme = (repo / "lm" / "README.md").read_text()
+    assert "max batch size 1" in readme and "statefully" in readme
+
+
+def test_a_stateless_models_readme_request_runs(export_cache, tmp_path, model_config_pb2):
+    """The README's request of a model without a cache, as written, and the max batch size
+    it says is the config's."""
+    from tests.triton_emulator import Server, run_readme
+
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(main, ["package", str(export_cache(CFG)), "-o", str(repo),
+                                       "--name", "mha"])
+    assert result.exit_code == 0, result.output
+    scope = run_readme(repo / "mha" / "README.md", Server(repo, "mha", model_config_pb2))
+    assert scope["result"].as_numpy("output").shape == (2, 16, 32)
+    assert "max batch size 8." in (repo / "mha" / "README.md").read_text()
+
+
+def test_a_decoder_cannot_go_to_tensorrt_statefully(tmp_path):
+    from tests.test_optimum import FIXTURES
+
+    result = CliRunner().invoke(main, ["package", str(FIXTURES / "llama" / "model.onnx"), "-o",
+                                       str(tmp_path / "repo"), "--target", "tensorrt"])
+    assert result.exit_code == 2 and "onnxruntime backend only" in result.output
+    assert not (tmp_path / "repo").exists()
+
+
+def test_a_stateless_decoders_readme_request_runs(tmp_path, model_config_pb2):
+    """`--stateless`: the request sends the cache; its sample shapes agree (a mask over past
+    + new positions beside pasts of 16: 32), so it runs as written."""
+    from tests.test_optimum import FIXTURES
+    from tests.triton_emulator import Server, run_readme
+
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(main, ["package", str(FIXTURES / "llama" / "model.onnx"), "-o",
+                                       str(repo), "--name", "lm", "--stateless"])
+    assert result.exit_code == 0, result.output
+    scope = run_readme(repo / "lm" / "README.md", Server(repo, "lm", model_config_pb2))
+    assert scope["result"].as_numpy("present.0.key").shape == (2, 2, 32, 16)

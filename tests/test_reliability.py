@@ -236,7 +236,7 @@ def test_a_mismatch_where_the_original_gives_nan_says_so():
     import numpy as np
 
     from mha_onnx.errors import FusionError
-    from mha_onnx.rewrite.fuse import _refuse_mismatch
+    from mha_onnx.rewrite.verify import refuse_mismatch
     from mha_onnx.rewrite.verify import CaseResult, Verification
     from mha_onnx.stats import compare
 
@@ -244,11 +244,11 @@ def test_a_mismatch_where_the_original_gives_nan_says_so():
     got = np.array([[0.5, 1.0], [2.0, 3.0]], np.float32)
     verification = Verification((CaseResult("odd", "y", compare(got, expected)),))
     with pytest.raises(FusionError) as raised:
-        _refuse_mismatch(verification, [])
+        refuse_mismatch(verification, [])
     assert "the original itself gives NaN in 1 values there" in str(raised.value)
     assert "--inputs" in raised.value.hint
     # an RMS normalisation with its epsilon dropped by an exporter: named, and how to avoid it
     with pytest.raises(FusionError) as raised:
-        _refuse_mismatch(verification, ["node_Sqrt_75"])
+        refuse_mismatch(verification, ["node_Sqrt_75"])
     assert "RMS normalisation node_Sqrt_75 has no epsilon" in str(raised.value)
     assert "optimize=False" in raised.value.hint

@@ -38,6 +38,9 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
               {"num_key_value_heads": 1, "head_dim": 16}),
     "qwen3": ("text-generation-with-past", "Qwen3Config", "Qwen3ForCausalLM",
               {"num_key_value_heads": 2, "head_dim": 16}),
+    # sliding-window layers (window 16: generation runs past it)
+    "gemma3": ("text-generation-with-past", "Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 16}),
     "gpt2": ("text-generation-with-past", "GPT2Config", "GPT2LMHeadModel",
              {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
     "gpt_neox": ("text-generation-with-past", "GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
@@ -82,11 +85,19 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
 }
 
 
+# Decoders: greedy tokens of transformers.generate on these prompts (left-padded as a batch)
+# are recorded beside the export (generate.json), so that `mha-onnx generate` of the fused
+# export is checked against transformers without this environment.
+PROMPTS = [[20, 31, 5, 77, 12], [40, 3, 9, 91, 18, 60, 22, 7, 50], [66, 13, 84]]
+NEW_TOKENS = 32
+
+
 def optimum_export(task: str, config_name: str, model_name: str, fields: dict,
-                   output: Path) -> None:
+                   output: Path) -> dict | None:
     """The transformers model ``model_name(config_name(**fields))`` with random weights
     (seed 0), saved with save_pretrained and exported from that folder by Optimum into
-    ``output``, as a user exports a folder (.venv-optimum)."""
+    ``output``, as a user exports a folder (.venv-optimum). Decoders: their greedy tokens
+    (:func:`greedy`)."""
     import torch
     import transformers as tf
     from optimum.exporters.onnx import main_export
@@ -97,12 +108,41 @@ def optimum_export(task: str, config_name: str, model_name: str, fields: dict,
         model.save_pretrained(Path(tmp) / "model")
         main_export(str(Path(tmp) / "model"), output=str(output), task=task,
                     do_validation=False)
+    return greedy(model) if task == "text-generation-with-past" else None
+
+
+def greedy(model) -> dict:
+    """transformers.generate's greedy tokens for PROMPTS: the first alone and all three
+    left-padded in one batch; each row's new tokens up to and including an EOS."""
+    import torch
+
+    eos = model.generation_config.eos_token_id
+    eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None
+           and e < model.config.vocab_size]
+
+    def run(prompts):
+        longest = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, pad_token_id=0,
+                                 eos_token_id=eos or None)
+        rows = []
+        for row in out[:, longest:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in eos), None)
+            rows.append(row[:cut + 1] if cut is not None else row)
+        return rows
+
+    return {"prompts": PROMPTS, "max_new_tokens": NEW_TOKENS, "eos_token_id": eos,
+            "batch1": run(PROMPTS[:1]), "batch3": run(PROMPTS)}
 
 
 def export(family: str, out: Path) -> list[str]:
     task, config_name, model_name, extra = FAMILIES[family]
     with tempfile.TemporaryDirectory(prefix=f"optimum_{family}_") as tmp:
-        optimum_export(task, config_name, model_name, {**COMMON, **extra}, Path(tmp) / "onnx")
+        tokens = optimum_export(task, config_name, model_name, {**COMMON, **extra},
+                                Path(tmp) / "onnx")
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for onnx_file in sorted((Path(tmp) / "onnx").glob("*.onnx")):
@@ -110,6 +150,12 @@ def export(family: str, out: Path) -> list[str]:
                 raise SystemExit(f"{family}: {onnx_file.name} is over 1.5 MB")
             shutil.copy(onnx_file, out / onnx_file.name)
             written.append(onnx_file.name)
+        if tokens is not None:  # a decoder: the folder as Optimum writes it, and its tokens
+            for name in ("config.json", "generation_config.json"):
+                shutil.copy(Path(tmp) / "onnx" / name, out / name)
+                written.append(name)
+            (out / "generate.json").write_text(json.dumps(tokens) + "\n")
+            written.append("generate.json")
     return written
 
 

@@ -122,17 +122,27 @@ def references_for(model: onnx.ModelProto, path: str, config: ValidateConfig, *,
             checks.append(CheckResult("same export", False,
                                       "model and --reference record different weights"))
     if ref_model is not None:
-        checked = preflight(str(config.reference), "cpu",
-                            session_options(ref_model).get("optimization", "all"))
-        if checked.level is None and checked.crashed:
-            raise RuntimeCrash(f"--reference {config.reference}: {checked.message()}")
-        level = checked.level or "all"  # the reference only has to compute right answers
-        references["reference"] = OrtRunner(ref_model.SerializeToString(), "cpu",
-                                            threads=config.threads, optimization=level)
-        labels.append(f"reference = {config.reference} on ORT CPU"
-                      + (f" ({checked.message()})" if checked.crashed else ""))
+        references["reference"], label = _reference_runner(ref_model, config)
+        labels.append(label)
+    if metadata.loaded(model, "logits"):  # --logits last: theirs at each row's position
+        from mha_onnx.rewrite.last_logits import LastPosition
+
+        references = {k: LastPosition(v) for k, v in references.items()}
     if not references and needed:
         raise MhaOnnxError(
             f"{path} has no mha-onnx metadata to rebuild the PyTorch reference from",
             hint="pass --reference ORIGINAL.onnx (e.g. the unfused model)")
     return references, labels, checks, ref_specs
+
+
+def _reference_runner(ref_model: onnx.ModelProto, config: ValidateConfig):
+    """``--reference`` on ORT CPU, at an optimisation level ORT does not crash at; its label."""
+    checked = preflight(str(config.reference), "cpu",
+                        session_options(ref_model).get("optimization", "all"))
+    if checked.level is None and checked.crashed:
+        raise RuntimeCrash(f"--reference {config.reference}: {checked.message()}")
+    level = checked.level or "all"  # the reference only has to compute right answers
+    runner = OrtRunner(ref_model.SerializeToString(), "cpu", threads=config.threads,
+                       optimization=level)
+    return runner, (f"reference = {config.reference} on ORT CPU"
+                    + (f" ({checked.message()})" if checked.crashed else ""))

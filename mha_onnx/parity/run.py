@@ -17,7 +17,14 @@ from pathlib import Path
 import numpy as np
 
 from mha_onnx import metadata
-from mha_onnx.cache import SharedCache, is_shared, row_layout, shared_view, to_shared
+from mha_onnx.cache import (
+    SharedCache,
+    is_shared,
+    row_layout,
+    shared_view,
+    takes_length,
+    to_shared,
+)
 from mha_onnx.graphio import prepare_output, read_model
 from mha_onnx.inputs import (
     InputSpec,
@@ -135,7 +142,8 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         checks += golden_provenance(golden, path, config.strict)
     level = session_options(model).get("optimization", "all")
     rows = row_layout(model)  # per-row lengths: buffers hold each row's kept keys first
-    probe = to_shared(runs[0][1], specs, pairs, rows=rows) if shared else runs[0][1]
+    probe = to_shared(runs[0][1], specs, pairs, rows=rows, length_input=takes_length(model)) \
+        if shared else runs[0][1]
     runners, statuses = _start_providers(str(path), config, probe, level)
     if shared:
         steps = PROMPT + config.decode_steps + 1

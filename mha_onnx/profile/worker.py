@@ -207,10 +207,10 @@ def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
 def _bound_run(runner, feeds: dict[str, np.ndarray], proto) -> Callable[[], Any]:
     """One run: inputs on the device once (IO binding) or plain host feeds; a shared KV
     cache bound as past and present (every run writes the same next position in place)."""
-    from mha_onnx.cache import LENGTH_INPUT, bound_step, cache_pairs, device_of
+    from mha_onnx.cache import bound_step, cache_pairs, device_of, is_shared
     from mha_onnx.runtimes import import_ort
 
-    if LENGTH_INPUT in feeds and hasattr(runner.session, "io_binding"):  # ORT: in place
+    if is_shared(proto) and hasattr(runner.session, "io_binding"):  # ORT: in place
         pairs, device = cache_pairs(proto), device_of(runner.provider)
         ort = import_ort(for_gpu=device != "cpu")
         buffers = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n], device, 0) for n in pairs}

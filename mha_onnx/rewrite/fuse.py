@@ -19,8 +19,8 @@ from onnxscript.optimizer import remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx import __version__, metadata
-from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
-from mha_onnx.errors import BlocksLeft, ConfigError, FusionError, RuntimeCrash
+from mha_onnx.cache import LENGTH_INPUT
+from mha_onnx.errors import BlocksLeft, ConfigError, RuntimeCrash
 from mha_onnx.graphdims import dim_floors, with_related_dims
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.inputs import input_specs, load_inputs
@@ -35,14 +35,15 @@ from mha_onnx.rewrite.core import (
     parse_softmax_attention,
 )
 from mha_onnx.rewrite.faithful import optimize_faithfully
-from mha_onnx.rewrite.forms import ONE_TOKEN, SHARED, Form
+from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import MS_DOMAIN, opset
+from mha_onnx.rewrite.kv_interface import past_dim, shared_note
 from mha_onnx.rewrite.layer import tighten_layers
 from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.lower.rules import lower_to_ort
-from mha_onnx.rewrite.lower.shared import share_interface, shared_rows
+from mha_onnx.rewrite.lower.shared import length_from_shapes, share_interface, shared_rows
 from mha_onnx.rewrite.norms import omit_unread_outputs, unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
@@ -50,7 +51,12 @@ from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from mha_onnx.rewrite.shapes import fold_static_dims, probability_shapes, with_symbolic_shapes
 from mha_onnx.rewrite.shared_probs import distribute_combinations, merge_value_matmuls
-from mha_onnx.rewrite.verify import Verification, verification_cases, verify, verify_on_openvino
+from mha_onnx.rewrite.verify import (
+    refuse_mismatch,
+    verification_cases,
+    verify,
+    verify_on_openvino,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +138,9 @@ def fuse_model(
                    ).apply_to_model(model)
     RewriteRuleSet([OnnxAttention.rule(blog, oracle, target, policy)]).apply_to_model(model)
     remove_unused_nodes(model)
+    cache: dict | None = None
     if target == "ort":
-        stage = lower_to_ort(model, policy)
-        chosen.update(stage.forms)
-        pairs = stage.pairs(model.graph)
-        rows = shared_rows(stage.layers)
-        shared = share_interface(model.graph, stage.layers)
-        tightened, packed = tighten_layers(model, chosen, rotate=policy.ep == "cpu")
-        notes += tightened
-        if policy.kv_cache == "shared":
-            notes.append(_shared_note(shared, chosen, rows))
-        model.opset_imports.setdefault(MS_DOMAIN, 1)
+        cache, packed = _lower_ort(model, policy, chosen, notes)
     else:
         RewriteRuleSet([LowerToOnnxAttention.rule(chosen, ungroup)]).apply_to_model(model)
     model.opset_imports.pop(FUSION_DOMAIN, None)
@@ -153,15 +151,38 @@ def fuse_model(
     fused = ir.to_proto(model)
     if packed:  # validate rebuilds PyTorch references from weights: where each one went
         metadata.write(fused, {"packed": {k: list(v) for k, v in packed.items()}})
-    if target == "ort" and pairs:  # which outputs are which past's present, by any names
-        cache = {"form": "shared" if shared else "appended", "pairs": pairs,
-                 "past_dim": _past_dim(model_proto, pairs)}
-        if shared and rows is not None:  # each buffer row holds that row's kept keys first
-            cache["rows"] = rows.to_dict()
+    if cache:  # which outputs are which past's present, by any names
+        cache["past_dim"] = past_dim(model_proto, cache["pairs"])
         metadata.write(fused, {"kv_cache": cache})
     if fused.ir_version > 10 and model_proto.ir_version <= 10:
         fused.ir_version = model_proto.ir_version
     return fused, results, notes
+
+
+def _lower_ort(model: ir.Model, policy: Forms, chosen: dict[str, Form], notes: list[str]
+               ) -> tuple[dict | None, dict[str, tuple[str, int, int]]]:
+    """Stage 2 onto ORT's kernels, the KV-cache interface (shared buffers where asked) and
+    the layers tightened; (the cache record or None, where packed weights went)."""
+    stage = lower_to_ort(model, policy)
+    chosen.update(stage.forms)
+    pairs = stage.pairs(model.graph)
+    rows = shared_rows(stage.layers)
+    shared = share_interface(model.graph, stage.layers)
+    tightened, packed = tighten_layers(model, chosen, rotate=policy.ep == "cpu")
+    notes += tightened
+    from_shapes = bool(shared) and rows is not None \
+        and length_from_shapes(model.graph, rows, set(pairs))
+    if policy.kv_cache == "shared":
+        notes.append(shared_note(shared, chosen, rows, from_shapes))
+    model.opset_imports.setdefault(MS_DOMAIN, 1)
+    if not pairs:
+        return None, packed
+    cache: dict = {"form": "shared" if shared else "appended", "pairs": pairs}
+    if shared and rows is not None:  # each buffer row holds that row's kept keys first
+        cache["rows"] = rows.to_dict()
+    if shared:  # where the cached length comes from
+        cache["past_length"] = "mask - ids" if from_shapes else LENGTH_INPUT
+    return cache, packed
 
 
 def _normalise(model: ir.Model) -> list[str]:
@@ -178,40 +199,6 @@ def _normalise(model: ir.Model) -> list[str]:
         notes.append(f"{merged} differential attention(s) (Softmax weights applied to several "
                      "value tensors, or combined before V) made one attention per Softmax")
     return notes
-
-
-def _past_dim(model: onnx.ModelProto, pairs: dict[str, str]) -> str:
-    """The name of the pasts' length dim in the original (``past_seq``, ``past``, ...)."""
-    for value in model.graph.input:
-        if value.name in pairs and len(value.type.tensor_type.shape.dim) == 4:
-            return value.type.tensor_type.shape.dim[2].dim_param or LENGTH_INPUT
-    return LENGTH_INPUT
-
-
-def _shared_note(shared: int, chosen: dict[str, Form], rows) -> str:
-    """Refuses a shared cache that is not every cached layer's; the note on the interface."""
-    appended = [block for block, form in chosen.items()
-                if ONE_TOKEN in form.all_cases() and SHARED not in form.all_cases()]
-    if appended or not shared:
-        raise ConfigError(
-            "--kv-cache shared: " + (f"{len(appended)} cached layer(s) cannot take a shared "
-                                     f"buffer (their caches are not plain model inputs and "
-                                     f"outputs, they slide a window over the positions, "
-                                     f"which per-row buffers do not keep, or they add a "
-                                     f"position bias, which the shared forms do not): "
-                                     f"{', '.join(appended)}" if appended else
-                                     "the model has no KV-cache attention (a past input "
-                                     "appended to and returned as a present)"),
-            hint="fuse without --kv-cache shared keeps the appended cache")
-    head = (f"KV cache shared by {shared} layer(s): every past_* input is now a buffer of "
-            f"{MAX_LENGTH} positions; {LENGTH_INPUT} (new int64 input) is the cached length "
-            "the padding mask spans")
-    layout = (f"; per-row lengths: row b holds the keys {rows.input!r} keeps first (as many as "
-              "it keeps), and a step writes after them, so left- or right-padded batches stay "
-              "on GroupQueryAttention" if rows is not None else
-              f"; its first {LENGTH_INPUT} positions are cached, the same for every row")
-    return (head + layout + "; bind each past and its present to the same buffer (IO "
-            "binding) to update it in place")
 
 
 def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
@@ -277,30 +264,31 @@ def fuse_file(
     inputs: str | Path | None = None,
     kv_cache: str | None = None,
     strict: bool = False,
+    genai: bool = True,
+    logits: str = "all",
 ) -> FuseReport:
     """Fuse ``source`` into ``output``; refuses to write when the fused graph's outputs differ
     from the original's beyond tolerance (unless ``verify_result`` is False). ``inputs``: an
     .npz of real inputs to verify with instead of generated ones. ONNX Runtime first meets
-    each model in a child process, so a crash in it cannot take this process down."""
+    each model in a child process, so a crash in it cannot take this process down. A
+    decoder whose folder holds a HF config.json (Optimum's output) records it and, with
+    ``genai``, gets genai_config.json and the folder's tokenizer files beside ``output``.
+    ``logits="last"``: the LM head computes each row's last kept position only
+    (last_logits.py), checked against the original before fusing."""
     started = time.perf_counter()
     output = prepare_output(output, force=force)
     original = read_model(source)
     given = load_inputs(inputs, input_specs(original)) if inputs is not None else None
     level = _safe_level(preflight(source), "the original model") if verify_result else "all"
-    fused, results, notes = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
+    original, notes = _logits(original, logits)
+    fused, results, more = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
+    notes += more
     carry_metadata(original, fused, results, target, (forms or Forms()).ep)
     notes += _unused_overrides(forms, results)
     unguarded = unguarded_norms(original)
     if unguarded:
         notes.append(_UNGUARDED.format(len(unguarded), unguarded[0]))
-    left = [r for r in results if r.status == "left"]
-    if strict and left:
-        raise BlocksLeft(f"{len(left)} of {len(results)} attention block(s) left unfused "
-                         f"(first: {left[0].block}: {left[0].reason}); nothing was written",
-                         hint="without --strict the model is written with those blocks as "
-                              "they are; `mha-onnx inspect` shows why each is left")
-    if not results:
-        notes.append("the model has no attention block; the output is an unchanged copy")
+    notes += _blocks_left(results, strict)
     checked = preflight(fused.SerializeToString())
     fused_level = _safe_level(checked, "the fused model")
     if checked.crashed:
@@ -314,15 +302,53 @@ def fuse_file(
         if target == "openvino":
             verification = verify_on_openvino(original, fused, verification, cases=cases,
                                               given=given, atol=atol, rtol=rtol)
-        _refuse_mismatch(verification, unguarded)
-    if target == "ort":  # (for `mha-onnx tune` on another machine; once it is to be written)
-        record_original(original, fused)
-    write_model(fused, output, force=force)
+        refuse_mismatch(verification, unguarded)
+    notes += _write(source, original, fused, output, target, force, genai)
     return FuseReport(
         input=str(source), output=str(output), target=target, blocks=tuple(results),
         verification=verification, seconds=time.perf_counter() - started, written=True,
         notes=tuple(notes),
     )
+
+
+def _write(source, original: onnx.ModelProto, fused: onnx.ModelProto, output: Path,
+           target: str, force: bool, genai: bool) -> list[str]:
+    """Write the fused model: (ORT target) its original kept inside for `mha-onnx tune` on
+    another machine; a decoder's HF config recorded and, with ``genai``, GenAI's folder
+    beside it. Returns the notes."""
+    from mha_onnx.generate.genai import folder_generation, write_genai_folder
+
+    if target == "ort":
+        record_original(original, fused)
+    decoder = folder_generation(source, fused)  # a decoder's HF config (Optimum's folder)
+    write_model(fused, output, force=force)
+    if decoder and genai and target == "ort":
+        return [write_genai_folder(output, Path(source).parent, decoder).note()]
+    return []
+
+
+def _blocks_left(results: list[BlockResult], strict: bool) -> list[str]:
+    """``--strict`` refuses a model with blocks left unfused; a model without attention
+    is said to be copied unchanged."""
+    left = [r for r in results if r.status == "left"]
+    if strict and left:
+        raise BlocksLeft(f"{len(left)} of {len(results)} attention block(s) left unfused "
+                         f"(first: {left[0].block}: {left[0].reason}); nothing was written",
+                         hint="without --strict the model is written with those blocks as "
+                              "they are; `mha-onnx inspect` shows why each is left")
+    return [] if results else ["the model has no attention block; the output is an "
+                               "unchanged copy"]
+
+
+def _logits(original: onnx.ModelProto, logits: str) -> tuple[onnx.ModelProto, list[str]]:
+    """``logits="last"``: the original with the LM head of each row's last position only
+    (what fuse verifies against from here on), checked against it; and the note."""
+    if logits != "last":
+        return original, []
+    from mha_onnx.rewrite.last_logits import with_last_logits
+
+    return with_last_logits(original), ["logits of each row's last kept position only "
+                                        "([batch, 1, vocab]), checked against the original's"]
 
 
 def _unused_overrides(forms: Forms | None, results: list[BlockResult]) -> list[str]:
@@ -347,34 +373,6 @@ _UNGUARDED = ("{} RMS normalisation(s) of the original have no epsilon (first: {
               "of zeros (a padding token's embedding) gives NaN there; torch.onnx.export's "
               "optimizer drops an epsilon <= 1e-8 as zero: export with optimize=False or "
               "`mha-onnx export --model`")
-
-
-def _refuse_mismatch(verification: Verification, unguarded: list[str]) -> None:
-    failure = verification.first_failure()
-    if failure is not None:
-        stats = failure.stats
-        why = ""
-        if stats.nan_expected and not stats.nan_where_expected_finite:
-            why = (f"; the original itself gives NaN in {stats.nan_expected} values there (the"
-                   " fused graph nowhere else): " + (
-                       f"its RMS normalisation {unguarded[0]} has no epsilon (an exporter "
-                       "dropped one <= 1e-8)" if unguarded else
-                       "the generated inputs may be outside what the model is defined for"))
-        raise FusionError(
-            f"fused graph differs from the original: output {failure.output!r} at "
-            f"{failure.case}: max abs error {stats.max_abs:.3g} (atol {stats.atol:g})"
-            f"{why}; nothing was written",
-            hint=_mismatch_hint(bool(why), bool(unguarded)))
-
-
-def _mismatch_hint(original_nan: bool, unguarded: bool) -> str:
-    if original_nan and unguarded:
-        return ("re-export without torch.onnx's optimizer (optimize=False) or with "
-                "`mha-onnx export --model`; --no-verify writes it anyway")
-    if original_nan:
-        return ("verify with real inputs (--inputs FILE.npz); else please report this model; "
-                "--no-verify writes it anyway")
-    return "please report this model; --no-verify writes it anyway"
 
 
 def carry_metadata(original: onnx.ModelProto, fused: onnx.ModelProto,

@@ -298,3 +298,34 @@ def verify_on_openvino(original: onnx.ModelProto, fused: onnx.ModelProto, on_ort
             results.append(CaseResult(f"{case.describe()} on OpenVINO f32", name,
                                       compare(got[name], expected, atol=atol, rtol=rtol)))
     return Verification(tuple(results), on_ort.reference, on_ort.skipped)
+
+
+def refuse_mismatch(verification: Verification, unguarded: list[str]) -> None:
+    """A FusionError naming the first output that differs (nothing is written then); where
+    the original itself gives NaN there, why (``unguarded``: its RMS norms without an
+    epsilon)."""
+    failure = verification.first_failure()
+    if failure is not None:
+        stats = failure.stats
+        why = ""
+        if stats.nan_expected and not stats.nan_where_expected_finite:
+            why = (f"; the original itself gives NaN in {stats.nan_expected} values there (the"
+                   " fused graph nowhere else): " + (
+                       f"its RMS normalisation {unguarded[0]} has no epsilon (an exporter "
+                       "dropped one <= 1e-8)" if unguarded else
+                       "the generated inputs may be outside what the model is defined for"))
+        raise FusionError(
+            f"fused graph differs from the original: output {failure.output!r} at "
+            f"{failure.case}: max abs error {stats.max_abs:.3g} (atol {stats.atol:g})"
+            f"{why}; nothing was written",
+            hint=_mismatch_hint(bool(why), bool(unguarded)))
+
+
+def _mismatch_hint(original_nan: bool, unguarded: bool) -> str:
+    if original_nan and unguarded:
+        return ("re-export without torch.onnx's optimizer (optimize=False) or with "
+                "`mha-onnx export --model`; --no-verify writes it anyway")
+    if original_nan:
+        return ("verify with real inputs (--inputs FILE.npz); else please report this model; "
+                "--no-verify writes it anyway")
+    return "please report this model; --no-verify writes it anyway"

@@ -136,8 +136,7 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
     with the new keys appended) or shared (max-length buffers, see lower/shared.py; where a
     layer's caches are not plain model inputs and outputs it stays appended, which fuse
     then refuses)."""
-    # a window counts logical positions, which per-row buffers do not keep: appended only
-    if kv_cache == "shared" and cache is not None and shareable(*cache) and not _gqa_only(info) \
+    if kv_cache == "shared" and cache is not None and shareable(*cache) \
             and info.bias is None:  # (the shared forms add no position bias)
         return lower_shared(op, info, q3, *cache)
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))

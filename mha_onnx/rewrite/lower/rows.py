@@ -94,6 +94,8 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
     seqlens = op.Sub(op.ReduceSum(keep, int_const(op, [1]), keepdims=0), one)
     new32 = op.Cast(op.Reshape(seq_dim(op, q3, 1), scalar_shape(op)), to=ir.DataType.INT32)
     decoding = op.And(op.Equal(new32, one), new_key_kept(op, info))
+    if info.window:  # the kernel's window counts a row's kept keys, the original's positions
+        decoding = op.And(decoding, _window_unbroken(op, keep, info.window))
     k3, v3 = to_bsd(op, key.new, info.kv_heads), to_bsd(op, value.new, info.kv_heads)
 
     def gqa(ops: TapeOps):
@@ -119,9 +121,31 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
     prompt = either(guard, "GroupQueryAttention on rows gathered kept-first",
                     "MHA + attention_bias over the cache's kept keys",
                     cases=(NO_PAST, UNPADDED) if half_precision(info) else (NO_PAST,))
-    return list(outs), either("one new token, kept in every row",
-                              "GroupQueryAttention on a shared cache buffer (per-row lengths)",
-                              prompt, cases=(SHARED_RUN, ONE_TOKEN, LEFT_PADDED))
+    step = "one new token, kept in every row" + (
+        ", no padding inside the window" if info.window else "")
+    return list(outs), either(step, "GroupQueryAttention on a shared cache buffer (per-row "
+                              f"lengths{_extras(info)})", prompt,
+                              cases=(SHARED_RUN, ONE_TOKEN, LEFT_PADDED), reach=info.window)
+
+
+def _extras(info: SdpaInfo) -> str:
+    return (f", window {info.window}" if info.window else "") + (
+        f", softcap {info.softcap:g}" if info.softcap else "")
+
+
+def _window_unbroken(ops, keep: ir.Value, window: int) -> ir.Value:
+    """bool scalar: in every row, the keys the window spans (the last ``window``
+    positions) are the row's last ``window`` kept keys (or all of them, where it keeps
+    fewer): a window over kept keys, as the kernel counts it, is then the original's window
+    over positions. True for left-padded rows and for rows whose padding lies before the
+    window (a right-padded prompt ``window`` steps later)."""
+    axis = int_const(ops, [1])
+    recent = ops.ReduceSum(ops.Slice(keep, int_const(ops, [-window]), int_const(ops, [2 ** 62]),
+                                     axis), axis, keepdims=0)
+    kept = ops.ReduceSum(keep, axis, keepdims=0)
+    same = ops.Equal(recent, ops.Min(kept, int_const(ops, window, np.int32)))
+    broken = ops.ReduceMax(ops.Cast(ops.Not(same), to=ir.DataType.INT32), keepdims=0)
+    return ops.Equal(broken, int_const(ops, 0, np.int32))
 
 
 def _one_run_per_row(ops, keep: ir.Value) -> ir.Value:

@@ -32,7 +32,7 @@ from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, either
 from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
-from mha_onnx.rewrite.irutil import onehot_dim, replace_shape
+from mha_onnx.rewrite.irutil import insert_first, onehot_dim, replace_shape
 from mha_onnx.rewrite.lower.common import (
     TapeOps,
     dense_mha,
@@ -93,8 +93,11 @@ def lower_shared(op, info: SdpaInfo, q3: ir.Value, key: Appended, value: Appende
                     "shared", outputs=3)
     guard = "no past or one new token" + (", no key padded" if info.padded is not None else "")
     cases = (SHARED_RUN, NO_PAST, ONE_TOKEN) + ((UNPADDED,) if info.padded is not None else ())
-    form = either(guard, "GroupQueryAttention on a shared cache buffer",
-                  "MHA + attention_bias over the cache's valid part", cases=cases)
+    extras = (f", window {info.window}" if info.window else "") + (
+        f", softcap {info.softcap:g}" if info.softcap else "")
+    form = either(guard, f"GroupQueryAttention on a shared cache buffer{extras}".replace(
+        "buffer, ", "buffer (", 1) + (")" if extras else ""),
+        "MHA + attention_bias over the cache's valid part", cases=cases, reach=info.window)
     return Lowered(outs[0], form, (key, value), (outs[1], outs[2]), shared=True)
 
 
@@ -139,6 +142,30 @@ def share_interface(graph: ir.Graph, layers: list[Lowered]) -> int:
                                   f"node {user.name!r}, not only by attention",
                                   hint="use the default appended cache for this model")
     return len(shared)
+
+
+def length_from_shapes(graph: ir.Graph, rows: RowSource, pasts: set[str]) -> bool:
+    """ONNX Runtime GenAI's shared-buffer contract: no ``past_sequence_length`` input, the
+    cached length read from the shapes as ``mask.shape[1] - ids.shape[1]`` (the padding mask
+    spans the cached and the new positions; the new tokens' input is the first other [B, S,
+    ...] input). Returns whether it did (a model without such an ids input keeps the input).
+    """
+    inputs = {value.name: value for value in graph.inputs}
+    length, mask = inputs.get(LENGTH_INPUT), inputs.get(rows.input)
+    ids = next((v for v in graph.inputs if v.name not in pasts | {LENGTH_INPUT, rows.input}
+                and v.shape is not None and len(v.shape) >= 2), None)
+    if length is None or mask is None or ids is None:
+        return False
+    tape = ir.tape.Tape()
+    total = tape.op("Shape", [mask], {"start": 1, "end": 2})
+    new = tape.op("Shape", [ids], {"start": 1, "end": 2})
+    scalar = tape.op("Constant", [], {"value": ir.tensor(np.array([], np.int64))})
+    derived = tape.op("Reshape", [tape.op("Sub", [total, new]), scalar])
+    insert_first(graph, tape.nodes)
+    ir.convenience.replace_all_uses_with(length, derived)
+    graph.inputs.remove(length)
+    derived.name = f"{LENGTH_INPUT}_from_shapes"
+    return True
 
 
 def shared_rows(layers: list[Lowered]) -> RowSource | None:

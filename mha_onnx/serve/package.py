@@ -28,7 +28,8 @@ from mha_onnx.graphio import external_files, prepare_folder, read_model
 from mha_onnx.input_roles import all_nodes
 from mha_onnx.inputs import InputSpec, input_specs, split_dims
 from mha_onnx.metadata import session_options
-from mha_onnx.package_readme import TRITON_TYPES, serving_readme
+from mha_onnx.serve.pbtxt import TRITON_TYPES, to_pbtxt
+from mha_onnx.serve.readme import serving_readme
 from mha_onnx.table import table
 
 TARGETS = ("cpu", "cuda", "tensorrt", "openvino")  # openvino: Triton's OpenVINO backend, CPU
@@ -48,6 +49,7 @@ class PackageConfig:
     force: bool = False
     # target -> a model of its own for it (one tuned there: `mha-onnx tune`), else the model
     target_models: tuple[tuple[str, str], ...] = ()
+    stateless: bool = False  # a KV decoder served as any model: the client sends the cache
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "_-." for c in self.name):
@@ -203,42 +205,6 @@ def triton_config(model, cfg: PackageConfig, target: str, batching: dict[str, An
     return config
 
 
-def to_pbtxt(message: dict[str, Any], indent: int = 0) -> str:
-    """Protobuf text format of nested dicts (messages), lists (repeated fields) and scalars;
-    a dict under a map field is written as repeated {key, value} entries."""
-    pad = "  " * indent
-    lines = []
-    for key, value in message.items():
-        items = value if isinstance(value, list) else [value]
-        if isinstance(value, list) and all(not isinstance(v, dict) for v in value):
-            lines.append(f"{pad}{key}: [ {', '.join(_scalar(v, key) for v in value)} ]")
-            continue
-        for item in items:
-            if key == "parameters" and isinstance(item, dict):
-                for k, v in item.items():
-                    body = to_pbtxt({"value": v}, indent + 1) if isinstance(v, dict) else \
-                        f"{'  ' * (indent + 1)}value: {_scalar(v, 'value')}"
-                    lines.append(f'{pad}{key} {{\n{"  " * (indent + 1)}key: "{k}"\n{body}\n{pad}}}')
-            elif isinstance(item, dict):
-                lines.append(f"{pad}{key} {{\n{to_pbtxt(item, indent + 1)}\n{pad}}}")
-            else:
-                lines.append(f"{pad}{key}: {_scalar(item, key)}")
-    return "\n".join(lines)
-
-
-ENUM_FIELDS = {"data_type", "kind"}
-
-
-def _scalar(value: Any, key: str) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    if key in ENUM_FIELDS:
-        return str(value)
-    return json.dumps(str(value))
-
-
 # -- the repository -------------------------------------------------------------------------------
 
 def package_notes(model, cfg: PackageConfig, batching: dict[str, Any]
@@ -299,21 +265,26 @@ def openvino_notes(model: bytes, specs: list[InputSpec]) -> list[str]:
 
 def package_model(source: str | Path, repository: str | Path, cfg: PackageConfig) -> PackageReport:
     """Write the model repository (refusing a non-empty model folder without ``force``)."""
+    from mha_onnx.serve.decoder import decoder_notes, decoder_serving, stateful_config
+
     started = time.perf_counter()
     model = read_model(source)
     own = {t: (p, _same_interface(model, p, t)) for t, p in cfg.target_models}
-    folder = prepare_folder(Path(repository) / cfg.name, force=cfg.force)
-    batching = batching_from_profile(cfg.from_profile, cfg.max_batch_size)
+    serving = None if cfg.stateless else decoder_serving(model, cfg.lengths[2])  # stateful
+    batching = {} if serving else batching_from_profile(cfg.from_profile, cfg.max_batch_size)
     cfg, notes = package_notes(model, cfg, batching)
+    notes += decoder_notes(serving) if serving else []
     threads = _best_threads(cfg.from_profile)
-    configs = {}
+    configs, batch = {}, {}
     for t in cfg.targets:
-        config = triton_config(own[t][1] if t in own else model, cfg, t, batching,
+        config = stateful_config(serving, cfg, t, threads if t == "cpu" else 0) if serving \
+            else triton_config(own[t][1] if t in own else model, cfg, t, batching,
                                threads if t in ("cpu", "openvino") else 0)
         if t in own:  # Triton loads this file for this config
             config["default_model_filename"] = f"model.{t}.onnx"
             notes.append(f"{t}: 1/model.{t}.onnx ({_tuned_where(own[t][1])})")
-        configs[t] = to_pbtxt(config) + "\n"
+        configs[t], batch[t] = to_pbtxt(config) + "\n", config["max_batch_size"]
+    folder = prepare_folder(Path(repository) / cfg.name, force=cfg.force)
     version = folder / "1"
     version.mkdir(exist_ok=True)
     files = [_copy(source, version / "model.onnx")]
@@ -325,8 +296,8 @@ def package_model(source: str | Path, repository: str | Path, cfg: PackageConfig
     for target, text in configs.items():
         files.append(_write(folder / "configs" / f"{target}.pbtxt", text))
     files.append(_write(folder / "config.pbtxt", configs[cfg.targets[0]]))
-    files.append(_write(folder / "README.md", serving_readme(model, cfg, batching,
-                                                             _outputs(model))))
+    files.append(_write(folder / "README.md", serving_readme(
+        model, cfg, batching, _outputs(model), batch[cfg.targets[0]], serving)))
     return PackageReport(str(repository), cfg.name, tuple(str(f) for f in files), configs,
                          batching, time.perf_counter() - started, tuple(notes))
 

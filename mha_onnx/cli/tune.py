@@ -6,7 +6,7 @@ import json
 
 import click
 
-from mha_onnx.cli_options import int_list
+from mha_onnx.cli.options import int_list
 
 
 def tune_options(command):

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from typing import Any
 
 import click
+
+
+def emit(report: Any, as_json: bool) -> None:
+    """A report as JSON (``to_dict``) or as its human table (``render``)."""
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        click.echo(report.render())
 
 
 def int_list(text: str, option: str) -> tuple[int, ...]:

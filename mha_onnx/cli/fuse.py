@@ -1,0 +1,65 @@
+"""`fuse`: every attention block onto a fused kernel, verified."""
+
+from __future__ import annotations
+
+import click
+
+from mha_onnx.cli.options import emit
+from mha_onnx.cli.tune import run_tune, tune_options
+from mha_onnx.config import EP_CHOICES, form_help
+
+
+@click.command("fuse")
+@click.argument("model")
+@click.option("-o", "--output", required=True, help="Where to write the fused model.")
+@click.option("--target", type=click.Choice(["ort", "onnx", "openvino"]), default="ort",
+              show_default=True,
+              help="ort: ONNX Runtime contrib kernels; onnx: the standard Attention op (opset 23); "
+                   "openvino: onnx's standard ops, verified on OpenVINO as well.")
+@click.option("--ep", type=click.Choice(EP_CHOICES), default="cpu",
+              show_default=True,
+              help="Execution provider the model will run on (target ort): the forms measured "
+                   "fastest there (docs/fusion-forms.md for cpu, docs/gpu/ for cuda; tensorrt "
+                   "runs ORT's attention kernels on CUDA).")
+@click.option("--form", "forms", multiple=True,
+              help=f"Override a kernel form (target ort): {form_help()}. Defaults: those of "
+                   "--ep.")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["appended", "shared"]),
+              default="appended", show_default=True,
+              help="KV-cache models: appended keeps the interface (presents = pasts + new); "
+                   "shared makes each past a max-length buffer updated in place (a new "
+                   "past_sequence_length input; bind past and present to one buffer).")
+@click.option("--logits", type=click.Choice(["all", "last"]), default="all", show_default=True,
+              help="Decoders: last computes the LM head for each row's last kept position "
+                   "only (logits [batch, 1, vocab]: what a generation loop reads).")
+@click.option("--no-verify", is_flag=True, help="Skip the parity check against the original.")
+@click.option("--atol", type=float, default=None, help="Verification tolerance (default by dtype).")
+@click.option("--rtol", type=float, default=None)
+@click.option("--inputs", "inputs_npz", default=None,
+              help="Verify with these inputs (.npz, one array per input) instead of generated ones.")
+@click.option("--strict", is_flag=True,
+              help="Exit 1 and write nothing when any attention block is left unfused.")
+@tune_options
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def fuse(model, output, target, ep, forms, kv_cache, logits, no_verify, atol, rtol, inputs_npz,
+         strict,
+         tune, tune_batch, tune_seq_lens, tune_threads, force, as_json):
+    """Rewrite every attention block onto the fastest fused kernel, verified against the
+    original on ORT CPU before anything is written."""
+    from mha_onnx.errors import ConfigError
+    from mha_onnx.rewrite import fuse_file
+    from mha_onnx.rewrite.lower.ort import Forms
+
+    if tune and (target != "ort" or ep != "cpu" or forms or kv_cache != "appended"
+                 or logits != "all"):
+        raise ConfigError("--tune chooses the forms itself, on this machine's CPU",
+                          hint="drop --target/--ep/--form/--kv-cache/--logits, or drop --tune")
+    if tune:
+        return emit(run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force),
+                     as_json)
+
+    report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
+                       atol=atol, rtol=rtol, forms=Forms.parse(forms, ep), inputs=inputs_npz,
+                       kv_cache=kv_cache, strict=strict, logits=logits)
+    emit(report, as_json)
