@@ -4,7 +4,7 @@ transformers optimizer, and ORT GenAI's hand-built graph for the same weights.
 Three environments (each tool's own pins; `make bench-envs` makes the two extra ones), one
 folder:
 
-    .venv-optimum/bin/python -m tools.bench_optimum make DIR   # HF folder + Optimum export
+    .venv-optimum/bin/python -m tools.bench_optimum make DIR [--layers N] [--vocab V]
     .venv-genai/bin/python -m tools.bench_optimum genai DIR    # ORT GenAI's builder
     .venv/bin/python -m tools.benchmark optimum run DIR [--threads 2] [--prompt 1024]
         [--context 4096] [--batch 1] [--left-pad 0.5] [--min-time 1] [--op-shares]
@@ -41,15 +41,16 @@ from tools import suite
 HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB, MAX_POS = 1024, 16, 4, 2, 512, 8192
 
 
-def make(folder: Path, layers: int = LAYERS) -> None:
-    """HF folder (config, weights, tokenizer) and Optimum's export of it (.venv-optimum)."""
+def make(folder: Path, layers: int = LAYERS, vocab: int = VOCAB) -> None:
+    """HF folder (config, weights, tokenizer) and Optimum's export of it (.venv-optimum);
+    ``vocab``: the model's vocabulary (its tokenizer keeps 512 tokens whatever it is)."""
     import torch
     import transformers as tf
     from optimum.exporters.onnx import main_export
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     hf = folder / "hf"
-    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2816,
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2816,
                             num_hidden_layers=layers, num_attention_heads=HEADS,
                             num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS,
                             bos_token_id=1, eos_token_id=2)
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=LAYERS,
                         help="make: decoder layers (run reads them from the export)")
+    parser.add_argument("--vocab", type=int, default=VOCAB,
+                        help="make: the model's vocabulary (a real one: 32000-150000)")
     parser.add_argument("--left-pad", type=float, default=0.0,
                         help="row b's first left_pad*b/batch of positions padded (0: none)")
     parser.add_argument("--reuse", action="store_true",
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                              "by op type, prompt and decode step")
     args = parser.parse_args(argv)
     if args.action == "make":
-        make(args.folder, args.layers)
+        make(args.folder, args.layers, args.vocab)
     elif args.action == "genai":
         genai(args.folder)
     else:

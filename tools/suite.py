@@ -31,6 +31,8 @@ SUITES = {
     "tune": ("tools.bench_tune", "fuse --tune against the untuned fusion and the original"),
     "optimum": ("tools.bench_optimum", "an Optimum Llama export: fused, ORT's optimizer, ORT "
                 "GenAI's builder (three environments)"),
+    "generate": ("tools.bench_generate", "tokens/s and first-token time: mha-onnx generate vs "
+                 "ORT GenAI's generator (same graph, GenAI's graph) vs transformers"),
 }
 
 

@@ -1,0 +1,157 @@
+"""Tokens per second and time to the first token: `mha-onnx generate` against ONNX Runtime
+GenAI's generator (on the same fused graph, and on GenAI's own graph of the same weights)
+and against transformers.generate in PyTorch.
+
+    .venv-optimum/bin/python -m tools.bench_optimum make DIR [--vocab 32000]  # HF + Optimum
+    .venv-genai/bin/python -m tools.bench_optimum genai DIR                   # GenAI's graph
+    .venv/bin/python -m tools.benchmark generate DIR [--batch 1,8] [--prompt 128,1024]
+        [--new 128] [--threads 2] [--rounds 3] [--no-torch] [--out FILE.md]
+
+Greedy, no EOS (every row runs ``--new`` tokens), prompts of random ids, rows of one length.
+Our side: the Optimum export fused with ``--kv-cache shared`` (the form GenAI's generator
+runs in place; the fused folder has genai_config.json), run by `mha-onnx generate`'s
+library in this process. GenAI's generator runs in its own environment (make genai-env) on
+the same file and on GenAI's graph, in a child process per run, each runner timed in turn
+for ``--rounds`` rounds (the best round of each is reported; the per-round spread says the
+noise). Time per token: the decode steps' time / steps; prompt: the time to the first
+token.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tools import suite
+
+ROOT = Path(__file__).resolve().parents[1]
+GENAI_PY = ROOT / ".venv-genai-rt" / "bin" / "python"
+
+
+def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return rng.integers(3, vocab - 1, (batch, length)).tolist()
+
+
+def fused(folder: Path, logits: str = "all") -> Path:
+    """The Optimum export fused with a shared cache (its folder: genai_config.json too)."""
+    from mha_onnx.rewrite import fuse_file
+
+    out = folder / f"fused-shared{'-last' if logits == 'last' else ''}" / "model.onnx"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fuse_file(folder / "optimum" / "model.onnx", out, kv_cache="shared", logits=logits,
+                  force=True)
+    return out
+
+
+def ours(model: Path, prompts, new: int, threads: int | None) -> dict:
+    from mha_onnx.generate import GenerationConfig, Generator
+
+    with Generator(model, threads=threads) as generator:
+        generator.generate(prompts[:1], GenerationConfig(4, eos=()))  # warm-up
+        result = generator.generate(prompts, GenerationConfig(new, eos=()))
+    return {"ttft_ms": result.time_to_first_token_ms,
+            "ms_per_token": 1e3 * result.decode_seconds / max(1, result.steps),
+            "ort_share": result.ort_seconds / result.seconds,
+            "first": list(result.sequences[0][:8])}
+
+
+def genai(folder: Path, prompts, new: int, threads: int | None) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(prompts, handle)
+    command = [str(GENAI_PY), str(ROOT / "tools" / "genai_generate.py"), str(folder),
+               "--prompts", handle.name, "--max-new-tokens", str(new), "--no-eos",
+               "--repeat", "2"] + (["--threads", str(threads)] if threads else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"ttft_ms": out["time_to_first_token_ms"], "ms_per_token": out["ms_per_step"],
+            "first": out["sequences"][0][:8]}
+
+
+def torch_generate(hf: Path, prompts, new: int, threads: int | None) -> dict:
+    import torch
+    import transformers as tf
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = tf.AutoModelForCausalLM.from_pretrained(hf, local_files_only=True).eval()
+    ids = torch.tensor(prompts)
+    timings = {}
+    with torch.no_grad():
+        model.generate(ids[:1, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        timings["ttft_ms"] = 1e3 * (time.perf_counter() - started)
+        started = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        total = time.perf_counter() - started
+    timings["ms_per_token"] = (1e3 * total - timings["ttft_ms"]) / (new - 1)
+    timings["first"] = out[0, ids.shape[1]:ids.shape[1] + 8].tolist()
+    return timings
+
+
+def run(args, command: str) -> list[str]:
+    folder = args.folder
+    vocab = json.loads((folder / "hf" / "config.json").read_text())["vocab_size"]
+    model = fused(folder)
+    runners = {"mha-onnx generate (fused, shared)": lambda p: ours(model, p, args.new,
+                                                                   args.threads),
+               "GenAI generator, same graph": lambda p: genai(model.parent, p, args.new,
+                                                              args.threads),
+               "GenAI generator, GenAI's graph": lambda p: genai(folder / "genai", p, args.new,
+                                                                 args.threads)}
+    if not args.no_torch:
+        runners["transformers.generate (PyTorch)"] = lambda p: torch_generate(
+            folder / "hf", p, args.new, args.threads)
+    rows = []
+    for batch in args.batch:
+        for length in args.prompt:
+            prompts = _prompts(batch, length, vocab)
+            seen: dict[str, list[dict]] = {name: [] for name in runners}
+            for _ in range(args.rounds):
+                for name, runner in runners.items():
+                    seen[name].append(runner(prompts))
+            base = min(r["ms_per_token"] for r in seen["GenAI generator, same graph"])
+            for name, results in seen.items():
+                step = sorted(r["ms_per_token"] for r in results)
+                ttft = sorted(r["ttft_ms"] for r in results)
+                rows.append((batch, length, name, f"{ttft[0]:.1f}",
+                             f"{step[0]:.2f} ({step[0]:.2f}-{step[-1]:.2f})",
+                             f"{batch * 1e3 / step[0]:.0f}", f"{step[0] / base:.2f}x",
+                             str(results[0]["first"][:4])))
+            print(f"batch {batch}, prompt {length}: done", file=sys.stderr, flush=True)
+    header = ["batch", "prompt", "runner", "first token ms (best)",
+              "ms per token, best (range)", "tokens/s", "vs GenAI same graph",
+              "first tokens"]
+    lines = [suite.measured(command, f"{args.new} new tokens, greedy, no EOS; threads "
+                                     f"{args.threads}; {args.rounds} rounds, each runner in "
+                                     "turn"), "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = suite.parser(__doc__, min_time=None)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    parser.add_argument("--prompt", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[128, 1024])
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-torch", action="store_true")
+    args = parser.parse_args(argv)
+    suite.quiet()
+    suite.emit(run(args, suite.command("generate", argv)), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
