@@ -15,7 +15,8 @@ from mha_onnx.config import MhaConfig
 from mha_onnx.errors import MhaOnnxError, ModelFileError
 
 PREFIX = "mha_onnx."
-JSON_KEYS = ("config", "params", "fusion", "session", "kv_cache", "tuning", "hf_model", "packed")
+JSON_KEYS = ("config", "params", "fusion", "session", "kv_cache", "tuning", "hf_model", "packed",
+             "generation", "logits")
 
 
 @dataclass(frozen=True)

@@ -328,3 +328,26 @@ def test_a_folder_without_an_eos_in_its_vocabulary_gets_no_genai_config(tmp_path
     assert any("genai_config.json not written" in n and "eos_token_id" in n
                for n in report.notes), report.notes
     assert not (tmp_path / "out" / "genai_config.json").exists()
+
+
+@pytest.mark.slow
+def test_a_float16_decoder_generates_transformers_float32_tokens(hf_decoder, tmp_path):
+    """`export --model --dtype float16 --kv-cache shared`: the half-precision cache and
+    logits through the same loop and GenAI's (logits far apart: the same greedy tokens as
+    the float32 model in transformers)."""
+    from mha_onnx.hf_model import load_module
+    from tests.genai import genai_python
+
+    folder = hf_decoder("llama")
+    want = hf_tokens(load_module(folder, "text-generation-with-past"), PROMPTS)
+    out = tmp_path / "model.onnx"
+    result = CliRunner().invoke(main, ["export", "--model", str(folder), "-o", str(out),
+                                       "--dtype", "float16", "--kv-cache", "shared"])
+    assert result.exit_code == 0, result.output
+    with Generator(out) as generator:
+        assert generator.interface.kv_dtype == "float16"
+        assert [list(s) for s in generator.generate(PROMPTS, GenerationConfig(NEW)).sequences] \
+            == want
+    if genai_python() is not None:
+        got = genai_generate(tmp_path, PROMPTS, NEW, "batch")["sequences"]
+        assert got == without_eos(want, {98})

@@ -157,3 +157,34 @@ def test_an_optimum_llama_left_padded_batch_stays_on_gqa(tmp_path):
     # validate says which kernels the steps ran: left-padded or not, GQA in both layers
     for step in ("decode prompt", "decode step 1", "decode (no key padded) step 16"):
         assert f"kernels run on ORT CPU at {step}: GroupQueryAttention x2" in result.output
+
+
+@pytest.mark.parametrize("form", ["appended", "shared"])
+def test_genai_right_padded_batch_stays_on_gqa(tmp_path, form):
+    """What ONNX Runtime GenAI feeds a batch: prompts right-padded, then steps whose mask
+    has the padding as holes between a row's prompt and its new tokens; every run on
+    GroupQueryAttention in both layers, in both cache forms (GenAI's generator itself runs
+    these folders in tests/test_generate.py)."""
+    from mha_onnx.generate import Generator
+    from mha_onnx.rewrite import fuse_file
+    from tests.test_optimum import FIXTURES
+
+    out = tmp_path / "model.onnx"
+    fuse_file(FIXTURES / "llama" / "model.onnx", out, kv_cache=form, genai=False)
+    iface = Generator(out).interface
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], np.int64)  # right-padded prompt
+    feeds = {"input_ids": np.array([[5, 6, 7, 8, 9], [10, 11, 0, 0, 0]], np.int64),
+             "attention_mask": mask, "position_ids": np.array([[0, 1, 2, 3, 4],
+                                                               [0, 1, 0, 0, 0]], np.int64)}
+    zeros = np.zeros((2, iface.kv_heads, 9 if form == "shared" else 0, iface.head_size),
+                     np.float32)  # (a shared buffer: room for the prompt and the step)
+    feeds.update({past: zeros for past, _ in iface.pasts})
+    assert _gqa_runs(out, feeds) == 2
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    values = dict(zip(names, session.run(None, feeds), strict=True))
+    step = {"input_ids": np.array([[3], [4]], np.int64),
+            "attention_mask": np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1),
+            "position_ids": np.array([[5], [2]], np.int64)}
+    step.update({past: values[present] for past, present in iface.pasts})
+    assert _gqa_runs(out, step) == 2

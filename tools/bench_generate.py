@@ -10,11 +10,12 @@ and against transformers.generate in PyTorch.
 Greedy, no EOS (every row runs ``--new`` tokens), prompts of random ids, rows of one length.
 Our side: the Optimum export fused with ``--kv-cache shared`` (the form GenAI's generator
 runs in place; the fused folder has genai_config.json), run by `mha-onnx generate`'s
-library in this process. GenAI's generator runs in its own environment (make genai-env) on
-the same file and on GenAI's graph, in a child process per run, each runner timed in turn
+library. GenAI's generator runs in its own environment (make genai-env) on the same file
+and on GenAI's graph. Every runner runs in a fresh child process of its environment per
+run (PyTorch in this one: it is not timed beside ORT's pools), each runner timed in turn
 for ``--rounds`` rounds (the best round of each is reported; the per-round spread says the
 noise). Time per token: the decode steps' time / steps; prompt: the time to the first
-token.
+token. A floor beside them: the same graph's runs alone, bound once, without sampling.
 """
 
 from __future__ import annotations
@@ -63,6 +64,52 @@ def ours(model: Path, prompts, new: int, threads: int | None) -> dict:
             "first": list(result.sequences[0][:8])}
 
 
+def bare(model: Path, prompts, new: int, threads: int | None) -> dict:
+    """The floor: ONNX Runtime's runs alone on the same graph, every input bound once but
+    the token, the mask and the position (no sampling: the argmax of row 0 only)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    batch, length = len(prompts), len(prompts[0])
+    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    kv, head = pasts[0].shape[1], pasts[0].shape[3]
+    binding = session.io_binding()
+    for past in pasts:
+        value = ort.OrtValue.ortvalue_from_numpy(
+            np.zeros((batch, kv, length + new, head), np.float32))
+        binding.bind_ortvalue_input(past.name, value)
+        binding.bind_ortvalue_output(past.name.replace("past_key_values", "present"), value)
+    vocab = session.get_outputs()[0].shape[2]
+    names = {i.name for i in session.get_inputs()}
+
+    def run(ids: np.ndarray, width: int) -> np.ndarray:
+        """One run of ``ids`` with ``width`` keys (mask all ones); its logits."""
+        rows = ids.shape[1]
+        logits = np.empty((batch, rows, vocab), np.float32)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape),
+                            logits.ctypes.data)
+        positions = np.tile(np.arange(width - rows, width), (batch, 1))
+        feeds = {"input_ids": ids, "attention_mask": np.ones((batch, width), np.int64),
+                 "position_ids": positions}
+        for name in names & feeds.keys():
+            binding.bind_cpu_input(name, feeds[name])
+        session.run_with_iobinding(binding)
+        return logits
+
+    started = time.perf_counter()
+    token = int(run(np.array(prompts, np.int64), length)[0, -1].argmax())
+    first = time.perf_counter()
+    one = np.full((batch, 1), token, np.int64)
+    for step in range(1, new):
+        run(one, length + step)
+    done = time.perf_counter()
+    return {"ttft_ms": 1e3 * (first - started), "ms_per_token": 1e3 * (done - first) / (new - 1),
+            "first": [token]}
+
+
 def genai(folder: Path, prompts, new: int, threads: int | None) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(prompts, handle)
@@ -97,12 +144,35 @@ def torch_generate(hf: Path, prompts, new: int, threads: int | None) -> dict:
     return timings
 
 
+def in_child(runner: str, model: Path, prompts, new: int, threads: int | None) -> dict:
+    """``runner`` (ours or bare) in a fresh process of this environment, as GenAI's
+    generator runs in one of its own: nothing else of the benchmark's in its memory or
+    thread pools."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(prompts, handle)
+    done = subprocess.run([sys.executable, "-m", "tools.bench_generate", "--child", runner,
+                           str(model), handle.name, str(new), str(threads or 0)],
+                          capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _child(argv: list[str]) -> int:
+    runner, model, prompts, new, threads = argv
+    prompts = json.loads(Path(prompts).read_text())
+    out = (ours if runner == "ours" else bare)(Path(model), prompts, int(new),
+                                               int(threads) or None)
+    print(json.dumps(out))
+    return 0
+
+
 def run(args, command: str) -> list[str]:
     folder = args.folder
     vocab = json.loads((folder / "hf" / "config.json").read_text())["vocab_size"]
     model = fused(folder)
-    runners = {"mha-onnx generate (fused, shared)": lambda p: ours(model, p, args.new,
-                                                                   args.threads),
+    runners = {"mha-onnx generate (fused, shared)": lambda p: in_child(
+                   "ours", model, p, args.new, args.threads),
+               "bare bound ORT runs (same graph, floor)": lambda p: in_child(
+                   "bare", model, p, args.new, args.threads),
                "GenAI generator, same graph": lambda p: genai(model.parent, p, args.new,
                                                               args.threads),
                "GenAI generator, GenAI's graph": lambda p: genai(folder / "genai", p, args.new,
@@ -139,6 +209,9 @@ def run(args, command: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return _child(argv[1:])
     parser = suite.parser(__doc__, min_time=None)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])

@@ -175,8 +175,7 @@ class Generator:
                               f"{config.max_new_tokens} need {needed} positions, more than "
                               f"--max-length {capacity}",
                               hint="raise --max-length or shorten the prompts")
-        if iface.position_limit is not None and \
-                max(len(p) for p in prompts) + config.max_new_tokens > iface.position_limit:
+        if iface.position_limit is not None and needed > iface.position_limit:
             raise ConfigError(f"the longest prompt ({longest} tokens) and --max-new-tokens "
                               f"{config.max_new_tokens} go past the model's position table "
                               f"of {iface.position_limit} positions",
@@ -219,7 +218,7 @@ class Generator:
             width += 1
             feeds = {IDS: token[:, None], MASK: mask[:, :width],
                      POSITIONS: kept[:, None]}
-            feeds = {k: v.astype(iface.dtypes[k]) for k, v in feeds.items()
+            feeds = {k: v.astype(iface.dtypes[k], copy=False) for k, v in feeds.items()
                      if k in iface.dtypes}
             logits = run(feeds, new=1, past=width - 1)
             token = next_tokens(logits, config.sampling, rng)
@@ -260,6 +259,7 @@ class _BoundRuns:
             np.zeros(shape, iface.kv_dtype), device, 0) for past, _ in iface.pasts}
         self.logits: dict[int, np.ndarray] = {}
         self.dtype = np.dtype(_output_dtype(session, LOGITS))
+        self.bound_rows = 0  # the logits buffer the binding holds (its rows), 0: none yet
 
     def _logits_buffer(self, rows: int) -> np.ndarray:
         if rows not in self.logits:  # a prompt's [B, S, V] once, a step's [B, 1, V] reused
@@ -275,17 +275,20 @@ class _BoundRuns:
         if iface.length_input:
             held.append(np.array(past, np.int64))
             binding.bind_cpu_input(LENGTH_INPUT, held[-1])
-        for name, value in self.cache.items():
-            binding.bind_ortvalue_input(name, value)
         logits = self._logits_buffer(1 if iface.last_logits else new)
-        for name in self.outputs:  # in the session's order
-            if name == LOGITS:
-                binding.bind_output(name, "cpu", 0, self.dtype, list(logits.shape),
-                                    logits.ctypes.data)
-            elif name in self.presents and iface.shared:
-                binding.bind_ortvalue_output(name, self.cache[self.presents[name]])
-            else:
-                binding.bind_output(name, self.device, 0)
+        if not iface.shared or not self.bound_rows:  # (a shared cache: bound once)
+            for name, value in self.cache.items():
+                binding.bind_ortvalue_input(name, value)
+        if self.bound_rows != logits.shape[1] or not iface.shared:
+            for name in self.outputs:  # in the session's order
+                if name == LOGITS:
+                    binding.bind_output(name, "cpu", 0, self.dtype, list(logits.shape),
+                                        logits.ctypes.data)
+                elif name in self.presents and iface.shared:
+                    binding.bind_ortvalue_output(name, self.cache[self.presents[name]])
+                else:  # ORT allocates them (an appended cache's presents: every run anew)
+                    binding.bind_output(name, self.device, 0)
+            self.bound_rows = logits.shape[1]
         started = time.perf_counter()
         try:
             self.session.run_with_iobinding(binding)
