@@ -7,6 +7,8 @@ OUT := out
 PRESET ?= base
 # make test runs the suite in this many processes (pytest-xdist; the machines have 2 cores).
 TEST_WORKERS ?= 2
+# ONNX Runtime GenAI's generator, in an environment of its own (see genai-env below)
+GENAI_RT := .venv-genai-rt
 
 .PHONY: run test test-fast lint clean fixtures bench-envs genai-env
 
@@ -35,7 +37,6 @@ test: $(VENV)/.installed $(GENAI_RT)/.installed
 
 # ONNX Runtime GenAI's generator alone (it pulls onnxruntime 1.32; ours is pinned at 1.31), so
 # that the tests run it on the folders export and fuse write (tests/genai.py); a few seconds.
-GENAI_RT := .venv-genai-rt
 $(GENAI_RT)/.installed:
 	test -x $(GENAI_RT)/bin/python || $(PYTHON) -m venv $(GENAI_RT)
 	$(GENAI_RT)/bin/python -m pip install -q onnxruntime-genai==0.18.0
