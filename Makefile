@@ -66,9 +66,11 @@ $(GENAI_VENV)/.installed:
 
 bench-envs: $(OPT_VENV)/.installed $(GENAI_VENV)/.installed
 
-# The loop of change-and-check: what needs no torch.export (under a minute).
+# The loop of change-and-check: what needs no torch.export (about a minute and a half; a test
+# not marked slow that reaches torch.export fails here: tests/conftest.py).
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist worksteal
+	MHA_ONNX_FORBID_TORCH_EXPORT=1 $(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) \
+		--dist worksteal
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools

@@ -12,6 +12,7 @@ EXIT_OK = 0
 EXIT_MISMATCH = 1  # the run worked and found outputs that differ beyond tolerance
 EXIT_USAGE = 2  # bad input: files, options, configs, weights
 EXIT_PROVIDER = 3  # a requested execution provider could not run
+EXIT_INTERNAL = 4  # a bug of mha-onnx (not the user's input): please report it
 
 
 class MhaOnnxError(Exception):

@@ -30,8 +30,10 @@ from mha_onnx.hf_model import (
     DecoderWithPast,
     Seq2SeqParts,
     cache_shape,
+    check_task,
     decoder_layers,
     describe,
+    encoder_outputs,
     fingerprint,
     infer_task,
     is_audio,
@@ -98,7 +100,7 @@ def _examples(task: str, config: Any, module: Any, dtype: str):
     if task == "image-feature-extraction":
         size, channels = int(config.image_size), int(config.num_channels)
         pixels = torch.randn(2, channels, size, size, dtype=getattr(torch, dtype))
-        return (pixels,), ({0: batch},), ["pixel_values"], ["last_hidden_state"]
+        return (pixels,), ({0: batch},), ["pixel_values"], encoder_outputs(module)
     if task == "feature-extraction" and is_audio(config):
         least = min_samples(config)
         samples = torch.export.Dim(NEW, min=least)
@@ -111,7 +113,8 @@ def _examples(task: str, config: Any, module: Any, dtype: str):
         if getattr(config, "type_vocab_size", 0) and getattr(config, "type_vocab_size", 0) > 1:
             names.append("token_type_ids")
             args.append(torch.zeros(2, 3, dtype=torch.int64))
-        return tuple(args), tuple({0: batch, 1: seq} for _ in args), names, ["last_hidden_state"]
+        return (tuple(args), tuple({0: batch, 1: seq} for _ in args), names,
+                encoder_outputs(module))
     past, total = torch.export.Dim("past", min=1), torch.export.Dim("total", min=2)
     kv, head = cache_shape(config)
     layers = int(config.num_hidden_layers)
@@ -172,10 +175,10 @@ def _torch_export(task: str, config: Any, model: Any, dtype: str, opset: int,
                                         opset_version=opset, input_names=inputs,
                                         output_names=outputs, optimize=False, verbose=False)
     except Exception as exc:  # torch.export's own errors, whatever their class
-        text = " ".join(str(exc).split())
+        logging.getLogger(__name__).info("torch.export: %s", exc)  # (all of it under -v)
         raise ExportError(f"torch.export cannot export {config.model_type} for {task}"
-                          f"{f' ({part})' if part else ''}: "
-                          f"{text[:700]}", hint="nothing was written") from None
+                          f"{f' ({part})' if part else ''}: {_cause(exc)}",
+                          hint="nothing was written; -v shows torch.export's report") from None
     optimize_faithfully(program.model)  # torch's optimizer would drop an epsilon <= 1e-8
     proto = program.model_proto
     for value in list(proto.graph.input) + list(proto.graph.output):
@@ -188,6 +191,16 @@ def _torch_export(task: str, config: Any, model: Any, dtype: str, opset: int,
     return proto
 
 
+def _cause(exc: BaseException) -> str:
+    """The first line of the innermost error torch.onnx wrapped (its own text is pages of
+    advice before it), at most 240 characters."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    line = lines[0] if lines else type(exc).__name__
+    return f"{type(exc).__name__}: {line}"[:240]
+
+
 def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
               progress: Callable[[str], None] = lambda _: None) -> HfExportReport:
     """Export, fuse and validate; write ``output`` (and, for an encoder-decoder, its encoder
@@ -197,6 +210,11 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
     output = prepare_output(output, force=cfg.force)
     config = read_config(folder)
     task = infer_task(config) if cfg.task == "auto" else cfg.task
+    check_task(config, task)
+    if "with-past" not in task and (cfg.kv_cache == "shared" or cfg.logits == "last"):
+        given = "--kv-cache shared" if cfg.kv_cache == "shared" else "--logits last"
+        raise ConfigError(f"{given} is for decoders; {config.model_type} is exported for "
+                          f"{task}", hint=f"drop {given}")
     seq2seq = task == "text2text-generation-with-past"
     targets = {None: output}
     if seq2seq:  # the decoder (the generation step) at OUT, its encoder beside it

@@ -56,9 +56,26 @@ def read_config(folder: str | Path) -> Any:
     if not any(folder.glob(p) for p in WEIGHT_FILES):
         raise ModelFileError(f"{folder} has no weights (*.safetensors or *.bin)",
                              hint="nothing is downloaded: save the weights into the folder")
+    for weights in sorted(folder.glob("*.safetensors")):  # a truncated file: said up front
+        _readable_safetensors(weights)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(folder, local_files_only=True)
+
+
+def _readable_safetensors(path: Path) -> None:
+    """A safetensors file whose header and tensors lie within the file (a truncated or
+    partly copied one is refused here, before anything is loaded)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="numpy") as handle:
+            handle.keys()
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error type
+        raise ModelFileError(f"cannot load {path.name}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]}",
+                             hint="the weights file is damaged or truncated; copy it again"
+                             ) from None
 
 
 def infer_task(config: Any) -> str:
@@ -73,6 +90,23 @@ def infer_task(config: Any) -> str:
     if hasattr(config, "image_size") and hasattr(config, "num_channels"):
         return "image-feature-extraction"
     return "feature-extraction"
+
+
+def check_task(config: Any, task: str) -> None:
+    """Refuses a ``--task`` the architecture cannot have (before anything is loaded): images
+    for a model without an image size, generation with a cache for an encoder or a vision
+    model, an encoder-decoder's task for a model that is not one."""
+    own = infer_task(config)
+    arch = " ".join(getattr(config, "architectures", None) or []) or config.model_type
+    images = hasattr(config, "image_size") and hasattr(config, "num_channels")
+    wrong = (task == "image-feature-extraction" and not images) \
+        or (task == "text2text-generation-with-past"
+            and not getattr(config, "is_encoder_decoder", False)) \
+        or (task == "text-generation-with-past" and (images or getattr(
+            config, "is_encoder_decoder", False)))
+    if wrong:
+        raise ConfigError(f"--task {task} does not fit {arch} ({config.model_type}): "
+                          f"its task is {own}", hint="--task auto picks it")
 
 
 def is_audio(config: Any) -> bool:
@@ -111,10 +145,13 @@ def load_module(folder: str | Path, task: str, dtype: str = "float32") -> Any:
             extra = {"attn_implementation": attn} if attn else {}
             model = classes[task].from_pretrained(folder, local_files_only=True, **extra)
             break
-        except (ValueError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the folder's files: truncated, mismatched
             if attn is None:
+                text = " ".join(str(exc).split())[:300]
                 raise ModelFileError(f"transformers cannot load {folder} for {task}: "
-                                     f"{exc}") from None
+                                     f"{type(exc).__name__}: {text}",
+                                     hint="check the folder's config and weights (a truncated "
+                                          "or partly copied file?)") from None
     model = model.eval()
     return model.to(torch.float16) if dtype == "float16" else model.float()
 
@@ -258,11 +295,10 @@ class HfReference:
         t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
         with torch.no_grad():
             if self.task == "image-feature-extraction":
-                return {"last_hidden_state": _np(self.model(
-                    pixel_values=t["pixel_values"].float()).last_hidden_state)}
+                return _encoded(self.model(pixel_values=t["pixel_values"].float()))
             if self.task == "feature-extraction":  # input_values of a half export: float32
                 t = {k: v.float() if v.is_floating_point() else v for k, v in t.items()}
-                return {"last_hidden_state": _np(self.model(**t).last_hidden_state)}
+                return _encoded(self.model(**t))
             if self.part == "encoder":
                 return {"last_hidden_state": _np(self.decoder(t["input_ids"],
                                                               t["attention_mask"]))}
@@ -278,6 +314,20 @@ class HfReference:
         names = ["logits"] + [f"present.{n}{infix}.{kind}" for n in range(layers)
                               for kind in ("key", "value")]
         return {name: _np(value) for name, value in zip(names, outs, strict=True)}
+
+
+def encoder_outputs(model: Any) -> list[str]:
+    """An encoder's outputs as Optimum names them: its hidden states, and the pooler's
+    output where it has a pooler (BERT's, ViT's: tanh of a dense layer on the first token)."""
+    return ["last_hidden_state"] + (["pooler_output"] if getattr(model, "pooler", None)
+                                    is not None else [])
+
+
+def _encoded(out: Any) -> dict[str, np.ndarray]:
+    found = {"last_hidden_state": _np(out.last_hidden_state)}
+    if getattr(out, "pooler_output", None) is not None:
+        found["pooler_output"] = _np(out.pooler_output)
+    return found
 
 
 def _np(x: Any) -> np.ndarray:

@@ -41,23 +41,25 @@ class Target:
 class MergedReport:
     sources: tuple[str, ...]
     targets: tuple[Target, ...]
-    rows: tuple[dict[str, Any], ...]  # model, batch, seq_len, and per target label a cell
+    rows: tuple[dict[str, Any], ...]  # model, run, batch, seq_len; per target label a cell
 
     def to_dict(self) -> dict[str, Any]:
         return {"sources": list(self.sources), "targets": [t.label for t in self.targets],
                 "rows": list(self.rows)}
 
     def markdown(self) -> str:
-        head = ["model", "batch", "L"] + [t.label for t in self.targets]
+        head = ["model", "run", "batch", "L"] + [t.label for t in self.targets]
         lines = [f"Profiles merged {datetime.date.today()} by `mha-onnx report` from "
                  + ", ".join(f"`{Path(s).name}`" for s in self.sources) + ".",
                  "", "Cells: p50 ms / tokens per s / % of that machine's matmul roofline "
                  "(decode points, whose L is the cached context: % of its memory bandwidth, "
                  "`bw`; `>100%?` where the probe measured less than the run achieved) / "
-                 "memory. One column per machine, provider and thread count.", "",
+                 "memory. One column per machine, provider and thread count; a forward run "
+                 "(L tokens) and a decode step (one token after L cached) of one model are "
+                 "rows of their own.", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in self.rows:
-            cells = [row["model"], str(row["batch"]), str(row["seq_len"] or "-")]
+            cells = [row["model"], row["run"], str(row["batch"]), str(row["seq_len"] or "-")]
             cells += [_cell(row.get(t.label)) for t in self.targets]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
@@ -107,7 +109,8 @@ def load_profile(path: str | Path) -> dict[str, Any]:
 
 
 def merge_profiles(paths: list[str | Path]) -> MergedReport:
-    """One row per model x batch x length, one column per machine x provider x threads."""
+    """One row per model x run (forward, decode step) x batch x length, one column per
+    machine x provider x threads."""
     if not paths:
         raise InputSpecError("no profile given", hint="mha-onnx report A.json B.json -o R.md")
     targets: dict[Target, None] = {}
@@ -118,10 +121,13 @@ def merge_profiles(paths: list[str | Path]) -> MergedReport:
         for point in data.get("points", []):
             target = Target(machine, point["provider"], point.get("threads"))
             targets.setdefault(target)
-            key = (Path(point["model"]).name, point["batch"], point["seq_len"])
-            row = rows.setdefault(key, {"model": key[0], "batch": key[1], "seq_len": key[2]})
+            run = "decode step" if data.get("decode") else "forward"  # (never one row)
+            key = (Path(point["model"]).name, run, point["batch"], point["seq_len"])
+            row = rows.setdefault(key, {"model": key[0], "run": run, "batch": key[2],
+                                        "seq_len": key[3]})
             row[target.label] = point
-    ordered = sorted(rows.values(), key=lambda r: (r["model"], r["batch"], r["seq_len"]))
+    ordered = sorted(rows.values(),
+                     key=lambda r: (r["model"], r["run"], r["batch"], r["seq_len"]))
     return MergedReport(tuple(str(p) for p in paths), tuple(targets), tuple(ordered))
 
 
@@ -150,10 +156,11 @@ def _plot(report: MergedReport, path: str | Path, *, force: bool) -> None:
         for row in report.rows:
             point = row.get(target.label)
             if point and not point.get("error") and point.get("tokens_per_s") is not None:
-                series.setdefault((row["model"], row["batch"]), []).append((row["seq_len"], point))
-        for (model, batch), pts in series.items():
+                series.setdefault((row["model"], row["run"], row["batch"]), []).append(
+                    (row["seq_len"], point))
+        for (model, run, batch), pts in series.items():
             pts.sort(key=lambda x: x[0])
-            label = f"{target.label}: {model} b{batch}"
+            label = f"{target.label}: {model} {run} b{batch}"
             ax_t.plot([x for x, _ in pts], [p["p50_ms"] for _, p in pts], marker="o", label=label)
             ax_r.plot([x for x, _ in pts], [p["tokens_per_s"] for _, p in pts], marker="o", label=label)
     log_axes((ax_t, "p50 latency (ms)"), (ax_r, "tokens / s"))

@@ -56,9 +56,78 @@ def zoo():
 SLOW_FIXTURES = {"zoo", "export_cache", "hf_folder"}  # torch.export behind them: seconds per model
 
 
+@pytest.fixture(autouse=True)
+def _no_torch_export_in_the_fast_suite(request, monkeypatch):
+    """`make test-fast` (MHA_ONNX_FORBID_TORCH_EXPORT=1): a test not marked slow that
+    reaches torch.export fails, so the fast suite stays fast and the marks stay true."""
+    if not os.environ.get("MHA_ONNX_FORBID_TORCH_EXPORT") \
+            or request.node.get_closest_marker("slow"):
+        return
+    import torch
+
+    def refuse(*_, **__):
+        raise AssertionError("torch.export in a test not marked slow")
+
+    monkeypatch.setattr(torch.export, "export", refuse)
+    monkeypatch.setattr(torch.onnx, "export", refuse)
+
+
 def pytest_collection_modifyitems(config, items):
     """A fast suite (STYLE.md rule 21): what needs torch.export is ``slow``, so that
     ``pytest -m "not slow"`` runs in about a minute; ``make test`` runs everything."""
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+HF_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def _folders():
+    import transformers as tf
+
+    text = dict(vocab_size=99, max_position_embeddings=128, **HF_SMALL)
+    return {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **text)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(num_key_value_heads=2, head_dim=8,
+                                                            **text)),
+        # rms_norm_eps=1e-8: torch.onnx's own optimizer would drop it (NaN on padding tokens)
+        "helium": lambda: tf.HeliumForCausalLM(tf.HeliumConfig(num_key_value_heads=2, head_dim=8,
+                                                               **text)),
+        "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            num_key_value_heads=2, head_dim=8, sliding_window=64, **text)),
+        "bert": lambda: tf.BertModel(tf.BertConfig(**text)),
+        "vit": lambda: tf.ViTModel(tf.ViTConfig(image_size=32, patch_size=8, **HF_SMALL)),
+        # a learned position table per patch, and no max_position_embeddings
+        "siglip": lambda: tf.SiglipVisionModel(tf.SiglipVisionConfig(image_size=32, patch_size=8,
+                                                                     **HF_SMALL)),
+        # raw samples through strided convolutions: no length below 20 samples runs
+        "wav2vec2": lambda: tf.Wav2Vec2Model(tf.Wav2Vec2Config(
+            conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, **HF_SMALL)),
+        "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),
+        "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(  # learned positions
+            vocab_size=99, d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
+            max_position_embeddings=128)),
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory):
+    """hf_folder(name) -> a save_pretrained folder of a small random model (made once per
+    session; tests/test_export_hf.py and the first-hour tests)."""
+    import torch
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            torch.manual_seed(0)
+            folder = tmp_path_factory.mktemp(name)
+            _folders()[name]().save_pretrained(folder)
+            made[name] = folder
+        return made[name]
+
+    return get

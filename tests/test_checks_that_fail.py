@@ -91,7 +91,9 @@ def test_fuse_strict_exits_1_and_writes_nothing_when_a_block_is_left(tmp_path):
     assert not (tmp_path / "strict.onnx").exists()
 
 
-def test_a_bug_is_exit_1_internal_error_and_a_json_object(export_cache, monkeypatch):
+def test_a_bug_is_exit_4_internal_error_and_a_json_object(export_cache, monkeypatch):
+    """A bug has an exit code of its own (not 1, which says outputs differ), and -v after
+    the command shows its traceback too."""
     import mha_onnx.inspect as inspect_module
 
     def broken(*_, **__):
@@ -99,9 +101,11 @@ def test_a_bug_is_exit_1_internal_error_and_a_json_object(export_cache, monkeypa
 
     monkeypatch.setattr(inspect_module, "inspect_model", broken)
     result = cli("inspect", export_cache(CFG))
-    assert result.exit_code == 1
+    assert result.exit_code == 4
     assert "internal error: RuntimeError: something mha-onnx did wrong" in result.output
     assert "please report" in result.output
+    verbose = cli("inspect", export_cache(CFG), "-v")
+    assert verbose.exit_code == 4 and "Traceback" in verbose.output
     as_json = cli("inspect", export_cache(CFG), "--json")
     assert json.loads(as_json.output)["kind"] == "InternalError"
 

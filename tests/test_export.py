@@ -78,6 +78,7 @@ def test_float16_export_runs_in_float16(export_cache):
     np.testing.assert_allclose(got.astype(np.float32), run_reference(module, feeds)["output"], atol=1e-2)
 
 
+@pytest.mark.slow  # (torch.export)
 def test_opset_choice_and_refusal(tmp_path):
     report = export_model(SMALL, tmp_path / "a.onnx", opset=18)
     assert {o.domain: o.version for o in onnx.load(report.path).opset_import}[""] == 18
@@ -85,6 +86,7 @@ def test_opset_choice_and_refusal(tmp_path):
         export_model(SMALL, tmp_path / "b.onnx", opset=12)
 
 
+@pytest.mark.slow  # (torch.export)
 def test_existing_output_needs_force(tmp_path):
     out = tmp_path / "m.onnx"
     out.write_bytes(b"precious")
@@ -97,6 +99,7 @@ def test_existing_output_needs_force(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]  # no temp files left
 
 
+@pytest.mark.slow  # (torch.export)
 def test_specialised_axis_is_named(tmp_path, monkeypatch):
     """A graph whose seq axis torch fixed to a number must fail, naming the axis."""
     import mha_onnx.export as ex
@@ -115,6 +118,7 @@ def test_specialised_axis_is_named(tmp_path, monkeypatch):
     assert not (tmp_path / "x.onnx").exists()
 
 
+@pytest.mark.slow  # (torch.export)
 @pytest.mark.parametrize("mask", ["none", "key-padding", "causal"])
 def test_torch_mha_weights_match_torch_under_ort(tmp_path, mask):
     """The issue's bar: nn.MultiheadAttention(512, 8) weights exported with --preset base give

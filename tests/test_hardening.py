@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,7 @@ def _external_model(folder: Path, name: str, location: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, export_cache):
+def files(tmp_path_factory, export_cache, hf_folder):
     root = tmp_path_factory.mktemp("bad")
     good = root / "good.onnx"
     good.write_bytes(export_cache(TINY).read_bytes())
@@ -106,6 +107,11 @@ def files(tmp_path_factory, export_cache):
     del model.metadata_props[:]
     f["no_metadata"] = root / "plain.onnx"
     onnx.save(model, f["no_metadata"])
+    f["hf_llama"], f["hf_bert"] = hf_folder("llama"), hf_folder("bert")
+    f["hf_truncated"] = root / "truncated_llama"
+    shutil.copytree(f["hf_llama"], f["hf_truncated"])
+    weights = f["hf_truncated"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
     optimum = Path(__file__).parent / "fixtures" / "optimum"
     f["llama"], f["gpt2"] = optimum / "llama" / "model.onnx", optimum / "gpt2" / "model.onnx"
     for name, prompts in (("p_empty", []), ("p_vocab", [[1, 500]]), ("p_ok", [[1, 2, 3]]),
@@ -164,6 +170,18 @@ CASES = [
      "--logits last needs"),
     ("package a decoder for TensorRT", "package {llama} -o {folder}/repo --target tensorrt", 2,
      "onnxruntime backend only"),
+    ("export --model: a folder without config.json", "export --model {folder} -o {out}", 2,
+     "has no config.json"),
+    ("export --model: truncated weights", "export --model {hf_truncated} -o {out}", 2,
+     "cannot load"),
+    ("export --model: a task the model cannot have",
+     "export --model {hf_llama} --task image-feature-extraction -o {out}", 2, "does not fit"),
+    ("export --model: a shared cache for an encoder",
+     "export --model {hf_bert} --kv-cache shared -o {out}", 2, "is for decoders"),
+    ("export --model: --logits last for an encoder",
+     "export --model {hf_bert} --logits last -o {out}", 2, "is for decoders"),
+    ("export --model with --preset", "export --model {hf_bert} --preset base -o {out}", 2,
+     "--model excludes --preset"),
 ]
 
 

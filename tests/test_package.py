@@ -126,6 +126,26 @@ def test_report_merges_two_targets(export_cache, tmp_path):
     assert refused.exit_code == 2 and "schema" in refused.output
 
 
+def test_report_keeps_a_forward_run_and_a_decode_step_apart(export_cache, tmp_path):
+    """A profile of prompts and a --decode profile of the same model, batch and L: two
+    rows (a forward run of L tokens, a step after L cached), never one merged row."""
+    forward = _profile(export_cache, tmp_path)
+    data = json.loads(forward.read_text())
+    data["decode"] = True
+    for point in data["points"]:
+        point["p50_ms"] *= 0.1
+    decode = tmp_path / "decode.json"
+    decode.write_text(json.dumps(data))
+    result = CliRunner().invoke(main, ["report", str(forward), str(decode), "-o",
+                                       str(tmp_path / "r.md"), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)["rows"]
+    keys = {(p["batch"], p["seq_len"]) for p in data["points"]}
+    assert sorted(r["run"] for r in rows) == ["decode step"] * len(keys) + ["forward"] * len(keys)
+    assert all(len([k for k in r if " / cpu" in k]) == len({p["threads"] for p in
+                                                             data["points"]}) for r in rows)
+
+
 def test_a_shared_kv_cache_model_packages_its_scalar_length(export_cache, tmp_path,
                                                               model_config_pb2):
     """A scalar input (past_sequence_length of --kv-cache shared) is dims [1] reshaped to []:

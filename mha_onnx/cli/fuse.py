@@ -25,10 +25,11 @@ from mha_onnx.config import EP_CHOICES, form_help
               help=f"Override a kernel form (target ort): {form_help()}. Defaults: those of "
                    "--ep.")
 @click.option("--kv-cache", "kv_cache", type=click.Choice(["appended", "shared"]),
-              default="appended", show_default=True,
-              help="KV-cache models: appended keeps the interface (presents = pasts + new); "
-                   "shared makes each past a max-length buffer updated in place (a new "
-                   "past_sequence_length input; bind past and present to one buffer).")
+              default=None,
+              help="KV-cache models: appended (the default) keeps the interface (presents = "
+                   "pasts + new); shared makes each past a max-length buffer updated in place "
+                   "(bind past and present to one buffer; the cached length read from the "
+                   "mask's shape, else a past_sequence_length input).")
 @click.option("--logits", type=click.Choice(["all", "last"]), default="all", show_default=True,
               help="Decoders: last computes the LM head for each row's last kept position "
                    "only (logits [batch, 1, vocab]: what a generation loop reads).")
@@ -43,16 +44,18 @@ from mha_onnx.config import EP_CHOICES, form_help
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def fuse(model, output, target, ep, forms, kv_cache, logits, no_verify, atol, rtol, inputs_npz,
-         strict,
-         tune, tune_batch, tune_seq_lens, tune_threads, force, as_json):
+         strict, tune, tune_batch, tune_seq_lens, tune_threads, force, as_json):
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
     from mha_onnx.errors import ConfigError
     from mha_onnx.rewrite import fuse_file
     from mha_onnx.rewrite.lower.ort import Forms
 
-    if tune and (target != "ort" or ep != "cpu" or forms or kv_cache != "appended"
-                 or logits != "all"):
+    policy = Forms.parse(forms, ep)
+    if kv_cache is not None and "kv_cache" in policy.given and policy.kv_cache != kv_cache:
+        raise ConfigError(f"--kv-cache {kv_cache} and --form kv_cache={policy.kv_cache} "
+                          "disagree", hint="give one of them")
+    if tune and (target != "ort" or ep != "cpu" or forms or kv_cache or logits != "all"):
         raise ConfigError("--tune chooses the forms itself, on this machine's CPU",
                           hint="drop --target/--ep/--form/--kv-cache/--logits, or drop --tune")
     if tune:
@@ -60,6 +63,6 @@ def fuse(model, output, target, ep, forms, kv_cache, logits, no_verify, atol, rt
                      as_json)
 
     report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
-                       atol=atol, rtol=rtol, forms=Forms.parse(forms, ep), inputs=inputs_npz,
+                       atol=atol, rtol=rtol, forms=policy, inputs=inputs_npz,
                        kv_cache=kv_cache, strict=strict, logits=logits)
     emit(report, as_json)

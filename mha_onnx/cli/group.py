@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from mha_onnx import __version__
-from mha_onnx.errors import EXIT_MISMATCH, MhaOnnxError
+from mha_onnx.errors import EXIT_INTERNAL, MhaOnnxError
 
 
 class _Group(click.Group):
@@ -20,7 +20,8 @@ class _Group(click.Group):
     exit code, no traceback (``-v`` prints the traceback too)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        self.as_json = "--json" in (sys.argv[1:] if args is None else list(args))
+        args = _verbose_first(sys.argv[1:] if args is None else list(args))
+        self.as_json = "--json" in args
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as exc:  # bad options, missing arguments
@@ -44,7 +45,7 @@ class _Group(click.Group):
             raise
         except Exception as exc:  # a bug of mha-onnx, not the user's input
             self._fail(ctx, f"internal error: {type(exc).__name__}: {str(exc)[:300]}",
-                       "please report it with the output of -v (the traceback)", EXIT_MISMATCH,
+                       "please report it with the output of -v (the traceback)", EXIT_INTERNAL,
                        "InternalError")
 
     def _fail(self, ctx: click.Context, message: str, hint: str | None, code: int,
@@ -58,6 +59,14 @@ class _Group(click.Group):
         else:
             click.echo(f"error: {message}" + (f" (hint: {hint})" if hint else ""), err=True)
         ctx.exit(code)
+
+
+def _verbose_first(args: list[str]) -> list[str]:
+    """``-v`` anywhere on the line (``mha-onnx fuse m.onnx -o f.onnx -v``, as the hints say
+    it) is the group's option: moved before the command."""
+    flags = [a for a in args if a == "--verbose" or (len(a) > 1 and a[0] == "-"
+                                                     and set(a[1:]) == {"v"})]
+    return flags + [a for a in args if a not in flags] if flags else args
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -53,5 +53,8 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
         strict=strict, bisect=bisect_, bisect_chunk=bisect_chunk,
     )
     report = validate_model(model, config)
-    emit(report, as_json)
+    if as_json:
+        emit(report, as_json)
+    else:  # a summary; -v: every comparison
+        click.echo(report.render(detail=bool(ctx.obj and ctx.obj.get("verbose"))))
     ctx.exit(report.exit_code)

@@ -3,6 +3,7 @@ behaviour of fully masked rows, provider statuses and integrity checks; a table 
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -106,7 +107,10 @@ class ValidationReport:
             "decode_kernels": list(self.decode_kernels),
         }
 
-    def render(self) -> str:
+    def render(self, detail: bool = False) -> str:
+        """The verdict, providers, checks, failures and a summary (one row per output kind,
+        provider and reference, the worst over the cases); ``detail``: every comparison and
+        every fully masked row (``validate -v``)."""
         lines = [f"validate {self.model}", f"  references: {'; '.join(self.references) or 'none'}"]
         for p in self.providers:
             state = "ran" if p.ran else ("MISSING (allowed)" if self.allow_missing else "COULD NOT RUN")
@@ -118,19 +122,13 @@ class ValidationReport:
         for c in self.checks:
             lines.append(f"  check {c.name}: {'pass' if c.passed else 'FAIL'}: {c.detail}")
         lines += [f"  kernels run on ORT CPU at {step}" for step in self.decode_kernels]
-        rows = [
-            (c.output, c.provider, c.against, c.case, c.stats.max_abs, c.stats.max_rel,
-             c.stats.mean_abs, c.stats.p99_abs, c.stats.mismatch_fraction, c.stats.cosine,
-             f"{c.stats.nan_actual}/{c.stats.inf_actual}", "pass" if c.stats.passed else "FAIL")
-            for c in self.comparisons
-        ]
-        if rows:
-            lines.append(table(["output", "provider", "vs", "shape", "max abs", "max rel",
-                                "mean abs", "p99 abs", "mismatch", "cosine", "nan/inf", "result"],
-                               rows))
-        for m in self.masked_rows:
+        lines += self._comparisons(detail)
+        for m in self.masked_rows if detail else self.masked_rows[:1]:
             seen = ", ".join(f"{k} {v}" for k, v in m.behaviour.items())
             lines.append(f"  fully masked rows ({m.case}, {m.output}, {m.rows}): {seen}")
+        if len(self.masked_rows) > 1 and not detail:
+            lines.append(f"  ... fully masked rows in {len(self.masked_rows) - 1} more case(s) "
+                         "(-v lists them)")
         for c in self.failures()[:5]:
             lines.append(
                 f"  FAIL {c.output} on {c.provider} vs {c.against} at {c.case}: max abs error "
@@ -145,3 +143,39 @@ class ValidationReport:
                    EXIT_PROVIDER: "FAILED: a requested provider could not run"}[self.exit_code]
         lines.append(f"  result: {verdict} ({self.seconds:.1f} s)")
         return "\n".join(lines)
+
+    def _comparisons(self, detail: bool) -> list[str]:
+        """Every comparison (``detail``), else one row per output kind (layers' outputs
+        together: present.N.key), provider and reference: the worst over its cases."""
+        if not self.comparisons:
+            return []
+        head = ["output", "provider", "vs", "shape", "max abs", "max rel", "mean abs",
+                "p99 abs", "mismatch", "cosine", "nan/inf", "result"]
+        if detail:
+            return [table(head, [
+                (c.output, c.provider, c.against, c.case, c.stats.max_abs, c.stats.max_rel,
+                 c.stats.mean_abs, c.stats.p99_abs, c.stats.mismatch_fraction, c.stats.cosine,
+                 f"{c.stats.nan_actual}/{c.stats.inf_actual}",
+                 "pass" if c.stats.passed else "FAIL") for c in self.comparisons])]
+        groups: dict[tuple[str, str, str], list[Comparison]] = {}
+        for c in self.comparisons:
+            groups.setdefault((re.sub(r"\d+", "N", c.output), c.provider, c.against),
+                              []).append(c)
+        rows = []
+        for (output, provider, against), found in groups.items():
+            stats = [c.stats for c in found]
+            rows.append((output, provider, against, f"{len({c.case for c in found})} cases",
+                         max(x.max_abs for x in stats), max(x.max_rel for x in stats),
+                         max(x.mean_abs for x in stats), max(x.p99_abs for x in stats),
+                         max(x.mismatch_fraction for x in stats), min(x.cosine for x in stats),
+                         f"{sum(x.nan_actual for x in stats)}/{sum(x.inf_actual for x in stats)}",
+                         "pass" if all(x.passed for x in stats) else
+                         f"FAIL ({sum(not x.passed for x in stats)})"))
+        lines = [table(head, rows), f"  {len(self.comparisons)} comparisons, the worst of "
+                 "each row's cases shown (-v: every one)"]
+        steps = {c.case for c in self.comparisons if c.case.startswith("decode step ")}
+        if steps:  # decode chains: how far they went
+            last = max(int(case.split()[-1]) for case in steps)
+            lines.append(f"  decoded: a prompt and {last} steps, each runtime on its own "
+                         f"cache, compared at every step (decode step 1 .. decode step {last})")
+        return lines

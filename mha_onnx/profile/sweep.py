@@ -119,7 +119,7 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
                          threads=threads, warmup=config.warmup, iters=config.iters,
                          min_time=config.min_time, io_binding=config.io_binding and provider != "cpu",
                          pad_fraction=config.pad_fraction,
-                         op_breakdown=config.op_breakdown and len(group) == 1,
+                         op_breakdown=config.op_breakdown,
                          trace_dir=config.trace_dir, inputs=config.inputs, decode=config.decode)
         raw = in_child({"point": asdict(spec)})
         points += [_point(model, spec, raw, config, roofline, bandwidth, weights[model])
@@ -166,7 +166,7 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
         p99_ms=float(np.percentile(ms, 99)), mean_ms=float(ms.mean()), min_ms=float(ms.min()),
         peak_rss_bytes=raw.get("peak_rss"), run_rss_bytes=raw.get("run_rss"),
         device_bytes=raw.get("device_bytes"), session_s=float(mine["session_s"]),
-        top_ops=tuple(OpTime(**o) for o in raw.get("top_ops", [])), trace=raw.get("trace"))
+        top_ops=tuple(OpTime(**o) for o in mine.get("top_ops", [])), trace=mine.get("trace"))
     rates = (_decode_rates(spec, raw, p50, bandwidth, weights) if config.decode
              else _flop_rates(model, spec, config, roofline, p50))
     return Point(**where, **measured, **rates)

@@ -269,8 +269,9 @@ def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, An
     if len(spec.models) == 1:
         out.update(peak_rss=peak, run_rss=max(0, peak - rss_before),
                    device_bytes=None if device0 is None or device is None else max(0, device - device0))
-        if (spec.op_breakdown or spec.trace_dir) and not is_openvino(spec.provider):
-            out.update(_op_times(spec))
+    if (spec.op_breakdown or spec.trace_dir) and not is_openvino(spec.provider):
+        for model in timed:  # each model's own profiled runs, after the timing
+            out["models"][model].update(_op_times(spec, model))
     return out
 
 
@@ -294,15 +295,16 @@ def measure_grid(specs: list[PointSpec]) -> Iterator[dict[str, Any]]:
             runner.close()
 
 
-def _op_times(spec: PointSpec) -> dict[str, Any]:
-    """The top ops by time (and the provider that ran each) from two profiled runs; control
-    flow nodes are left out since their time is their subgraphs' nodes, listed too."""
+def _op_times(spec: PointSpec, model: str) -> dict[str, Any]:
+    """The top ops of ``model`` by time (and the provider that ran each) from two profiled
+    runs; control flow nodes are left out since their time is their subgraphs' nodes,
+    listed too."""
     from mha_onnx.runtimes import read_profile
 
     folder = spec.trace_dir or None
     with tempfile.TemporaryDirectory(prefix="mha_onnx_prof_") as tmp:
-        runner = _runner(spec, spec.models[0], profile_dir=folder or tmp)
-        feeds = _feeds(spec, _proto(spec.models[0]))
+        runner = _runner(spec, model, profile_dir=folder or tmp)
+        feeds = _feeds(spec, _proto(model))
         runner.infer(feeds)
         runner.infer(feeds)
         trace = runner.end_profiling()

@@ -1,0 +1,117 @@
+"""What a newcomer's first hour hit (issue: the house, turn 4), each as a test: bad input
+is one line and exit 2, a bug exit 4 (tests/test_checks_that_fail.py), -v works after the
+command, the outputs of an encoder are named, validate summarises, profile shows the top
+ops of models timed in turn, report keeps a forward run and a decode step apart
+(tests/test_package.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import onnx
+from click.testing import CliRunner
+
+from mha_onnx.cli import main
+
+
+def _cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_a_truncated_weights_file_is_bad_input(hf_folder, tmp_path):
+    folder = tmp_path / "llama"
+    shutil.copytree(hf_folder("llama"), folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = _cli("export", "--model", folder, "-o", tmp_path / "x.onnx")
+    assert result.exit_code == 2, result.output
+    assert "cannot load" in result.output and "internal error" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "x.onnx").exists()
+
+
+def test_a_task_the_model_cannot_have_is_refused_before_loading(hf_folder, tmp_path):
+    result = _cli("export", "--model", hf_folder("llama"), "--task",
+                  "image-feature-extraction", "-o", tmp_path / "x.onnx")
+    assert result.exit_code == 2, result.output
+    assert "does not fit" in result.output and "text-generation-with-past" in result.output
+    assert "[export]" not in result.output  # nothing loaded, nothing exported
+
+
+def test_what_torch_export_says_is_one_short_line(hf_folder, tmp_path):
+    """An encoder-decoder exported as an encoder alone: torch.export fails inside T5's
+    forward; the line says why in a sentence, not in pages of torch.onnx's advice."""
+    result = _cli("export", "--model", hf_folder("t5"), "--task", "feature-extraction",
+                  "-o", tmp_path / "x.onnx")
+    assert result.exit_code == 2, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and len(error[0]) < 420, error
+    assert "ValueError: You must specify" in error[0] and "-v shows" in error[0]
+    assert "Next steps" not in result.output and "exportdb" not in result.output
+
+
+def test_decoder_options_on_an_encoder_are_refused_before_the_export(hf_folder, tmp_path):
+    for option in (("--kv-cache", "shared"), ("--logits", "last")):
+        result = _cli("export", "--model", hf_folder("bert"), *option, "-o", tmp_path / "x.onnx")
+        assert result.exit_code == 2 and "is for decoders" in result.output, result.output
+        assert "[export]" not in result.output
+
+
+def test_an_encoders_pooler_output_is_named_and_validated(hf_folder, tmp_path):
+    out = tmp_path / "bert.onnx"
+    result = _cli("export", "--model", hf_folder("bert"), "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    assert [o.name for o in onnx.load(out).graph.output] == ["last_hidden_state",
+                                                           "pooler_output"]
+    report = json.loads(result.output[result.output.index("{"):])
+    assert {c["output"] for c in report["validation"]["comparisons"]} == {
+        "last_hidden_state", "pooler_output"}
+
+
+def test_validate_summarises_and_v_after_the_command_lists_every_comparison(tmp_path):
+    from mha_onnx.rewrite import fuse_file
+    from tests.test_optimum import FIXTURES
+
+    source = FIXTURES / "llama" / "model.onnx"
+    fused = tmp_path / "model.onnx"
+    fuse_file(source, fused, genai=False)
+    summary = _cli("validate", fused, "--reference", source)
+    assert summary.exit_code == 0, summary.output
+    lines = summary.output.strip().splitlines()
+    assert len(lines) < 40 and "comparisons" in summary.output, summary.output
+    assert "decode step 16" in summary.output and "PASSED" in lines[-1]
+    detail = _cli("validate", fused, "--reference", source, "-v")
+    assert detail.exit_code == 0 and len(detail.output.splitlines()) > 100
+    assert "decode (no key padded) step 16" in detail.output
+
+
+def test_profile_shows_the_top_ops_of_models_timed_in_turn(tmp_path):
+    from mha_onnx.rewrite import fuse_file
+    from tests.test_optimum import FIXTURES
+
+    source = FIXTURES / "bert" / "model.onnx"
+    fused = tmp_path / "fused.onnx"
+    fuse_file(source, fused)
+    result = _cli("profile", source, fused, "--seq-lens", "16", "--iters", "2", "--json")
+    assert result.exit_code == 0, result.output
+    points = json.loads(result.output[result.output.index("{"):])["points"]
+    assert len(points) == 2 and all(p["top_ops"] for p in points), points
+    ops = {p["model"]: {o["op_type"] for o in p["top_ops"]} for p in points}
+    assert ops[str(fused)] & {"MultiHeadAttention", "GroupQueryAttention"}, ops
+    assert not ops[str(source)] & {"MultiHeadAttention", "GroupQueryAttention"}
+
+
+def test_form_kv_cache_shared_is_not_overridden_by_the_default(export_cache, tmp_path):
+    """`--form kv_cache=shared` shares the cache (the CLI's --kv-cache default used to
+    override it silently); --kv-cache and --form that disagree are refused."""
+    from mha_onnx.cache import is_shared
+    from tests.conftest import SMALL
+
+    source = export_cache(SMALL.replace(mask="causal", kv_cache=True))
+    out = tmp_path / "shared.onnx"
+    result = _cli("fuse", source, "-o", out, "--form", "kv_cache=shared")
+    assert result.exit_code == 0, result.output
+    assert is_shared(onnx.load(out))
+    clash = _cli("fuse", source, "-o", tmp_path / "x.onnx", "--form", "kv_cache=shared",
+                 "--kv-cache", "appended")
+    assert clash.exit_code == 2 and "disagree" in clash.output
