@@ -57,6 +57,7 @@ class HfExportConfig:
     force: bool = False
     genai: bool = True  # text generation: genai_config.json and the tokenizer beside it
     logits: str = "all"  # "last": the LM head of each row's last kept position only
+    weights: str = "float"  # int4 | int8: quantized after the export (mha_onnx.quantize)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -67,6 +68,9 @@ class HfExportConfig:
             raise ConfigError(f"unknown --kv-cache {self.kv_cache!r}", hint="appended | shared")
         if self.logits not in ("all", "last"):
             raise ConfigError(f"unknown --logits {self.logits!r}", hint="all | last")
+        if self.weights not in ("float", "int4", "int8"):
+            raise ConfigError(f"--weights {self.weights!r} with --model",
+                              hint="int4 or int8 (quantized after the export)")
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,9 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
             made[final] = target
             fused.append(f"{part}: {what}" if part else what)
             validations.append(validation)
+        if cfg.weights != "float":  # each part's weights, measured against it first
+            made = {_quantized(final, cfg.weights, notes, progress): target
+                    for final, target in made.items()}
         for final, target in made.items():  # every part passed: now written
             shutil.copyfile(final, target)
     if task == "text-generation-with-past" and cfg.genai:
@@ -244,6 +251,32 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
                      "encoder_hidden_states")
     return HfExportReport(str(output), task, "; ".join(fused), validations[-1],
                           time.perf_counter() - started, tuple(notes))
+
+
+def _quantized(final: Path, weights: str, notes: list[str],
+               progress: Callable[[str], None]) -> Path:
+    """``final``'s weights in ``weights`` (int4/int8, `mha-onnx quantize`'s defaults), next
+    to it; refused (nothing written) past the accuracy thresholds."""
+    from mha_onnx.errors import FusionError
+    from mha_onnx.quantize.run import quantize_file
+    from mha_onnx.quantize.weights import QuantizeConfig
+
+    progress(f"quantize the weights to {weights} (measured against the float model)")
+    out = final.with_name(f"{final.stem}.{weights}.onnx")
+    report = quantize_file(final, out, QuantizeConfig(weights=weights), sensitivity=False,
+                           force=True)
+    if not report.written:
+        raise FusionError(f"the {weights} model is past the accuracy thresholds: "
+                          f"{'; '.join(report.accuracy.failures())}; nothing was written",
+                          hint="`mha-onnx quantize` of the float export takes the thresholds, "
+                               "--exclude and --mixed")
+    figures = report.accuracy
+    notes.append(f"weights in {weights}: {report.sizes[1] / report.sizes[0]:.2f}x the float "
+                 f"model's bytes; next token KL {figures.kl_mean:.3g}, top-1 agreement "
+                 f"{figures.top1:.3f}" if figures.kl_mean is not None else
+                 f"weights in {weights}: {report.sizes[1] / report.sizes[0]:.2f}x the float "
+                 "model's bytes")
+    return out
 
 
 def _generation(config: Any, model: Any) -> dict[str, Any]:

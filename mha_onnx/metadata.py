@@ -16,7 +16,7 @@ from mha_onnx.errors import MhaOnnxError, ModelFileError
 
 PREFIX = "mha_onnx."
 JSON_KEYS = ("config", "params", "fusion", "session", "kv_cache", "tuning", "hf_model", "packed",
-             "generation", "logits")
+             "generation", "logits", "quantization")
 
 
 @dataclass(frozen=True)

@@ -115,3 +115,18 @@ def test_form_kv_cache_shared_is_not_overridden_by_the_default(export_cache, tmp
     clash = _cli("fuse", source, "-o", tmp_path / "x.onnx", "--form", "kv_cache=shared",
                  "--kv-cache", "appended")
     assert clash.exit_code == 2 and "disagree" in clash.output
+
+
+def test_profile_gives_graph_gflops_for_a_model_exported_elsewhere(tmp_path):
+    """A model without mha-onnx's config (an Optimum export): GFLOP/s from the work its
+    matrix kernels did in the profiled runs (it was '-')."""
+    from tests.test_optimum import FIXTURES
+
+    result = _cli("profile", FIXTURES / "bert" / "model.onnx", "--seq-lens", "32", "--iters",
+                  "2", "--json")
+    assert result.exit_code == 0, result.output
+    (point,) = json.loads(result.output[result.output.index("{"):])["points"]
+    # BERT here: 2 layers of hidden 64, FFN 128, 4 heads; batch 1 x 32 tokens
+    layer = 2 * 32 * 64 * (4 * 64 + 2 * 128) + 4 * 32 * 32 * 64
+    assert point["gflop"] * 1e9 >= 2 * layer and point["gflops"] > 0
+    assert point["roofline_fraction"] is not None

@@ -114,6 +114,10 @@ def files(tmp_path_factory, export_cache, hf_folder):
     weights.write_bytes(weights.read_bytes()[:1000])
     optimum = Path(__file__).parent / "fixtures" / "optimum"
     f["llama"], f["gpt2"] = optimum / "llama" / "model.onnx", optimum / "gpt2" / "model.onnx"
+    from mha_onnx.quantize.weights import QuantizeConfig, quantize_weights
+
+    f["quantized"] = root / "quantized.onnx"
+    onnx.save(quantize_weights(onnx.load(f["llama"]), QuantizeConfig()).model, f["quantized"])
     for name, prompts in (("p_empty", []), ("p_vocab", [[1, 500]]), ("p_ok", [[1, 2, 3]]),
                           ("p_long", [[5] * 250])):
         f[name] = root / f"{name}.json"
@@ -182,6 +186,14 @@ CASES = [
      "export --model {hf_bert} --logits last -o {out}", 2, "is for decoders"),
     ("export --model with --preset", "export --model {hf_bert} --preset base -o {out}", 2,
      "--model excludes --preset"),
+    ("quantize: an already quantized model", "quantize {quantized} -o {out}", 2,
+     "already quantized"),
+    ("quantize: no MatMul with a weight", "quantize {no_attention} -o {out}", 2,
+     "no MatMul with a constant weight"),
+    ("quantize: --block-size 7", "quantize {llama} -o {out} --block-size 7", 2,
+     "a power of 2 >= 16"),
+    ("export --model --weights int3", "export --model {hf_llama} --weights int3 -o {out}", 2,
+     "int4 or int8"),
 ]
 
 

@@ -5,7 +5,7 @@ Three environments (each tool's own pins; `make bench-envs` makes the two extra 
 folder:
 
     .venv-optimum/bin/python -m tools.bench_optimum make DIR [--layers N] [--vocab V]
-    .venv-genai/bin/python -m tools.bench_optimum genai DIR    # ORT GenAI's builder
+    .venv-genai/bin/python -m tools.bench_optimum genai DIR [--precision int4]  # GenAI's builder
     .venv/bin/python -m tools.benchmark optimum run DIR [--threads 2] [--prompt 1024]
         [--context 4096] [--batch 1] [--left-pad 0.5] [--min-time 1] [--op-shares]
         [--reuse] [--reverse] [--out FILE.md]
@@ -68,12 +68,14 @@ def make(folder: Path, layers: int = LAYERS, vocab: int = VOCAB) -> None:
                 do_validation=False)
 
 
-def genai(folder: Path) -> None:
-    """ORT GenAI's builder on the same folder (.venv-genai)."""
+def genai(folder: Path, precision: str = "fp32") -> None:
+    """ORT GenAI's builder on the same folder (.venv-genai): fp32 into genai/, int4 (its CPU
+    default: block 32, symmetric, accuracy level 4) into genai-int4/."""
     import subprocess
 
+    out = folder / ("genai" if precision == "fp32" else f"genai-{precision}")
     subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
-                    str(folder / "hf"), "-o", str(folder / "genai"), "-p", "fp32", "-e", "cpu"],
+                    str(folder / "hf"), "-o", str(out), "-p", precision, "-e", "cpu"],
                    check=True)
 
 
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=LAYERS,
                         help="make: decoder layers (run reads them from the export)")
+    parser.add_argument("--precision", choices=("fp32", "int4"), default="fp32",
+                        help="genai: the builder's precision (int4 into DIR/genai-int4)")
     parser.add_argument("--vocab", type=int, default=VOCAB,
                         help="make: the model's vocabulary (a real one: 32000-150000)")
     parser.add_argument("--left-pad", type=float, default=0.0,
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "make":
         make(args.folder, args.layers, args.vocab)
     elif args.action == "genai":
-        genai(args.folder)
+        genai(args.folder, args.precision)
     else:
         from tools.bench_optimum_run import run
 

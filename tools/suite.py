@@ -31,6 +31,8 @@ SUITES = {
     "tune": ("tools.bench_tune", "fuse --tune against the untuned fusion and the original"),
     "optimum": ("tools.bench_optimum", "an Optimum Llama export: fused, ORT's optimizer, ORT "
                 "GenAI's builder (three environments)"),
+    "quantize": ("tools.bench_quantize", "mha-onnx quantize int4/int8 vs the float fusion vs "
+                 "ORT GenAI's int4 graph: size, prompt, decode step, accuracy"),
     "generate": ("tools.bench_generate", "tokens/s and first-token time: mha-onnx generate vs "
                  "ORT GenAI's generator (same graph, GenAI's graph) vs transformers"),
 }

@@ -11,12 +11,13 @@ from mha_onnx.cli.group import main
 from mha_onnx.cli.inspect import inspect
 from mha_onnx.cli.package import package_command
 from mha_onnx.cli.profile import profile
+from mha_onnx.cli.quantize import quantize
 from mha_onnx.cli.report import report
 from mha_onnx.cli.tune import tune_command
 from mha_onnx.cli.validate import validate
 
 for _command in (export, inspect, fuse, validate, profile, package_command, report, tune_command,
-                 generate_command):
+                 generate_command, quantize):
     main.add_command(_command)
 
 

@@ -20,7 +20,9 @@ from mha_onnx.cli.options import emit
 @click.option("--config", "config_file", default=None, help="A TOML/JSON config file instead.")
 @click.option("--attention", type=click.Choice(["self", "cross"]), default=None)
 @click.option("--mask", type=click.Choice(["none", "key-padding", "causal"]), default=None)
-@click.option("--weights", default=None, help="safetensors or torch state_dict (ours or nn.MultiheadAttention).")
+@click.option("--weights", default=None,
+              help="safetensors or torch state_dict (ours or nn.MultiheadAttention); with "
+                   "--model: int4 or int8, the weights quantized (as `mha-onnx quantize`).")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default 20; 18 with --model).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=None)
 @click.option("--kv-cache", type=click.Choice(["appended", "shared"]), is_flag=False,
@@ -47,7 +49,7 @@ def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weigh
     if model_dir:
         given = [n for n, v in (("--preset", preset), ("--config", config_file),
                                 ("--attention", attention), ("--mask", mask),
-                                ("--weights", weights), ("--cache-padding", cache_padding)) if v]
+                                ("--cache-padding", cache_padding)) if v]
         if given:
             raise ConfigError(f"--model excludes {', '.join(given)}",
                               hint="the folder's config says what the model is")
@@ -55,7 +57,7 @@ def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weigh
 
         cfg = HfExportConfig(task=task, dtype=dtype or "float32", opset=opset or 18,
                              fuse=not no_fuse, kv_cache=kv_cache or "appended", force=force,
-                             logits=logits)
+                             logits=logits, weights=weights or "float")
         emit(export_hf(model_dir, output, cfg, progress=lambda line: click.echo(
             f"[export] {line}", err=True)), as_json)
         return

@@ -32,16 +32,26 @@ from mha_onnx.cli.options import emit
                    "--reference, or the same model on another provider).")
 @click.option("--bisect-chunk", type=click.IntRange(min=1), default=256, show_default=True,
               help="Intermediate values exposed per run while bisecting (memory bound).")
+@click.option("--max-kl", type=float, default=0.05, show_default=True,
+              help="A quantized model: most mean next-token KL against its float model.")
+@click.option("--min-top1", type=float, default=0.80, show_default=True,
+              help="A quantized model: least top-1 agreement.")
+@click.option("--min-cosine", type=float, default=0.95, show_default=True,
+              help="A quantized model: least mean cosine of every output.")
+@click.option("--min-greedy", type=float, default=None,
+              help="A quantized model: least greedy agreement (default: reported only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads, allow_missing,
              no_memory_check, inputs_npz, save_outputs, load_outputs, strict, force, bisect_,
-             bisect_chunk, as_json):
-    """Parity of MODEL across PyTorch, ORT CPU, CUDA and TensorRT. Exit 0 when everything
-    passed, 1 when outputs differ, 3 when a requested provider could not run."""
+             bisect_chunk, max_kl, min_top1, min_cosine, min_greedy, as_json):
+    """Parity of MODEL across PyTorch, ORT CPU, CUDA and TensorRT (a quantized model: its
+    accuracy against its float original). Exit 0 when everything passed, 1 when outputs
+    differ, 3 when a requested provider could not run."""
     from mha_onnx.graphio import read_model
     from mha_onnx.inputs import input_specs, parse_shapes
     from mha_onnx.parity import ValidateConfig, parse_tolerances, validate_model
+    from mha_onnx.quantize.accuracy import Thresholds
     from mha_onnx.runtimes import parse_providers
 
     cases = tuple(parse_shapes(shapes, input_specs(read_model(model)))) if shapes else None
@@ -51,6 +61,7 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
         reference=reference, threads=threads, memory_check=not no_memory_check,
         inputs=inputs_npz, save_outputs=save_outputs, load_outputs=load_outputs, force=force,
         strict=strict, bisect=bisect_, bisect_chunk=bisect_chunk,
+        accuracy=Thresholds(max_kl, min_top1, min_cosine, min_greedy),
     )
     report = validate_model(model, config)
     if as_json:

@@ -113,10 +113,11 @@ def read_interface(model: onnx.ModelProto, path: str | Path | None = None) -> De
                                "without --monolith/merging: `optimum-cli export onnx --task "
                                "text-generation-with-past`")
     recorded = metadata.loaded(model, "kv_cache") or {}
-    shared = recorded.get("form") == "shared" or LENGTH_INPUT in inputs
+    config = hf_config(model, path)
+    shared = recorded.get("form") == "shared" or LENGTH_INPUT in inputs \
+        or (not recorded and bool(config.get("past_present_share_buffer")))
     past = inputs[next(iter(pairs))]
     dims = past.type.tensor_type.shape.dim
-    config = hf_config(model, path)
     kv_heads, head = _cache_dims(dims, config, name)
     specs = {s.name: s for s in input_specs(model)}
     logits_dims = outputs[LOGITS].type.tensor_type.shape.dim
@@ -167,10 +168,31 @@ def hf_config(model: onnx.ModelProto, path: str | Path | None) -> dict[str, Any]
     if hf.get("folder"):
         folders.append(Path(hf["folder"]))
     for folder in folders:
-        config = read_hf_json(folder)
+        config = read_hf_json(folder) or read_genai_json(folder)
         if config:
             return config
     return {}
+
+
+def read_genai_json(folder: Path) -> dict[str, Any]:
+    """What an ONNX Runtime GenAI folder's genai_config.json says of the model, in the HF
+    config's names (GenAI's builder writes no config.json beside its graph); {} without one.
+    Its ``past_present_share_buffer``: a cache shared in place."""
+    try:
+        genai = json.loads((folder / "genai_config.json").read_text())
+        model, search = genai["model"], genai.get("search", {})
+        decoder = model["decoder"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return {}
+    return {"model_type": model.get("type"), "vocab_size": model.get("vocab_size"),
+            "eos_token_id": model.get("eos_token_id"), "pad_token_id": model.get("pad_token_id"),
+            "bos_token_id": model.get("bos_token_id"),
+            "max_position_embeddings": model.get("context_length"),
+            "num_key_value_heads": decoder.get("num_key_value_heads"),
+            "num_attention_heads": decoder.get("num_attention_heads"),
+            "head_dim": decoder.get("head_size"), "hidden_size": decoder.get("hidden_size"),
+            "past_present_share_buffer": search.get("past_present_share_buffer"),
+            "source": str(folder / "genai_config.json")}
 
 
 def read_hf_json(folder: Path) -> dict[str, Any]:

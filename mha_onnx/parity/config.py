@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,7 @@ class ValidateConfig:
     strict: bool = False  # a golden file saved from another model fails
     bisect: bool = False  # on a failure, name the first node whose output differs
     bisect_chunk: int = 256  # intermediate values exposed per run while bisecting
+    accuracy: Any = None  # a quantized model's thresholds (quantize/accuracy.Thresholds)
 
     def tolerance_for(self, output: str, dtype: np.dtype, provider: str = "cpu"
                       ) -> tuple[float, float]:

@@ -17,14 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mha_onnx import metadata
-from mha_onnx.cache import (
-    SharedCache,
-    is_shared,
-    row_layout,
-    shared_view,
-    takes_length,
-    to_shared,
-)
+from mha_onnx.cache import SharedCache, is_shared, row_layout, shared_view, takes_length, to_shared
 from mha_onnx.graphio import prepare_output, read_model
 from mha_onnx.inputs import (
     InputSpec,
@@ -127,6 +120,10 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     if config.save_outputs:
         prepare_output(config.save_outputs, force=config.force)
     model = read_model(path)
+    if "quantization" in metadata.read(model):  # accuracy against its float original
+        from mha_onnx.quantize.validate import validate_quantized
+
+        return validate_quantized(path, config)
     shared = is_shared(model)  # then fed and compared through the appended interface
     specs, pairs = shared_view(model)
     hf = metadata.loaded(model, "hf_model") or {}  # export --model: its position table
@@ -161,10 +158,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         for runner in runners.values():
             runner.close()
     if config.save_outputs and saved:
-        provider = next(iter(runners))
-        save_golden(config.save_outputs, saved, {
-            "model": Path(path).name, "model_sha256": file_sha256(path), "provider": provider,
-            "machine": machine_info()}, force=config.force)
+        _save_outputs(path, config, saved, next(iter(runners)))
     if golden is not None:  # a comparison of nothing is no pass
         checks.append(golden_coverage(golden, model, comparisons))
     bisected = None
@@ -179,6 +173,12 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         notes=tuple(placement_notes(model, statuses)), bisect=bisected,
         decode_kernels=tuple(kernels),
     )
+
+
+def _save_outputs(path, config: ValidateConfig, saved, provider: str) -> None:
+    save_golden(config.save_outputs, saved, {
+        "model": Path(path).name, "model_sha256": file_sha256(path), "provider": provider,
+        "machine": machine_info()}, force=config.force)
 
 
 def golden_provenance(golden: GoldenReference, path: str | Path, strict: bool) -> list:

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from mha_onnx.config import MhaConfig
 from mha_onnx.graphio import check_readable, read_model
 from mha_onnx.inputs import case_for, input_specs
 from mha_onnx.memory import ensure_fits
@@ -71,9 +70,17 @@ def _check_sessions(paths: Sequence[str], config: ProfileConfig) -> None:
         make_runner(paths[0], provider, strict=False).session  # noqa: B018
 
 
+def model_dtype(model) -> str:
+    """The float type a model computes in: its config's, else its first float output's."""
+    cfg = config_of(model)
+    if cfg is not None:
+        return cfg.dtype
+    types = [o.type.tensor_type.elem_type for o in model.graph.output]
+    return "float16" if types and types[0] == 10 else "float32"  # (10: FLOAT16)
+
+
 def _rooflines(paths: Sequence[str], config: ProfileConfig) -> dict[str, float]:
-    dtypes = {(config_of(read_model(p, load_external_data=False)) or MhaConfig()).dtype
-              for p in paths}
+    dtypes = {model_dtype(read_model(p, load_external_data=False)) for p in paths}
     out = {}
     for provider in config.providers:
         for dtype in sorted(dtypes):
@@ -168,22 +175,27 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
         device_bytes=raw.get("device_bytes"), session_s=float(mine["session_s"]),
         top_ops=tuple(OpTime(**o) for o in mine.get("top_ops", [])), trace=mine.get("trace"))
     rates = (_decode_rates(spec, raw, p50, bandwidth, weights) if config.decode
-             else _flop_rates(model, spec, config, roofline, p50))
+             else _flop_rates(model, spec, config, roofline, p50, mine.get("graph_flops")))
     return Point(**where, **measured, **rates)
 
 
 def _flop_rates(model: str, spec: PointSpec, config: ProfileConfig, roofline: dict[str, float],
-                p50: float) -> dict[str, Any]:
+                p50: float, graph_flops: float | None = None) -> dict[str, Any]:
     """Tokens/s over the whole sequence; GFLOP/s of the layer's exact FLOPs (an mha-onnx
-    export only) and its fraction of the matmul roofline."""
-    cfg = config_of(read_model(model, load_external_data=False))
+    export), else of the work the graph's matrix kernels did in the profiled runs
+    (``graph_flops``: attention counted dense), and its fraction of the matmul roofline."""
+    proto = read_model(model, load_external_data=False)
+    cfg = config_of(proto)
     gflop = gflops = fraction = None
     if cfg is not None:
         kept = spec.seq_len - int(round(spec.seq_len * config.pad_fraction)) \
             if cfg.mask == "key-padding" else spec.seq_len
         gflop = attention_flops(cfg, spec.batch, spec.seq_len, spec.seq_len, kept) / 1e9
+    elif graph_flops:
+        gflop = graph_flops / 1e9
+    if gflop is not None:
         gflops = gflop / (p50 / 1e3)
-        ceiling = roofline.get(f"{spec.provider} {cfg.dtype}")
+        ceiling = roofline.get(f"{spec.provider} {model_dtype(proto)}")
         fraction = gflops / ceiling if ceiling else None
     tokens = spec.batch * spec.seq_len / (p50 / 1e3) if spec.seq_len else None  # none: no length
     return dict(tokens_per_s=tokens, gflop=gflop, gflops=gflops, roofline_fraction=fraction)

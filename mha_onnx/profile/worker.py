@@ -299,6 +299,7 @@ def _op_times(spec: PointSpec, model: str) -> dict[str, Any]:
     """The top ops of ``model`` by time (and the provider that ran each) from two profiled
     runs; control flow nodes are left out since their time is their subgraphs' nodes,
     listed too."""
+    from mha_onnx.profile.flops import trace_flops
     from mha_onnx.runtimes import read_profile
 
     folder = spec.trace_dir or None
@@ -310,6 +311,7 @@ def _op_times(spec: PointSpec, model: str) -> dict[str, Any]:
         trace = runner.end_profiling()
         runner.close()
         events = read_profile(trace) if trace else []
+        work = trace_flops(json.loads(Path(trace).read_text()), runs=2) if trace else None
     totals: dict[tuple[str, str], float] = {}
     for event in events:
         if event.op_type not in CONTROL_FLOW:
@@ -318,7 +320,7 @@ def _op_times(spec: PointSpec, model: str) -> dict[str, Any]:
     whole = sum(totals.values()) or 1.0
     top = [{"op_type": k[0], "provider": k[1], "micros": v / 2, "share": v / whole}
            for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:8]]
-    return {"top_ops": top, "trace": trace if folder else None}
+    return {"top_ops": top, "trace": trace if folder else None, "graph_flops": work}
 
 
 def in_child(payload: dict[str, Any] | PointSpec) -> dict[str, Any]:

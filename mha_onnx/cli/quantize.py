@@ -1,0 +1,84 @@
+"""`quantize`: a float model's weights in 4 or 8 bits, measured against it first."""
+
+from __future__ import annotations
+
+import click
+
+from mha_onnx.cli.options import emit
+
+
+def _mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int]:
+    """--mixed values: (int8 patterns, first/last layers in int8, most sensitive count)."""
+    from mha_onnx.errors import ConfigError
+
+    patterns, first_last, sensitive = [], False, 0
+    for spec in specs:
+        if spec == "first-last":
+            first_last = True
+        elif spec.startswith("sensitive:"):
+            try:
+                sensitive = int(spec.split(":", 1)[1])
+            except ValueError:
+                raise ConfigError(f"--mixed {spec!r}", hint="sensitive:N, e.g. sensitive:4"
+                                  ) from None
+        else:
+            patterns.append(spec)
+    return tuple(patterns), first_last, sensitive
+
+
+@click.command("quantize")
+@click.argument("model")
+@click.option("-o", "--output", required=True, help="Where to write the quantized model.")
+@click.option("--weights", type=click.Choice(["int4", "int8"]), default="int4",
+              show_default=True, help="Bits of the MatMuls' weights (MatMulNBits).")
+@click.option("--block-size", type=int, default=32, show_default=True,
+              help="Weights per quantization block (a power of 2 >= 16).")
+@click.option("--symmetric/--asymmetric", default=True, show_default=True,
+              help="Asymmetric: a zero point per block too.")
+@click.option("--accuracy-level", type=int, default=4, show_default=True,
+              help="MatMulNBits' accuracy_level: 4 computes in int8 on the CPU (GenAI's "
+                   "default), 0 in float.")
+@click.option("--algorithm", type=click.Choice(["rtn", "hqq"]), default="rtn",
+              show_default=True, help="ONNX Runtime's quantizer: RTN or HQQ (4 bits).")
+@click.option("--exclude", multiple=True, metavar="PATTERN",
+              help="MatMul node or weight names kept float (fnmatch; repeat), e.g. "
+                   "'*lm_head*'. Embeddings (Gather) always stay float.")
+@click.option("--mixed", multiple=True, metavar="SPEC",
+              help="Some MatMuls in int8: first-last (the first and last layers), "
+                   "sensitive:N (the N the accuracy report ranks most sensitive) or a "
+                   "name pattern (repeat).")
+@click.option("--max-kl", type=float, default=0.05, show_default=True,
+              help="Most mean KL (nats) of the next-token distributions against the float "
+                   "model.")
+@click.option("--min-top1", type=float, default=0.80, show_default=True,
+              help="Least share of positions whose argmax agrees.")
+@click.option("--min-cosine", type=float, default=0.95, show_default=True,
+              help="Least mean cosine of every output against the float model's.")
+@click.option("--min-greedy", type=float, default=None,
+              help="Least mean share of greedy tokens before the first difference "
+                   "(default: reported only).")
+@click.option("--no-sensitivity", is_flag=True,
+              help="Skip ranking the MatMuls (one session per MatMul).")
+@click.option("--no-check", is_flag=True, help="Write the model even past the thresholds.")
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def quantize(ctx, model, output, weights, block_size, symmetric, accuracy_level, algorithm, exclude,
+             mixed, max_kl, min_top1, min_cosine, min_greedy, no_sensitivity, no_check, force,
+             as_json):
+    """Quantize MODEL's MatMul weights with ONNX Runtime's quantizer (in every graph of a
+    fused model) and measure it against MODEL: written when the accuracy holds (exit 1
+    otherwise, nothing written)."""
+    from mha_onnx.quantize.accuracy import Thresholds
+    from mha_onnx.quantize.run import quantize_file
+    from mha_onnx.quantize.weights import QuantizeConfig
+
+    int8, first_last, sensitive = _mixed(mixed)
+    config = QuantizeConfig(weights=weights, block_size=block_size, symmetric=symmetric,
+                            accuracy_level=accuracy_level, algorithm=algorithm,
+                            exclude=tuple(exclude), int8=int8, first_last=first_last)
+    thresholds = Thresholds(max_kl, min_top1, min_cosine, min_greedy)
+    report = quantize_file(model, output, config, thresholds, sensitivity=not no_sensitivity,
+                           int8_most_sensitive=sensitive, check=not no_check, force=force)
+    emit(report, as_json)
+    ctx.exit(0 if report.written and (no_check or report) else 1)

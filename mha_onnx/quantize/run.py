@@ -1,0 +1,237 @@
+"""``mha-onnx quantize``: a float model's weights in 4 or 8 bits (weights.py), measured
+against the float model before anything is written (accuracy.py), recorded in the
+quantized model's metadata; a model past the accuracy thresholds is not written (the
+report says where; the command exits 1).
+
+What is measured: a decoder runs a batch of prompts (random ids, ``accuracy.PROMPTS`` x
+``PROMPT_LENGTH`` tokens) through both models, every output compared (logits and the
+cache), the next-token distributions at every position; then both generate greedily from
+the prompts' first 16 tokens. Any other model runs generated inputs. Sensitivity: each
+MatMul quantized alone, its logits' KL against the float model's (the cost of one
+session per MatMul: ``sensitivity=False`` skips it).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from mha_onnx import metadata
+from mha_onnx.errors import ConfigError
+from mha_onnx.quantize import accuracy
+from mha_onnx.quantize.weights import QuantizeConfig, QuantizedWeights, quantize_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    source: str
+    output: str
+    config: QuantizeConfig
+    accuracy: accuracy.AccuracyReport
+    quantized: dict[str, int]  # MatMul -> bits (0: float)
+    sizes: tuple[int, int]  # file bytes: the float model, the quantized one
+    written: bool
+    seconds: float
+    notes: tuple[str, ...] = field(default=())
+
+    def __bool__(self) -> bool:
+        return self.written and bool(self.accuracy)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "output": self.output, "written": self.written,
+                "config": self.config.to_dict(), "matmuls": self.quantized,
+                "bytes": {"float": self.sizes[0], "quantized": self.sizes[1]},
+                "accuracy": self.accuracy.to_dict(), "seconds": round(self.seconds, 2),
+                "notes": list(self.notes)}
+
+    def render(self) -> str:
+        counts = {bits: sum(1 for b in self.quantized.values() if b == bits)
+                  for bits in (4, 8, 0)}
+        ratio = self.sizes[1] / self.sizes[0] if self.sizes[0] else 0
+        verdict = "wrote" if self.written else "did not write"
+        lines = [f"quantized {self.source} -> {self.output} ({verdict}): {counts[4]} MatMul(s) "
+                 f"int4, {counts[8]} int8, {counts[0]} float; block {self.config.block_size}, "
+                 f"{'symmetric' if self.config.symmetric else 'asymmetric'}, "
+                 f"{self.config.algorithm.upper()}, accuracy level "
+                 f"{self.config.accuracy_level}; {self.sizes[1] / 1e6:.1f} MB "
+                 f"({ratio:.2f}x of {self.sizes[0] / 1e6:.1f} MB) in {self.seconds:.1f} s",
+                 "  accuracy against the float model:", *self.accuracy.render("    ")]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _session_outputs(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray]):
+    from mha_onnx.runtimes import OrtRunner
+
+    source = model if isinstance(model, str) else model.SerializeToString()
+    with OrtRunner(source) as runner:
+        return runner.infer({k: v for k, v in feeds.items() if k in runner.input_names})
+
+
+def _decoder_feeds(model: onnx.ModelProto, path: str, batch: int, length: int, seed: int):
+    """A decoder's prompt run: (feeds, prompts) for ``batch`` random prompts of ``length``
+    (fewer where a position table ends first), empty pasts of the cache's form."""
+    from mha_onnx.generate import prompt_feeds, read_interface
+
+    iface = read_interface(model, path)
+    if iface.position_limit:
+        length = min(length, iface.position_limit // 2)
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, iface.vocab, (batch, length)).tolist()
+    feeds = prompt_feeds(prompts, iface, 0)
+    size = length if iface.shared else 0
+    for past, _ in iface.pasts:
+        feeds[past] = np.zeros((batch, iface.kv_heads, size, iface.head_size), iface.kv_dtype)
+    if iface.length_input:
+        feeds["past_sequence_length"] = np.array(0, np.int64)
+    return feeds, prompts
+
+
+def _generic_feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
+    from mha_onnx.inputs import case_for, input_specs, make_inputs
+
+    specs = input_specs(model)
+    return make_inputs(specs, case_for(specs, "accuracy", 2, [64], "none"), seed=seed)
+
+
+def _is_decoder(model: onnx.ModelProto, path: str) -> bool:
+    from mha_onnx.generate import read_interface
+
+    try:
+        read_interface(model, path)
+    except ConfigError:
+        return False
+    return True
+
+
+def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProto,
+            thresholds: accuracy.Thresholds, *, sensitive: list[str] | None = None,
+            config: QuantizeConfig | None = None) -> accuracy.AccuracyReport:
+    """The accuracy report of ``quant`` against ``float_model`` (see the module's
+    docstring); ``sensitive``: the MatMuls to quantize alone (with ``config``)."""
+    decoder = _is_decoder(float_model, float_path)
+    if decoder:
+        feeds, prompts = _decoder_feeds(float_model, float_path, accuracy.PROMPTS,
+                                        accuracy.PROMPT_LENGTH, seed=0)
+    else:
+        feeds, prompts = _generic_feeds(float_model, seed=0), None
+    want, got = _session_outputs(float_path, feeds), _session_outputs(quant, feeds)
+    errors, figures = accuracy.compare(want, got)
+    report = accuracy.AccuracyReport(tuple(errors), figures.get("positions", 0),
+                                     figures.get("kl_mean"), figures.get("kl_max"),
+                                     figures.get("top1"), thresholds=thresholds)
+    if decoder and prompts:
+        report = replace(report, **_greedy(float_path, quant, [p[:16] for p in prompts]))
+    if sensitive and "logits" in want and config is not None:
+        report = replace(report, sensitivity=_sensitivity(float_model, float_path, sensitive,
+                                                          config, feeds, want["logits"]))
+    return report
+
+
+def _greedy(float_path: str, quant: onnx.ModelProto, prompts) -> dict[str, Any]:
+    from mha_onnx.generate import GenerationConfig, Generator
+
+    settings = GenerationConfig(accuracy.NEW_TOKENS, eos=())
+    with tempfile.TemporaryDirectory(prefix="mha_onnx_q_") as tmp:
+        path = Path(tmp) / "quantized.onnx"
+        onnx.save(quant, path)
+        runs = []
+        for model in (float_path, path):
+            with Generator(model) as generator:
+                runs.append(generator.generate(prompts, settings).sequences)
+    share, same = accuracy.greedy_agreement(*runs)
+    return {"greedy": share, "greedy_rows": (same, len(prompts)),
+            "greedy_tokens": accuracy.NEW_TOKENS}
+
+
+def _sensitivity(float_model, float_path: str, weights: list[str], config: QuantizeConfig,
+                 feeds, want: np.ndarray):
+    """Each weight quantized alone (every MatMul reading it: a packed weight the branches
+    of an If share), as ``config`` would; by the first MatMul that reads it."""
+    from mha_onnx.quantize.weights import targets
+
+    readers: dict[str, list[str]] = {}
+    for target in targets(float_model, config):
+        readers.setdefault(target.weight, []).append(target.node)
+    every = [node for nodes in readers.values() for node in nodes]
+
+    def logits_of(weight: str) -> np.ndarray:
+        alone = replace(config, exclude=tuple(n for n in every if n not in readers[weight]),
+                        int8=(), first_last=False)
+        return _session_outputs(quantize_weights(float_model, alone).model, feeds)["logits"]
+
+    ranked = accuracy.sensitivity(weights, logits_of, want)
+    return tuple((readers[w][0], kl) for w, kl in ranked)
+
+
+def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig,
+                  thresholds: accuracy.Thresholds = accuracy.Thresholds(), *,
+                  sensitivity: bool = True, int8_most_sensitive: int = 0, check: bool = True,
+                  force: bool = False) -> QuantizeReport:
+    """Quantize ``source`` into ``output``: written only when its accuracy passes (or
+    ``check`` is False); ``int8_most_sensitive``: that many of the most sensitive MatMuls in
+    8 bits (sensitivity measured first)."""
+    from mha_onnx.graphio import prepare_output, read_model, write_model
+
+    started = time.perf_counter()
+    output = prepare_output(output, force=force)
+    model = read_model(source)
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    first = quantize_weights(model, config)  # (refuses a quantized model, one without MatMul)
+    names = list(dict.fromkeys(t.weight for t in first.targets if t.bits))  # (weights)
+    notes = list(first.notes)
+    if int8_most_sensitive:  # (a MatMul named for each weight: its readers go together)
+        ranked = measure(model, str(source), first.model, thresholds, sensitive=names,
+                         config=config).sensitivity
+        chosen = tuple(n for n, _ in ranked[:int8_most_sensitive])
+        config = replace(config, int8=config.int8 + chosen)
+        notes.append(f"int8 for the {len(chosen)} most sensitive MatMul(s): "
+                     + ", ".join(chosen))
+        first = quantize_weights(model, config)
+    report = measure(model, str(source), first.model, thresholds,
+                     sensitive=names if sensitivity else None, config=config)
+    quantized = {t.node: t.bits for t in first.targets}
+    write = not check or bool(report)
+    size = 0
+    if write:
+        _record(first, config, report, source)
+        size = write_model(first.model, output, force=force).stat().st_size
+        notes += _genai(source, output)
+    if not write:
+        notes.append("past the accuracy thresholds: nothing was written (--exclude or --mixed "
+                     "the sensitive MatMuls, int8, a smaller --block-size, or loosen the "
+                     "thresholds; --no-check writes it anyway)")
+    return QuantizeReport(str(source), str(output), config, report, quantized,
+                          (Path(source).stat().st_size, size or first.model.ByteSize()),
+                          write, time.perf_counter() - started, tuple(notes))
+
+
+def _record(made: QuantizedWeights, config: QuantizeConfig, report: accuracy.AccuracyReport,
+            source: str | Path) -> None:
+    """What was quantized how, its accuracy, and the float model it came from (so that
+    ``validate`` finds it again, and knows when it changed)."""
+    import hashlib
+
+    source = Path(source).resolve()
+    metadata.write(made.model, {"quantization": {
+        **made.record(config), "accuracy": report.to_dict(), "source": str(source),
+        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest()}})
+
+
+def _genai(source: str | Path, output: Path) -> list[str]:
+    """A GenAI folder beside ``output`` where the source's had one."""
+    folder = Path(source).resolve().parent
+    if not (folder / "genai_config.json").is_file():
+        return []
+    from mha_onnx.generate.genai import write_genai_folder
+
+    return [write_genai_folder(output, folder).note()]

@@ -1,0 +1,171 @@
+"""``validate`` of a quantized model: not float tolerances (a 4-bit model differs from its
+float original by design) but the accuracy report against that original (``--reference``,
+else the file ``quantize`` recorded, when it is still there and unchanged), and the same
+model on every other requested runtime against ONNX Runtime's CPU at float tolerances (a
+runtime that cannot run MatMulNBits, OpenVINO among them: exit 3 with its reason)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from mha_onnx import metadata
+from mha_onnx.errors import EXIT_MISMATCH, EXIT_OK, EXIT_PROVIDER, ConfigError
+from mha_onnx.quantize import accuracy
+
+
+@dataclass(frozen=True)
+class RuntimeParity:
+    provider: str
+    ran: bool
+    reason: str = ""
+    max_abs: float | None = None
+    passed: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"provider": self.provider, "ran": self.ran, "reason": self.reason,
+                "max_abs": self.max_abs, "passed": self.passed}
+
+
+@dataclass(frozen=True)
+class QuantizedValidation:
+    model: str
+    reference: str
+    accuracy: accuracy.AccuracyReport
+    runtimes: tuple[RuntimeParity, ...]
+    allow_missing: bool
+    seconds: float
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def exit_code(self) -> int:
+        if not self.accuracy or not all(r.passed for r in self.runtimes if r.ran):
+            return EXIT_MISMATCH
+        if not self.allow_missing and not all(r.ran for r in self.runtimes):
+            return EXIT_PROVIDER
+        return EXIT_OK
+
+    def __bool__(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "passed": bool(self), "exit_code": self.exit_code,
+                "quantized": True, "reference": self.reference,
+                "accuracy": self.accuracy.to_dict(),
+                "runtimes": [r.to_dict() for r in self.runtimes],
+                "seconds": round(self.seconds, 3), "notes": list(self.notes)}
+
+    def render(self, detail: bool = False) -> str:
+        del detail  # (one summary: the figures are few)
+        lines = [f"validate {self.model} (quantized)",
+                 f"  accuracy against the float model {self.reference}:",
+                 *self.accuracy.render("    ")]
+        for r in self.runtimes:
+            state = (f"max abs {r.max_abs:.3g} vs ORT CPU, {'pass' if r.passed else 'FAIL'}"
+                     if r.ran else f"COULD NOT RUN: {r.reason}")
+            lines.append(f"  provider {r.provider}: {state}")
+        lines += [f"  note: {n}" for n in self.notes]
+        verdict = {EXIT_OK: "PASSED", EXIT_MISMATCH: "FAILED: past the accuracy thresholds "
+                   "or runtimes differ", EXIT_PROVIDER: "FAILED: a requested provider could "
+                   "not run"}[self.exit_code]
+        lines.append(f"  result: {verdict} ({self.seconds:.1f} s)")
+        return "\n".join(lines)
+
+
+def is_quantized(model: onnx.ModelProto) -> bool:
+    return "quantization" in metadata.read(model)
+
+
+def float_original(model: onnx.ModelProto, reference: str | None) -> str:
+    """The float model to measure against: ``reference``, else the source quantize recorded
+    (refused where it is gone or changed)."""
+    if reference:
+        return reference
+    record = metadata.loaded(model, "quantization") or {}
+    source = record.get("source")
+    if not source or not Path(source).is_file():
+        raise ConfigError("the float model this one was quantized from is not at "
+                          f"{source or 'a recorded path'}",
+                          hint="pass --reference FLOAT.onnx")
+    if record.get("source_sha256") != hashlib.sha256(Path(source).read_bytes()).hexdigest():
+        raise ConfigError(f"{source} changed since this model was quantized from it",
+                          hint="pass --reference FLOAT.onnx")
+    return source
+
+
+def validate_quantized(path: str | Path, config) -> QuantizedValidation:
+    """``config``: validate's (providers, reference, allow_missing, the accuracy
+    thresholds)."""
+    from mha_onnx.graphio import read_model
+    from mha_onnx.quantize.run import measure
+
+    started = time.perf_counter()
+    model = read_model(path)
+    thresholds = config.accuracy or accuracy.Thresholds()
+    try:
+        reference = float_original(model, config.reference)
+    except ConfigError:
+        if "hf_model" not in metadata.read(model):
+            raise
+        reference, report = _against_torch(model, str(path), thresholds)
+    else:
+        report = measure(read_model(reference), reference, model, thresholds)
+    runtimes = tuple(_parity(str(path), model, p) for p in config.providers if p != "cpu")
+    return QuantizedValidation(str(path), reference, report, runtimes, config.allow_missing,
+                               time.perf_counter() - started)
+
+
+def _against_torch(model: onnx.ModelProto, path: str, thresholds: accuracy.Thresholds):
+    """A quantized `export --model` whose float export is gone: its logits against the
+    folder's PyTorch model's (float32), on the accuracy run's prompts (no greedy run)."""
+    from mha_onnx.hf_model import HfReference
+    from mha_onnx.quantize.run import _decoder_feeds, _session_outputs
+    from mha_onnx.rewrite.last_logits import at_last
+
+    record = metadata.loaded(model, "hf_model") or {}
+    torch = HfReference(record, "PyTorch")
+    feeds, _ = _decoder_feeds(model, path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH, seed=0)
+    got = _session_outputs(model, feeds)
+    plain = {k: v for k, v in feeds.items() if k != "past_sequence_length"}
+    for name, value in plain.items():  # PyTorch takes the appended interface: empty pasts
+        if name.startswith("past_key_values."):
+            plain[name] = value[:, :, :0]
+    want = torch.infer(plain)
+    logits = at_last(want["logits"], feeds) if got["logits"].shape[1] == 1 else want["logits"]
+    errors, figures = accuracy.compare({"logits": logits}, {"logits": got["logits"]})
+    report = accuracy.AccuracyReport(tuple(errors), figures["positions"], figures["kl_mean"],
+                                     figures["kl_max"], figures["top1"], thresholds=thresholds,
+                                     notes=("the float export this model was quantized from "
+                                            "is gone: measured against the folder's PyTorch "
+                                            "model (logits only, no greedy run)",))
+    return f"PyTorch model of {record.get('folder')}", report
+
+
+def _parity(path: str, model: onnx.ModelProto, provider: str) -> RuntimeParity:
+    """The quantized model on ``provider`` against ORT CPU, on the accuracy run's inputs."""
+    from mha_onnx.errors import ProviderError
+    from mha_onnx.quantize.run import _decoder_feeds, _generic_feeds, _is_decoder
+    from mha_onnx.runners import make_runner
+    from mha_onnx.runtimes import OrtRunner
+
+    feeds = _decoder_feeds(model, path, 2, 16, seed=1)[0] if _is_decoder(model, path) \
+        else _generic_feeds(model, seed=1)
+    try:
+        with make_runner(path, provider) as runner:
+            got = runner.infer(feeds)
+    except ProviderError as exc:
+        reason = str(exc)
+        if provider.startswith("openvino"):
+            reason = f"not supported by openvino: {reason}"
+        return RuntimeParity(provider, False, reason)
+    with OrtRunner(path) as runner:
+        want = runner.infer(feeds)
+    worst = max(float(np.abs(want[k].astype(np.float64) - got[k]).max()) for k in want)
+    scale = max(float(np.abs(want[k]).max()) for k in want)
+    return RuntimeParity(provider, True, max_abs=worst, passed=worst <= 1e-3 * max(1.0, scale))

@@ -1,0 +1,274 @@
+"""Weights in 4 or 8 bits: every MatMul with a constant weight onto ONNX Runtime's
+``MatMulNBits``, by ONNX Runtime's own quantizer (``MatMulNBitsQuantizer``'s node quantizers:
+RTN by its C++ kernels, or HQQ), in every graph of the model (the If branches of a fused
+model too).
+
+What this module adds to ORT's driver, which quantizes node by node: a weight read by
+several MatMuls (a fused model's packed Q/K/V weight, read by the branches of an If) is
+quantized once and its MatMulNBits nodes share the quantized initializers, which stay in
+the graph the weight was in (ONNX Runtime prepacks a weight only from its MatMul's graph or
+the one above); a weight a MatMul reads through a Slice of a constant (a packed weight read
+in part by a fallback branch) is cut out first and quantized as its own; float weights
+nothing reads any more are dropped; the fused forms, the interface and the metadata stay
+as they were. Embeddings (Gather) keep their float weights.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from mha_onnx.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ALGORITHMS = ("rtn", "hqq")
+LAYER = re.compile(r"layers?[._/](\d+)[._/]")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """``weights``: int4 | int8; ``exclude``: fnmatch patterns over MatMul node names and
+    weight names kept float; ``int8``: patterns quantized to 8 bits whatever ``weights``
+    says (the mixed precision of ``--mixed``); ``first_last``: the first and last layers'
+    MatMuls in 8 bits."""
+
+    weights: str = "int4"
+    block_size: int = 32
+    symmetric: bool = True
+    accuracy_level: int = 4
+    algorithm: str = "rtn"
+    exclude: tuple[str, ...] = ()
+    int8: tuple[str, ...] = ()
+    first_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("int4", "int8"):
+            raise ConfigError(f"--weights {self.weights!r}: int4 or int8")
+        size = self.block_size
+        if size < 16 or size & (size - 1):
+            raise ConfigError(f"--block-size {size}: MatMulNBits takes a power of 2 >= 16",
+                              hint="32 (GenAI's CPU default), 64, 128, ...")
+        if not 0 <= self.accuracy_level <= 4:
+            raise ConfigError(f"--accuracy-level {self.accuracy_level}: 0 to 4",
+                              hint="4: int8 activations on the CPU (GenAI's CPU default)")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"--algorithm {self.algorithm!r}", hint=" | ".join(ALGORITHMS))
+        if self.algorithm == "hqq" and (self.weights == "int8" or self.int8 or self.first_last):
+            raise ConfigError("HQQ quantizes to 4 bits only", hint="--algorithm rtn for int8")
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.weights == "int4" else 8
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "block_size": self.block_size,
+                "symmetric": self.symmetric, "accuracy_level": self.accuracy_level,
+                "algorithm": self.algorithm, "exclude": list(self.exclude),
+                "int8": list(self.int8), "first_last": self.first_last}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One MatMul with a constant weight: its node, the weight's name, the layer it sits in
+    (from the names, where they say), and the bits it gets (0: kept float)."""
+
+    node: str
+    weight: str
+    layer: int | None
+    bits: int = 0
+
+
+@dataclass(frozen=True)
+class QuantizedWeights:
+    model: onnx.ModelProto
+    targets: tuple[Target, ...]
+    float_bytes: int  # the weights quantized, as they were
+    quantized_bytes: int  # and as they are (packed, scales, zero points)
+    notes: tuple[str, ...] = field(default=())
+
+    def record(self, config: QuantizeConfig) -> dict[str, Any]:
+        return {**config.to_dict(), "matmuls": {t.node: t.bits for t in self.targets},
+                "float_bytes": self.float_bytes, "quantized_bytes": self.quantized_bytes}
+
+
+def _graphs(graph: onnx.GraphProto, stack: list | None = None
+            ) -> Iterator[tuple[onnx.GraphProto, list[onnx.GraphProto]]]:
+    """Every graph with the stack of graphs above it (itself last)."""
+    stack = [*(stack or []), graph]
+    yield graph, stack
+    for node in graph.node:
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subs:
+                yield from _graphs(sub, stack)
+
+
+def _initializer(name: str, stack: list[onnx.GraphProto]):
+    for graph in reversed(stack):
+        for tensor in graph.initializer:
+            if tensor.name == name:
+                return tensor, graph
+    return None, None
+
+
+def _weight_2d(tensor: onnx.TensorProto) -> bool:
+    dims = list(tensor.dims)
+    return len(dims) >= 2 and all(d == 1 for d in dims[:-2]) \
+        and tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+def already_quantized(model: onnx.ModelProto) -> bool:
+    return any(n.op_type in ("MatMulNBits", "GatherBlockQuantized", "DequantizeLinear")
+               for graph, _ in _graphs(model.graph) for n in graph.node)
+
+
+def targets(model: onnx.ModelProto, config: QuantizeConfig) -> list[Target]:
+    """The MatMuls with a constant 2-D weight (found in their graph or one above), with
+    the bits each gets."""
+    found = []
+    for graph, stack in _graphs(model.graph):
+        for node in graph.node:
+            if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+                continue
+            tensor, _ = _initializer(node.input[1], stack)
+            if tensor is None or not _weight_2d(tensor):
+                continue
+            where = LAYER.search(f"{node.name}/{tensor.name}/")
+            found.append(Target(node.name, tensor.name, int(where.group(1)) if where else None))
+    layers = [t.layer for t in found if t.layer is not None]
+    edges = {min(layers), max(layers)} if layers else set()
+    wanted = {}
+    for target in found:
+        names = (target.node, target.weight)
+        if any(fnmatch.fnmatch(n, p) for p in config.exclude for n in names):
+            wanted[target.node] = 0
+        elif any(fnmatch.fnmatch(n, p) for p in config.int8 for n in names) \
+                or (config.first_last and target.layer in edges):
+            wanted[target.node] = 8
+        else:
+            wanted[target.node] = config.bits
+    shared: dict[str, int] = {}  # a weight several MatMuls read: one precision, the widest
+    for target in found:
+        if wanted[target.node]:
+            shared[target.weight] = max(shared.get(target.weight, 0), wanted[target.node])
+    return [Target(t.node, t.weight, t.layer, wanted[t.node] and shared[t.weight])
+            for t in found]
+
+
+def _cut_slices(model: onnx.ModelProto) -> int:
+    """A MatMul whose weight is a Slice of a constant with constant bounds (a fallback
+    branch reading part of a packed weight) reads that part as an initializer of its own,
+    put beside the constant. Returns how many."""
+    made = 0
+    for graph, stack in _graphs(model.graph):
+        producers = {o: n for n in graph.node for o in n.output}
+        for node in graph.node:
+            slicer = producers.get(node.input[1]) if node.op_type == "MatMul" else None
+            if slicer is None or slicer.op_type != "Slice":
+                continue
+            parts = [_initializer(name, stack)[0] for name in slicer.input]
+            if any(p is None for p in parts[:3]) or any(
+                    name and p is None for name, p in zip(slicer.input[3:], parts[3:],
+                                                          strict=True)):
+                continue
+            arrays = [numpy_helper.to_array(p) for p in parts]
+            data, starts, ends = arrays[:3]
+            axes = arrays[3] if len(arrays) > 3 else np.arange(len(starts))
+            steps = arrays[4] if len(arrays) > 4 else np.ones(len(starts), np.int64)
+            index = [slice(None)] * data.ndim
+            for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
+                index[int(axis)] = slice(int(start), int(end), int(step))
+            name = f"{node.input[1]}_cut"
+            _, home = _initializer(slicer.input[0], stack)
+            home.initializer.append(numpy_helper.from_array(
+                np.ascontiguousarray(data[tuple(index)]), name))
+            node.input[1] = name
+            made += 1
+    return made
+
+
+def _quantizer(bits: int, config: QuantizeConfig):
+    """ONNX Runtime's node quantizer for ``bits``."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as ort_q
+
+    if config.algorithm == "hqq":
+        return ort_q.HQQWeightOnlyQuantizer(ort_q.HQQWeightOnlyQuantConfig(
+            block_size=config.block_size, bits=bits))
+    return ort_q.DefaultWeightOnlyQuantizer(ort_q.DefaultWeightOnlyQuantConfig(
+        block_size=config.block_size, is_symmetric=config.symmetric,
+        accuracy_level=config.accuracy_level or None, bits=bits))
+
+
+def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> QuantizedWeights:
+    """``model`` (a copy) with its MatMuls' weights quantized as ``config`` says."""
+    if already_quantized(model):
+        raise ConfigError("the model is already quantized (it has MatMulNBits, "
+                          "GatherBlockQuantized or DequantizeLinear nodes)",
+                          hint="quantize its float original")
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    notes = []
+    cut = _cut_slices(model)
+    if cut:
+        notes.append(f"{cut} MatMul weight(s) read as a Slice of a packed weight cut out "
+                     "and quantized as their own")
+    plan = targets(model, config)
+    if not any(t.bits for t in plan):
+        raise ConfigError("the model has no MatMul with a constant weight to quantize"
+                          + (" that --exclude leaves" if plan else ""),
+                          hint="quantize a model whose projections are MatMuls")
+    bits_of = {t.node: t.bits for t in plan}
+    quantizers = {bits: _quantizer(bits, config) for bits in {t.bits for t in plan} - {0}}
+    done: dict[tuple[str, int], onnx.NodeProto] = {}  # (weight, bits) -> its MatMulNBits
+    for graph, stack in _graphs(model.graph):
+        nodes = []
+        for node in graph.node:
+            bits = bits_of.get(node.name, 0) if node.op_type == "MatMul" else 0
+            if not bits:
+                nodes.append(node)
+                continue
+            key = (node.input[1], bits)
+            if key in done:  # a shared weight: its quantized initializers once
+                twin = onnx.NodeProto()
+                twin.CopyFrom(done[key])
+                twin.input[0], twin.output[0] = node.input[0], node.output[0]
+                twin.name = f"{node.name}_Q{bits}"
+                nodes.append(twin)
+                continue
+            made = quantizers[bits].quantize(node, list(stack))
+            done[key] = next(n for n in made if n.op_type == "MatMulNBits")
+            nodes.extend(made)
+        del graph.node[:]
+        graph.node.extend(nodes)
+    before = _drop_unread(model)
+    after = sum(len(t.raw_data) or t.ByteSize() for graph, _ in _graphs(model.graph)
+                for t in graph.initializer if any(t.name.startswith(f"{w}_") for w, _ in done))
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.add(domain="com.microsoft", version=1)
+    return QuantizedWeights(model, tuple(plan), before, after, tuple(notes))
+
+
+def _drop_unread(model: onnx.ModelProto) -> int:
+    """Initializers no node of any graph reads (the float weights quantized) removed;
+    their bytes."""
+    read = {name for graph, _ in _graphs(model.graph) for n in graph.node for name in n.input}
+    read |= {o.name for o in model.graph.output}
+    dropped = 0
+    for graph, _ in _graphs(model.graph):
+        kept = []
+        for tensor in graph.initializer:
+            if tensor.name in read:
+                kept.append(tensor)
+            else:
+                dropped += len(tensor.raw_data) or tensor.ByteSize()
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    return dropped

@@ -1,0 +1,199 @@
+"""`mha-onnx quantize`: ONNX Runtime's quantizer reaching every MatMul of a fused model (If
+branches, a packed weight two branches share: quantized once), the fused forms, interface
+and metadata kept; the accuracy report's figures, a broken quantization flagged; validate
+of a quantized model against its float original and across runtimes; export --model
+--weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from mha_onnx.cli import main
+from mha_onnx.generate import GenerationConfig, Generator
+
+FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
+LOOSE = ("--min-top1", "0")  # random test models: near-tied logits make top-1 agreement noise
+
+
+def _cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _nodes(model: onnx.ModelProto):
+    from mha_onnx.input_roles import all_nodes
+
+    return list(all_nodes(model.graph))
+
+
+def _float_matmuls_with_weights(model: onnx.ModelProto) -> list[str]:
+    """MatMuls whose weight is an initializer of their graph or one above."""
+    found = []
+
+    def walk(graph, names):
+        names = names | {t.name for t in graph.initializer}
+        for node in graph.node:
+            if node.op_type == "MatMul" and node.input[1] in names:
+                found.append(node.name)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    walk(attr.g, names)
+
+    walk(model.graph, set())
+    return found
+
+
+@pytest.fixture(scope="module")
+def fused_llama(tmp_path_factory):
+    """The Optimum Llama fixture fused in both forms, each in a folder of its own (with
+    genai_config.json, as fuse writes it)."""
+    from mha_onnx.rewrite import fuse_file
+
+    root = tmp_path_factory.mktemp("fused")
+    made = {}
+    for form in ("appended", "shared"):
+        out = root / form / "model.onnx"
+        out.parent.mkdir()
+        fuse_file(FIXTURES / "llama" / "model.onnx", out, kv_cache=form)
+        made[form] = out
+    return made
+
+
+@pytest.mark.parametrize("form", ["appended", "shared"])
+def test_every_matmul_of_a_fused_model_is_quantized_and_the_model_kept(fused_llama, tmp_path,
+                                                                        form):
+    source = fused_llama[form]
+    out = tmp_path / "q" / "model.onnx"
+    result = _cli("quantize", source, "-o", out, *LOOSE, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    before, after = onnx.load(source), onnx.load(out)
+    assert not _float_matmuls_with_weights(after)
+    packed = [n for n in _nodes(before) if n.op_type == "MatMul" and "packed" in n.name]
+    assert len(packed) == 4  # two layers' packed Q/K/V, each read by two If branches
+    quantized = [n for n in _nodes(after) if n.op_type == "MatMulNBits"]
+    assert len(quantized) == len(_float_matmuls_with_weights(before)) == 13
+    names = [t.name for graph in [after.graph] for t in graph.initializer]
+    assert len([n for n in names if n.endswith("_Q4")]) == 11  # a shared weight stored once
+    attrs = {a.name: a.i for a in quantized[0].attribute}
+    assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (4, 32, 4)
+    for attr in ("input", "output"):
+        assert [(v.name, v.type) for v in getattr(before.graph, attr)] == \
+            [(v.name, v.type) for v in getattr(after.graph, attr)]
+    kept = {p.key: p.value for p in after.metadata_props}
+    for key in ("mha_onnx.kv_cache", "mha_onnx.fusion", "mha_onnx.generation"):
+        assert kept[key] == {p.key: p.value for p in before.metadata_props}[key]
+    assert report["bytes"]["quantized"] < 0.8 * report["bytes"]["float"]
+    assert (out.parent / "genai_config.json").is_file()
+    with Generator(out) as generator:  # the same loop runs it, the cache form kept
+        assert generator.interface.form == form
+        rows = generator.generate([[5, 6, 7]], GenerationConfig(8, eos=())).sequences
+    assert len(rows[0]) == 8
+    # validate finds the float model quantize recorded, and judges the accuracy
+    checked = _cli("validate", out, *LOOSE, "--json")
+    assert checked.exit_code == 0, checked.output
+    assert json.loads(checked.output)["accuracy"]["kl_mean"] is not None
+
+
+def test_exclude_and_mixed_set_each_matmuls_bits(fused_llama, tmp_path):
+    out = tmp_path / "model.onnx"
+    result = _cli("quantize", fused_llama["shared"], "-o", out, "--exclude", "*lm_head*",
+                  "--mixed", "*mlp*", *LOOSE, "--no-sensitivity", "--json")
+    assert result.exit_code == 0, result.output
+    bits = json.loads(result.output)["matmuls"]
+    assert bits["/lm_head/MatMul"] == 0
+    assert {b for n, b in bits.items() if "/mlp/" in n} == {8}
+    assert {b for n, b in bits.items() if "self_attn" in n} == {4}
+    model = onnx.load(out)
+    assert _float_matmuls_with_weights(model) == ["/lm_head/MatMul"]
+    attrs = {n.name: {a.name: a.i for a in n.attribute} for n in _nodes(model)
+             if n.op_type == "MatMulNBits"}
+    assert {a["bits"] for n, a in attrs.items() if "mlp" in n} == {8}
+
+
+def _outlier_llama(folder: Path) -> Path:
+    """A small Llama whose weights have one outlier input channel each, as trained LLMs
+    have them: 4-bit blocks of 32 keep the rest of each column's precision, one block over
+    the whole column does not."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=99, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.015, eos_token_id=98))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.ndim == 2 and "embed" not in name:
+                weight[:, torch.randperm(weight.shape[1])[:1]] *= 24
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_the_report_has_its_figures_and_a_broken_quantization_is_flagged(tmp_path):
+    """Default int4 (block 32, symmetric) passes the same thresholds that block 256
+    asymmetric fails: exit 1, the figures and the failures said, nothing written."""
+    folder = _outlier_llama(tmp_path / "hf")
+    source = tmp_path / "float" / "model.onnx"
+    assert _cli("export", "--model", folder, "-o", source).exit_code == 0
+    thresholds = ("--min-top1", "0", "--min-cosine", "0.8", "--max-kl", "0.05")
+    good = _cli("quantize", source, "-o", tmp_path / "good.onnx", *thresholds, "--json")
+    assert good.exit_code == 0, good.output
+    figures = json.loads(good.output)["accuracy"]
+    for key in ("kl_mean", "kl_max", "top1", "greedy", "positions"):
+        assert figures[key] is not None, key
+    assert figures["positions"] == 256 and figures["passed"]
+    assert {o["output"] for o in figures["outputs"]} >= {"logits", "present.0.key"}
+    assert len(figures["sensitivity"]) == 11  # one per weight (packed Q/K/V: one)
+    assert figures["sensitivity"][0]["kl"] > figures["sensitivity"][-1]["kl"] > 0
+    broken = _cli("quantize", source, "-o", tmp_path / "broken.onnx", "--block-size", "256",
+                  "--asymmetric", *thresholds)
+    assert broken.exit_code == 1, broken.output
+    assert "FAIL logits KL" in broken.output and "FAIL logits: cosine" in broken.output
+    assert "nothing was written" in broken.output and not (tmp_path / "broken.onnx").exists()
+
+
+def test_validate_across_runtimes(tmp_path, fused_llama):
+    """A quantized export runs on OpenVINO as on ORT's CPU; a model fused for ORT's
+    kernels is refused there with the reason (exit 3)."""
+    plain = tmp_path / "plain.onnx"
+    assert _cli("quantize", FIXTURES / "llama" / "model.onnx", "-o", plain, *LOOSE,
+                "--no-sensitivity").exit_code == 0
+    result = _cli("validate", plain, *LOOSE, "--providers", "cpu,openvino", "--json")
+    assert result.exit_code == 0, result.output
+    (runtime,) = json.loads(result.output)["runtimes"]
+    assert runtime["ran"] and runtime["passed"]
+    fused = tmp_path / "fused.onnx"
+    assert _cli("quantize", fused_llama["shared"], "-o", fused, *LOOSE,
+                "--no-sensitivity").exit_code == 0
+    refused = _cli("validate", fused, *LOOSE, "--providers", "cpu,openvino")
+    assert refused.exit_code == 3 and "not supported by openvino" in refused.output
+    moved = _cli("validate", fused, *LOOSE, "--reference", fused_llama["shared"])
+    assert moved.exit_code == 0 and "against the float model" in moved.output
+
+
+@pytest.mark.slow
+def test_export_model_with_int8_weights(hf_folder, tmp_path):
+    out = tmp_path / "model.onnx"
+    result = _cli("export", "--model", hf_folder("llama"), "-o", out, "--weights", "int8")
+    assert result.exit_code == 0, result.output
+    assert "weights in int8" in result.output
+    model = onnx.load(out)
+    assert not _float_matmuls_with_weights(model)
+    assert {a.i for n in _nodes(model) if n.op_type == "MatMulNBits" for a in n.attribute
+            if a.name == "bits"} == {8}
+    with Generator(out) as generator:
+        assert len(generator.generate([[3, 4]], GenerationConfig(4, eos=())).sequences[0]) == 4
+    # its float export is gone with the export's temporary folder: validate measures it
+    # against the folder's PyTorch model
+    checked = _cli("validate", out, "--json")
+    assert checked.exit_code == 0, checked.output
+    report = json.loads(checked.output[checked.output.index("{"):])  # (after transformers'
+    # loading bar)
+    assert report["reference"].startswith("PyTorch") and report["accuracy"]["top1"] > 0.9
