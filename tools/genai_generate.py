@@ -21,16 +21,21 @@ import time
 from pathlib import Path
 
 
-def run(folder: str, prompts: list[list[int]], new: int, threads: int | None,
-        no_eos: bool = False):
-    import numpy as np
+def load(folder: str, threads: int | None):
+    """GenAI's model of ``folder`` (its session made once for every run)."""
     import onnxruntime_genai as og
 
     config = og.Config(folder)
     if threads:
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {
             "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
-    model = og.Model(config)
+    return og.Model(config)
+
+
+def run(model, folder: str, prompts: list[list[int]], new: int, no_eos: bool = False):
+    import numpy as np
+    import onnxruntime_genai as og
+
     settings = json.loads((Path(folder) / "genai_config.json").read_text())["model"]
     pad = settings["pad_token_id"]
     eos = settings["eos_token_id"]
@@ -75,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = json.loads(Path(args.prompts).read_text())
     batches = [prompts] if args.mode == "batch" else [[p] for p in prompts]
     best, seconds, sequences = None, [], []
+    model = load(args.folder, args.threads)
     for _ in range(args.repeat):
         sequences, total = [], 0.0
         for batch in batches:
-            rows, prompt_s, decode_s, steps = run(args.folder, batch, args.max_new_tokens,
-                                                  args.threads, args.no_eos)
+            rows, prompt_s, decode_s, steps = run(model, args.folder, batch,
+                                                  args.max_new_tokens, args.no_eos)
             sequences += rows
             total += prompt_s + decode_s
             if best is None or prompt_s + decode_s < best[0] + best[1]:

@@ -204,15 +204,23 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     size = 0
     if write:
         _record(first, config, report, source)
-        size = write_model(first.model, output, force=force).stat().st_size
+        size = _bytes(write_model(first.model, output, force=force))
         notes += _genai(source, output)
     if not write:
         notes.append("past the accuracy thresholds: nothing was written (--exclude or --mixed "
                      "the sensitive MatMuls, int8, a smaller --block-size, or loosen the "
                      "thresholds; --no-check writes it anyway)")
     return QuantizeReport(str(source), str(output), config, report, quantized,
-                          (Path(source).stat().st_size, size or first.model.ByteSize()),
+                          (_bytes(Path(source)), size or first.model.ByteSize()),
                           write, time.perf_counter() - started, tuple(notes))
+
+
+def _bytes(path: Path) -> int:
+    """A model file's bytes with its external data files."""
+    from mha_onnx.graphio import external_files, read_model
+
+    files = external_files(read_model(path, load_external_data=False), path)
+    return path.stat().st_size + sum(f.stat().st_size for f in files if f.is_file())
 
 
 def _record(made: QuantizedWeights, config: QuantizeConfig, report: accuracy.AccuracyReport,
