@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 # ONNX Runtime GenAI's generator, in an environment of its own (see genai-env below)
 GENAI_RT := .venv-genai-rt
 
-.PHONY: run test test-fast lint clean fixtures bench-envs genai-env
+.PHONY: run test test-fast lint clean fixtures genai-fixtures bench-envs genai-env
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,7 +56,8 @@ $(OPT_VENV)/.installed:
 fixtures: $(OPT_VENV)/.installed
 	$(OPT_VENV)/bin/python tools/optimum_fixtures.py --out tests/fixtures/optimum
 
-# ORT GenAI's model builder (needs transformers >= 5, onnx-ir) for tools/bench_optimum.
+# ORT GenAI's model builder (needs transformers >= 5, onnx-ir) for tools/bench_optimum and
+# the builder's graphs under tests/fixtures/genai (committed; `make genai-fixtures` remakes them).
 GENAI_VENV := .venv-genai
 $(GENAI_VENV)/.installed:
 	test -x $(GENAI_VENV)/bin/python || $(PYTHON) -m venv $(GENAI_VENV)
@@ -65,6 +66,9 @@ $(GENAI_VENV)/.installed:
 	touch $@
 
 bench-envs: $(OPT_VENV)/.installed $(GENAI_VENV)/.installed
+
+genai-fixtures: $(GENAI_VENV)/.installed
+	$(GENAI_VENV)/bin/python tools/genai_fixtures.py --out tests/fixtures/genai
 
 # The loop of change-and-check: what needs no torch.export (about a minute and a half; a test
 # not marked slow that reaches torch.export fails here: tests/conftest.py).

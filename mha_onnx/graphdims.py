@@ -65,12 +65,58 @@ def _conv_weights(model: onnx.ModelProto) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def _cache_dims(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
+    """Cache input -> (kv heads, head size) of the GroupQueryAttention or MultiHeadAttention
+    node reading it as its past (GenAI's builder names the head size ``kv_cache_dim``): the
+    query's width (its MatMul's weight, or MatMulNBits' N) over the heads."""
+    weights = {t.name: t for t in model.graph.initializer}
+    made_by = {out: node for node in model.graph.node for out in node.output}
+
+    def width(name: str) -> int | None:
+        node = made_by.get(name)
+        while node is not None and node.op_type in ("Add", "Cast", "Identity"):
+            node = made_by.get(node.input[0])
+        if node is None:
+            return None
+        if node.op_type == "MatMul" and node.input[1] in weights:
+            return int(weights[node.input[1]].dims[-1])
+        return next((a.i for a in node.attribute if a.name == "N"), None) \
+            if node.op_type == "MatMulNBits" else None
+
+    out = {}
+    for node in model.graph.node:
+        if node.op_type not in ("GroupQueryAttention", "MultiHeadAttention"):
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        heads = attrs.get("num_heads", 0)
+        kv = attrs.get("kv_num_heads", heads)
+        packed = len(node.input) < 2 or not node.input[1]
+        total = width(node.input[0]) if node.input else None
+        if not heads or total is None:
+            continue
+        size = total // (heads + 2 * kv) if packed and node.op_type != "MultiHeadAttention" \
+            else total // heads
+        past = (3, 4) if node.op_type == "GroupQueryAttention" else (6, 7)
+        for i in past:
+            if len(node.input) > i and node.input[i]:
+                out[node.input[i]] = (kv, size)
+    return out
+
+
 def pin_dims(model: onnx.ModelProto, specs: Sequence) -> list:
     """``specs`` with the channels and image sizes of image inputs made concrete (see the
-    module docstring); other specs as they are."""
+    module docstring), and the heads and head size of cache inputs where they are symbolic;
+    other specs as they are."""
     convs = _conv_weights(model)
+    caches = _cache_dims(model)
     pinned = list(specs)
     for n, spec in enumerate(specs):
+        if spec.name in caches and len(spec.dims) == 4:
+            dims = list(spec.dims)
+            for axis, size in zip((1, 3), caches[spec.name], strict=True):
+                dims[axis] = size if not isinstance(dims[axis], int) else dims[axis]
+            pinned[n] = replace(spec, dims=tuple(dims))
+            continue
         if spec.name not in convs or len(spec.dims) != 4:
             continue
         channels, kh, kw = convs[spec.name]
@@ -280,7 +326,9 @@ def _needs_relating(model: onnx.ModelProto, specs: Sequence, related: list) -> b
                                                for sizes in (rising, falling)) if failed]
         if not reasons:
             return False  # it runs at distinct sizes: the dims are free
-        failed = _trial(runner, related, rising)
+        # (ORT's GroupQueryAttention on the CPU takes a prompt after a cache at batch 1 only)
+        failed = _trial(runner, related, rising) and _trial(
+            runner, related, {**rising, **dict.fromkeys(_batch_names(related), 1)})
         if not failed:
             log.info("dims named apart related (the graph runs only so): %s", names)
             return True
@@ -289,6 +337,10 @@ def _needs_relating(model: onnx.ModelProto, specs: Sequence, related: list) -> b
         f"the model runs neither at distinct sizes for its dims {names} nor with them "
         f"related ({reasons[0]})",
         hint="give their sizes with --shapes, or real inputs with --inputs FILE.npz")
+
+
+def _batch_names(specs: Sequence) -> set[str]:
+    return {s.dims[0] for s in specs if s.dims and isinstance(s.dims[0], str)}
 
 
 def with_related_dims(model: onnx.ModelProto, specs: Sequence) -> onnx.ModelProto:

@@ -42,11 +42,14 @@ def kernel_flops(op: str, inputs: list[list[int]], outputs: list[list[int]]) -> 
     out = float(np.prod(outputs[0]))
     if op in _PRODUCTS:
         return 2.0 * out * inputs[0][-1]
+    if op == "Attention":  # ORT's fused encoder block: Q, K and V projected inside it
+        batch, length, width = (inputs[0] + [1, 1, 1])[:3] if len(inputs[0]) == 3 else (1, 1, 1)
+        return 2.0 * batch * length * width * 3 * outputs[0][-1] + 4.0 * out * length
     if op in _ATTENTION:
         keys = next((s[2] for s in outputs[1:] if len(s) == 4), None)  # present [B,H,T,D]
-        if keys is None and len(inputs) > 1 and inputs[1]:
+        if keys is None and len(inputs) > 1 and len(inputs[1]) in (3, 4):
             keys = inputs[1][1] if len(inputs[1]) == 3 else inputs[1][-2]
-        return 4.0 * out * (keys or outputs[0][1])
+        return 4.0 * out * (keys or (outputs[0][1] if len(outputs[0]) > 1 else 1))
     return 0.0
 
 

@@ -162,6 +162,7 @@ class ProfileReport:
                 for p in best.values()]
 
     def render(self) -> str:
+        label = short_names([*self.models, *(p.model for p in self.points)])
         lines = [f"profile on {self.machine.get('processor') or self.machine.get('machine')} "
                  f"({self.machine.get('cpus')} CPUs), onnxruntime {self.machine.get('onnxruntime')}"
                  + (f", openvino {self.machine['openvino']}" if self.machine.get("openvino")
@@ -177,23 +178,23 @@ class ProfileReport:
                          "bandwidth / p50")
             head = ["model", "ep", "batch", "cache", "threads", "p50 ms", "p90 ms", "p99 ms",
                     "min ms", "tokens/s", "cache MB", "roofline", "memory", "load s"]
-            lines.append(table(head, [_decode_row(p) for p in self.points]))
+            lines.append(table(head, [_decode_row(p, label[p.model]) for p in self.points]))
         else:
             lines.append(table(["model", "ep", "batch", "seq", "threads", "p50 ms", "p90 ms",
                                 "p99 ms", "min ms", "tokens/s", "GFLOP/s", "roofline", "memory",
-                                "load s"], [_row(p) for p in self.points]))
+                                "load s"], [_row(p, label[p.model]) for p in self.points]))
         for s in self.speedups():
             ratio = "" if s["memory_ratio"] is None else f", memory x{s['memory_ratio']:.2f}"
-            lines.append(f"  {Path(s['model']).name} vs {Path(self.models[0]).name} ({s['provider']}, "
+            lines.append(f"  {label[s['model']]} vs {label[self.models[0]]} ({s['provider']}, "
                          f"batch {s['batch']}, seq {s['seq_len']}, {s['threads']} threads): "
                          f"{speed_words(s['speedup'])}{ratio}")
         if len({p.threads for p in self.points}) > 1:
             for b in self.best_threads():
-                lines.append(f"  best threads {Path(b['model']).name} {b['provider']} b{b['batch']} "
+                lines.append(f"  best threads {label[b['model']]} {b['provider']} b{b['batch']} "
                              f"s{b['seq_len']}: {b['threads']} ({b['p50_ms']:.2f} ms)")
         failed = [p for p in self.points if p.error]
         for p in failed:
-            lines.append(f"  FAILED {Path(p.model).name} {p.provider} b{p.batch} "
+            lines.append(f"  FAILED {label[p.model]} {p.provider} b{p.batch} "
                          f"s{p.seq_len}: {p.error}")
         if any((p.roofline_fraction or 0) > 1 or (p.bandwidth_fraction or 0) > 1
                for p in self.points):
@@ -202,7 +203,7 @@ class ProfileReport:
         for p in self.points:
             if p.top_ops:
                 ops = ", ".join(f"{o.op_type}@{o.provider} {100 * o.share:.0f}%" for o in p.top_ops[:4])
-                lines.append(f"  top ops {Path(p.model).name} {p.provider} b{p.batch} s{p.seq_len}: {ops}")
+                lines.append(f"  top ops {label[p.model]} {p.provider} b{p.batch} s{p.seq_len}: {ops}")
         return "\n".join(lines)
 
 
@@ -220,19 +221,34 @@ def _fraction(value: float | None) -> str:
     return ">100%?" if value > 1.0 else f"{100 * value:.0f}%"
 
 
-def _row(p: Point) -> tuple:
-    return _cells(p, "-" if p.gflops is None else f"{p.gflops:.1f}", _fraction(p.roofline_fraction))
+def short_names(paths) -> dict[str, str]:
+    """Each path by its file name, or by as many of its last parts as tell it apart from the
+    others (``genai/model.onnx`` and ``fused/model.onnx``, not ``model.onnx`` twice)."""
+    paths = list(dict.fromkeys(str(p) for p in paths))
+    out = {}
+    for path in paths:
+        parts = Path(path).parts
+        for n in range(1, len(parts) + 1):
+            tail = Path(*parts[-n:])
+            if all(Path(*Path(o).parts[-n:]) != tail for o in paths if o != path):
+                break
+        out[path] = str(tail)
+    return out
 
 
-def _decode_row(p: Point) -> tuple:
-    return _cells(p, "-" if p.cache_bytes is None else f"{p.cache_bytes / 1e6:.1f}",
+def _row(p: Point, name: str) -> tuple:
+    return _cells(p, name, "-" if p.gflops is None else f"{p.gflops:.1f}", _fraction(p.roofline_fraction))
+
+
+def _decode_row(p: Point, name: str) -> tuple:
+    return _cells(p, name, "-" if p.cache_bytes is None else f"{p.cache_bytes / 1e6:.1f}",
                   _fraction(p.bandwidth_fraction))
 
 
-def _cells(p: Point, work: str, roofline: str) -> tuple:
+def _cells(p: Point, name: str, work: str, roofline: str) -> tuple:
     """One table row: the point, its latencies, then ``work`` and ``roofline`` (GFLOP/s and
     % of the matmul roofline, or cache MB and % of the bandwidth roofline)."""
-    head = (Path(p.model).name, p.provider, p.batch, p.seq_len or "-", p.threads)
+    head = (name, p.provider, p.batch, p.seq_len or "-", p.threads)
     if p.error:
         return head + ("ERROR", "(below)") + ("",) * 7
     memory = "-" if p.memory is None else human_bytes(p.memory)

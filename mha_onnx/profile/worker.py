@@ -251,8 +251,15 @@ def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, An
             kept[model] = runner
         proto = _proto(model)
         feeds = _feeds(spec, proto)
+        run = _bound_run(runner, feeds, proto)
+        try:  # a model that fails at this point fails alone (its rows), the others are timed
+            run()
+        except Exception as exc:  # noqa: BLE001 - ORT's own error types, whatever they are
+            refused[model] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+            runners.pop()
+            continue
         first = first or (feeds, proto)
-        runs.append(_bound_run(runner, feeds, proto))
+        runs.append(run)
     if not runs:
         return {"models": refused}
     rss_before = rss()
@@ -271,7 +278,10 @@ def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, An
                    device_bytes=None if device0 is None or device is None else max(0, device - device0))
     if (spec.op_breakdown or spec.trace_dir) and not is_openvino(spec.provider):
         for model in timed:  # each model's own profiled runs, after the timing
-            out["models"][model].update(_op_times(spec, model))
+            try:
+                out["models"][model].update(_op_times(spec, model))
+            except Exception as exc:  # noqa: BLE001 - the timing stands without its breakdown
+                out["models"][model]["top_ops_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
 
 
