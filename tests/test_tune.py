@@ -12,9 +12,10 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 from mha_onnx.cli import main
+from mha_onnx.config import MhaConfig
 from mha_onnx.runtimes import OrtRunner
-from mha_onnx.tune import ORIGINAL, Rule, TuneResult, choose, choose_by_batch, settle
-from mha_onnx.tune_dispatch import dispatch
+from mha_onnx.tune.dispatch import dispatch
+from mha_onnx.tune.rules import ORIGINAL, Rule, TuneResult, choose, choose_by_batch, settle
 from tests.conftest import SMALL
 
 
@@ -284,7 +285,7 @@ def test_tune_refuses_options_it_would_ignore(tmp_path, extra):
 def test_verification_reaches_every_branch_the_rules_can_select():
     """The grid's lengths at batch 2, and each rule's cheapest point: batch 32's branches
     for lengths from 512 on are reached at batch 16 (the bound), not left unverified."""
-    from mha_onnx.tune_run import _branch_cases
+    from mha_onnx.tune.run import _branch_cases
 
     rules = [Rule(None, "fused", 16), Rule(512, ORIGINAL), Rule(None, "fused")]
     table = {(b, n): {} for b in (1, 8, 32) for n in (16, 64, 256, 1024, 4096)}
@@ -306,8 +307,8 @@ def test_a_batch_keeps_its_own_rules_only_for_more_than_noise():
 def test_departures_from_the_default_fusion_are_timed_again(monkeypatch):
     """A point where the first timing read the fusion slower (a burst of other work) is
     timed once more; the choice reads the geometric mean of both runs."""
-    from mha_onnx import tune_run
-    from mha_onnx.tune import TuneConfig
+    from mha_onnx.tune import timing
+    from mha_onnx.tune.rules import TuneConfig
 
     ratios = {(1, 16): {ORIGINAL: 1.0, "fused": 0.9}, (1, 128): {ORIGINAL: 1.0, "fused": 1.14},
               (1, 512): {ORIGINAL: 1.0, "fused": 0.9}}
@@ -317,25 +318,41 @@ def test_departures_from_the_default_fusion_are_timed_again(monkeypatch):
         timed.append(points)
         return {}, {p: {ORIGINAL: 1.0, "fused": 0.80} for p in points}
 
-    monkeypatch.setattr(tune_run, "_time", again)
-    rules = tune_run._confirmed({}, TuneConfig(), 1, ratios, "batch", lambda _: None)
+    monkeypatch.setattr(timing, "time_grid", again)
+    rules = timing.confirmed({}, TuneConfig(), 1, ratios, "batch", lambda _: None)
     assert timed == [[(1, 128)]]
     assert rules == [Rule(None, "fused")]  # sqrt(1.14 * 0.80) = 0.955
     assert ratios[(1, 128)]["fused"] == pytest.approx(0.955, abs=1e-3)
 
 
-def test_a_tuned_model_much_bigger_than_its_original_says_so():
-    from mha_onnx.tune_run import _size_note
+def test_the_size_estimate_counts_what_the_dispatch_holds_again():
+    """tune.plan's estimate of a tuning's weights: two candidates one If down share their
+    equal weights, a third (two Ifs down) holds its weights again, as the written model
+    does; within_size keeps the rules that fit the budget and gain most."""
+    from mha_onnx.tune.plan import bytes_of, weight_keys, within_size
+    from mha_onnx.tune.run import _size_note
 
     big = _scaled(1.0)  # (weights that outweigh the graph's own bytes)
     big.graph.initializer[0].CopyFrom(helper.make_tensor("w", TensorProto.FLOAT, [4096, 4],
                                                          np.ones(4 * 4096).tolist()))
-    models = {ORIGINAL: big, "two": big, "three": big}
-    two_rules = dispatch(models, [Rule(8, "two"), Rule(None, ORIGINAL)], "seq")
-    assert _size_note(big, two_rules) == []  # both one If down: the weights shared
-    deep = dispatch(models, [Rule(8, "two"), Rule(32, "three"), Rule(None, ORIGINAL)], "seq")
-    (note,) = _size_note(big, deep)  # two candidates two Ifs down: one more copy, shared
-    assert note.startswith("the tuned model is 2.0x the original's size")
+    models = {ORIGINAL: big, "fused": big, "three": big}
+    keys = {n: weight_keys(m) for n, m in models.items()}
+    one = bytes_of([ORIGINAL], keys)
+    two_rules = dispatch(models, [Rule(8, "fused"), Rule(None, ORIGINAL)], "seq")
+    assert bytes_of(["fused", ORIGINAL], keys) == one  # both one If down: the weights shared
+    assert two_rules.ByteSize() / big.ByteSize() == pytest.approx(1.0, abs=0.02)
+    assert _size_note(big, two_rules, 1.1).endswith("the original's (--tune-max-size 1.1x)")
+    three = [Rule(8, "fused"), Rule(32, "three"), Rule(None, ORIGINAL)]
+    deep = dispatch(models, three, "seq")
+    assert bytes_of(["fused", "three", ORIGINAL], keys) == 2 * one  # held again, shared
+    assert deep.ByteSize() / big.ByteSize() == pytest.approx(2.0, abs=0.02)
+    ratios = {(1, 4): {ORIGINAL: 1.0, "fused": 0.8, "three": 0.9},
+              (1, 16): {ORIGINAL: 1.0, "fused": 0.95, "three": 0.7},
+              (1, 64): {ORIGINAL: 1.0, "fused": 0.99, "three": 1.2}}
+    assert within_size(ratios, three, models, choose, 2.0, 0.03) == (three, "")
+    fitted, why = within_size(ratios, three, models, choose, 1.1, 0.03)
+    assert len({r.name for r in fitted}) <= 2 and "past --tune-max-size 1.1x" in why
+    assert bytes_of(list({r.name for r in fitted}), keys) <= 1.1 * one
 
 
 @pytest.mark.parametrize("order", [("fused", "other", "original"), ("other", "original", "fused")])
@@ -345,7 +362,7 @@ def test_validate_finds_the_weights_of_a_tuned_model_in_its_branches(export_cach
     packs Q, K and V: the PyTorch reference still finds every weight (a three-rule tune
     failed validate with "initializer 'w_k.bias' of w_k.bias is missing")."""
     from mha_onnx.parity import ValidateConfig, validate_model
-    from mha_onnx.tune_run import _dims, assemble, candidates
+    from mha_onnx.tune.run import _dims, assemble, candidates
 
     original = onnx.load(export_cache(SMALL.replace(mask="key-padding")))
     models, notes, results = candidates(original)
@@ -385,3 +402,104 @@ def test_an_optimum_vit_is_tuned_over_its_batch(tmp_path):
     report = json.loads(result.output[result.output.index("{"):])
     assert set(report["tuning"]["table_ms"]) == {"1x0", "4x0"}
     assert all(r["below"] is None for r in report["tuning"]["rules"])
+
+
+WIDE = MhaConfig(d_model=256, num_heads=4, mask="key-padding", name="wide")  # (weights outweigh
+# the graph's bytes)
+
+
+def _fake_grid(wins: dict[str, dict[int, float]]):
+    """A time_grid stand-in: every candidate reads the original's time, except ``wins``
+    (name -> its ratios to the original by length); a dispatching model reads half."""
+    def time_grid(paths, cfg, heads, progress, points=None):
+        points = points or [(b, n) for b in cfg.batches for n in cfg.seq_lens]
+        ratios = {p: {n: 0.5 if n == "dispatch" else wins.get(n, {}).get(p[1], 1.0)
+                      for n in paths} for p in points}
+        return {p: {n: r for n, r in row.items()} for p, row in ratios.items()}, ratios
+    return time_grid
+
+
+def _tune_with(monkeypatch, tmp_path, source, wins, *extra):
+    from mha_onnx.tune import timing
+
+    monkeypatch.setattr(timing, "time_grid", _fake_grid(wins))
+    out = tmp_path / "tuned.onnx"
+    result = CliRunner().invoke(main, ["tune", str(source), "-o", str(out), "--tune-batch", "1",
+                                       "--tune-seq-lens", "16,64,128,256", "--tune-threads",
+                                       "1", "--json", *extra])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    return report, out.stat().st_size / source.stat().st_size
+
+
+def test_where_nothing_beats_the_default_fusion_it_is_written_and_said(export_cache, monkeypatch,
+                                                                        tmp_path):
+    report, size = _tune_with(monkeypatch, tmp_path, export_cache(WIDE), {})
+    assert [r["candidate"] for r in report["tuning"]["rules"]] == ["fused"]
+    assert any(n.startswith("default kept") for n in report["notes"]), report["notes"]
+    assert size <= 1.1
+
+
+def test_the_size_budget_keeps_the_rules_that_fit_and_says_so(export_cache, monkeypatch,
+                                                              tmp_path):
+    """Three forms that each win at one length: a dispatch over all three holds the last
+    two's weights again (2x); under --tune-max-size 1.1 (the default) the tuner keeps what
+    fits, and says so; with room for it, it writes the three."""
+    wins = {"key_padding=mask": {16: 0.5, 64: 0.3, 128: 0.8, 256: 0.8},  # (the three tie at
+            "key_padding=bias": {16: 0.5, 64: 0.8, 128: 0.3, 256: 0.8},  # the first pass's
+            "key_padding=loop": {16: 0.5, 64: 0.8, 128: 0.8, 256: 0.3}}  # length)
+    report, size = _tune_with(monkeypatch, tmp_path, export_cache(WIDE), wins)
+    kept = {r["candidate"] for r in report["tuning"]["rules"]}
+    assert size <= 1.1 and 1 <= len(kept) <= 2 and kept & set(wins), report
+    assert any("past --tune-max-size 1.1x" in n for n in report["notes"]), report["notes"]
+    assert any("--tune-max-size 1.1x" in n and n.startswith("size") for n in report["notes"])
+    roomy, size = _tune_with(monkeypatch, tmp_path, export_cache(WIDE), wins, "--force",
+                             "--tune-max-size", "3")
+    assert {r["candidate"] for r in roomy["tuning"]["rules"]} == set(wins) and size > 1.1
+
+
+@pytest.mark.parametrize(("family", "rows"), [("bert", 256), ("distilbert", 256),
+                                              ("electra", 256), ("llama", None), ("gpt2", None),
+                                              ("roberta", None)])
+def test_the_grid_stops_at_the_position_table_a_length_indexes(family, rows):
+    """BERT-like graphs count their position ids along the length (a constant sliced to it):
+    their table's rows bound the lengths the tuner times; positions read from an input
+    (GPT-2, rotary models, RoBERTa's from the ids) bound nothing here."""
+    from pathlib import Path
+
+    from mha_onnx.input_roles import length_limit
+
+    path = Path(__file__).parent / "fixtures" / "optimum" / family / "model.onnx"
+    assert length_limit(onnx.load(path)) == rows
+
+
+def test_ort_fused_embedding_bounds_the_length_by_its_position_table(tmp_path):
+    from pathlib import Path
+
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    from mha_onnx.input_roles import length_limit
+
+    source = Path(__file__).parent / "fixtures" / "optimum" / "bert" / "model.onnx"
+    optimized = optimize_model(str(source), model_type="bert").model
+    assert any(n.op_type == "EmbedLayerNormalization" for n in optimized.graph.node)
+    assert length_limit(optimized) == 256
+
+
+def test_lengths_past_the_position_table_are_not_timed_and_said(monkeypatch, tmp_path):
+    """The BERT fixture's 256 positions: a grid to 1024 is timed up to 256, and said (a
+    BERT-base grid to 2048 failed every point past 512 and spent the budget on it)."""
+    from pathlib import Path
+
+    bert = Path(__file__).parent / "fixtures" / "optimum" / "bert" / "model.onnx"
+    from mha_onnx.tune import timing
+
+    monkeypatch.setattr(timing, "time_grid", _fake_grid({}))
+    result = CliRunner().invoke(main, ["tune", str(bert), "-o", str(tmp_path / "t.onnx"),
+                                       "--tune-batch", "1", "--tune-seq-lens", "16,128,1024",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert set(report["tuning"]["table_ms"]) == {"1x16", "1x128", "1x256"}
+    assert any("position table (256 rows) not timed: 1024; 256 timed instead" in n
+               for n in report["notes"]), report["notes"]

@@ -2,6 +2,8 @@
 
     .venv/bin/python -m tools.benchmark tune OUT_DIR [--threads 2] [--batches 1,8,32]
         [--seq-lens 16,32,64,128,512,2048] [--models causal,key-padding,none,bert[,bert-base]]
+    .venv/bin/python -m tools.benchmark tune OUT_DIR --anchor [--points 1x16,1x128,...]
+        [--repeat 2]
 
 For each model (the base preset's causal, key-padding and no-mask exports, and a BERT-style
 Hugging Face encoder with a padding mask): tune it over the grid, then time the original,
@@ -10,6 +12,12 @@ the default fusion and the tuned model interleaved in one process (`mha-onnx pro
 encoder (tests/models.py, torch.export); ``bert-base`` (not in the default list) is a BERT
 of base width (hidden 768, 12 heads, 4 layers, random weights) exported by the TorchScript
 exporter with Optimum's input names and dims, as the files users have are made.
+
+``--anchor``: the BERT-base export tuned as a user tunes it (`mha-onnx fuse --tune`, every
+option at its default, in a process of its own: its wall time and the output's size), then
+the export, the default fusion, the tuned model and ORT's transformers optimizer's file
+(`optimize_model(model_type="bert")`) timed in turn in one process at each of ``--points``,
+``--repeat`` times over.
 """
 
 from __future__ import annotations
@@ -74,20 +82,92 @@ def _bert_base(path: Path) -> None:
                                         "last_hidden_state": dims})
 
 
+def anchor(folder: Path, args, argv: list[str] | None) -> int:
+    """The export, the default fusion, `fuse --tune`'s output and ORT's optimizer's, at
+    each point (see the module docstring)."""
+    import json
+    import subprocess
+    import time
+
+    from mha_onnx.profile import ProfileConfig, profile_models
+    from mha_onnx.rewrite import fuse_file
+
+    path = _models(folder, ["bert-base"])["bert-base"]
+    fused, tuned = path.with_suffix(".fused.onnx"), path.with_suffix(".tuned.onnx")
+    ort = path.with_suffix(".ortopt.onnx")
+    fuse_file(path, fused, force=True)
+    _ort_optimized(path, ort)
+    began = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", "from mha_onnx.cli import run; run()", "fuse",
+                          str(path), "-o", str(tuned), "--tune", "--force", "--json"],
+                         capture_output=True, text=True, check=True)
+    seconds = time.perf_counter() - began
+    report = json.loads(run.stdout[run.stdout.index("{"):])
+    sizes = {m: m.stat().st_size / path.stat().st_size for m in (fused, tuned, ort)}
+    lines = [suite.measured(suite.command("tune", argv),
+                            f"{args.threads} threads, fp32, the four timed in turn in one "
+                            "process at each point, 25 % of keys padded"), "",
+             f"`mha-onnx fuse bert-base.onnx -o bert-base.tuned.onnx --tune`: {seconds:.0f} s "
+             f"wall, rules `{report['rules']}`; sizes (of the export's "
+             f"{path.stat().st_size / 1e6:.0f} MB): default fusion {sizes[fused]:.2f}x, tuned "
+             f"{sizes[tuned]:.2f}x, ORT's optimizer {sizes[ort]:.2f}x", "",
+             *[f"- {note}" for note in report["notes"]], "",
+             "| run | batch | L | export ms | default fusion | tuned | ORT optimizer |",
+             "|---|---|---|---|---|---|---|"]
+    rows = []
+    for rep in range(1, args.repeat + 1):
+        for b, n in args.points:
+            prof = profile_models([path, fused, tuned, ort], ProfileConfig(
+                batches=(b,), seq_lens=(n,), threads=(args.threads,), interleave=True,
+                pad_fraction=0.25, memory_check=False, op_breakdown=False,
+                min_time=args.min_time, keep_going=True))
+            ms = {p.model: p.p50_ms for p in prof.points}
+            base = ms.get(str(path))
+            rows.append({"run": rep, "batch": b, "length": n, "export_ms": base,
+                         **{k: (ms.get(str(m)) or float("nan")) / base
+                            for k, m in (("fused", fused), ("tuned", tuned), ("ort", ort))}})
+            lines.append(f"| {rep} | {b} | {n} | {base:.3g} | {rows[-1]['fused']:.2f}x | "
+                         f"{rows[-1]['tuned']:.2f}x | {rows[-1]['ort']:.2f}x |")
+            print(lines[-1], flush=True)
+    suite.emit(lines, args.out, str(folder / "bench_tune_anchor.json"),
+               {"tune_s": seconds, "sizes": {str(k): v for k, v in sizes.items()},
+                "report": report, "rows": rows})
+    return 0
+
+
+def _ort_optimized(path: Path, out: Path) -> None:
+    """ORT's transformers optimizer as its docs call it for BERT (12 heads, hidden 768)."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    optimize_model(str(path), model_type="bert", num_heads=12,
+                   hidden_size=768).save_model_to_file(str(out))
+
+
+def _points(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in p.split("x")) for p in text.split(",") if p]
+
+
 def main(argv: list[str] | None = None) -> int:
     from mha_onnx.profile import ProfileConfig, profile_models
     from mha_onnx.rewrite import fuse_file
-    from mha_onnx.tune import TuneConfig
-    from mha_onnx.tune_run import tune_model
+    from mha_onnx.tune.rules import TuneConfig
+    from mha_onnx.tune.run import tune_model
 
     parser = suite.parser(__doc__)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--batches", type=suite.ints, default=(1, 8, 32))
     parser.add_argument("--seq-lens", type=suite.ints, default=(16, 32, 64, 128, 512, 2048))
     parser.add_argument("--models", default="causal,key-padding,none,bert")
+    parser.add_argument("--anchor", action="store_true",
+                        help="BERT-base: fuse --tune as users run it, beside ORT's optimizer")
+    parser.add_argument("--points", type=_points,
+                        default=_points("1x16,1x128,8x128,32x64,1x512,8x512"))
+    parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args(argv)
     suite.quiet()
     args.folder.mkdir(parents=True, exist_ok=True)
+    if args.anchor:
+        return anchor(args.folder, args, argv)
     batches, lengths = args.batches, args.seq_lens
     rows = []
     lines = [suite.measured(suite.command("tune", argv),

@@ -44,7 +44,8 @@ from mha_onnx.config import EP_CHOICES, form_help
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def fuse(model, output, target, ep, forms, kv_cache, logits, no_verify, atol, rtol, inputs_npz,
-         strict, tune, tune_batch, tune_seq_lens, tune_threads, force, as_json):
+         strict, tune, tune_batch, tune_seq_lens, tune_threads, tune_max_size, tune_budget, force,
+         as_json):
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
     from mha_onnx.errors import ConfigError
@@ -59,8 +60,8 @@ def fuse(model, output, target, ep, forms, kv_cache, logits, no_verify, atol, rt
         raise ConfigError("--tune chooses the forms itself, on this machine's CPU",
                           hint="drop --target/--ep/--form/--kv-cache/--logits, or drop --tune")
     if tune:
-        return emit(run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force),
-                     as_json)
+        return emit(run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force,
+                             tune_max_size, tune_budget), as_json)
 
     report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
                        atol=atol, rtol=rtol, forms=policy, inputs=inputs_npz,

@@ -22,18 +22,25 @@ def tune_options(command):
                      help="Lengths of the tuning grid."),
         click.option("--tune-threads", type=int, default=None,
                      help="Intra-op threads to tune for (the deployment's; default: ORT's)."),
+        click.option("--tune-max-size", type=float, default=1.1, show_default=True,
+                     help="The tuned model's size at most this many times the original's "
+                          "(candidates whose weights do not fit are left out)."),
+        click.option("--tune-budget", type=float, default=150.0, show_default=True,
+                     help="Seconds the timing may take: past them the largest points are "
+                          "not timed (their rules are the shorter lengths')."),
     ]):
         command = option(command)
     return command
 
 
 def run_tune(model: str, output: str, batches: str, seq_lens: str, threads: int | None,
-             force: bool):
-    from mha_onnx.tune import TuneConfig
-    from mha_onnx.tune_run import tune_model
+             force: bool, max_size: float = 1.1, budget: float = 150.0):
+    from mha_onnx.tune.rules import TuneConfig
+    from mha_onnx.tune.run import tune_model
 
     cfg = TuneConfig(batches=int_list(batches, "--tune-batch"),
-                     seq_lens=int_list(seq_lens, "--tune-seq-lens"), threads=threads)
+                     seq_lens=int_list(seq_lens, "--tune-seq-lens"), threads=threads,
+                     max_size=max_size, budget=budget)
     return tune_model(model, output, cfg, force=force,
                       progress=lambda line: click.echo(f"[tune] {line}", err=True))
 
@@ -44,10 +51,12 @@ def run_tune(model: str, output: str, batches: str, seq_lens: str, threads: int 
 @tune_options
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def tune_command(model, output, tune, tune_batch, tune_seq_lens, tune_threads, force, as_json):
+def tune_command(model, output, tune, tune_batch, tune_seq_lens, tune_threads, tune_max_size,
+                 tune_budget, force, as_json):
     """Fuse MODEL with every form, time them (and MODEL itself) on this machine, and write a
     model that runs the fastest for each batch and length (`fuse --tune`; run it on the
     target)."""
     del tune  # `tune` always tunes
-    report = run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force)
+    report = run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force,
+                      tune_max_size, tune_budget)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.render())

@@ -5,7 +5,7 @@ else branch, so the third candidate runs two Ifs below the main graph. ONNX Runt
 prepacks a MatMul's constant weight only from the MatMul's own graph or the one right above
 it; this times the base no-mask export alone against a three-candidate dispatching model
 whose last candidate is that same export, with its weights in the main graph (shared, as
-tune.py kept them at first) and in the else graph right above its branch (tune_dispatch
+tune/rules.py kept them at first) and in the else graph right above its branch (tune.dispatch
 now), timed in turn (the order swapped every round), 40 rounds, medians, 2 threads,
 sleeping thread pools:
 
@@ -25,11 +25,11 @@ SHAPES = ((1, 128), (8, 128), (1, 512))  # (batch, length): the third rule's len
 
 
 def main() -> None:
-    from mha_onnx import tune
     from mha_onnx.config import load_preset
     from mha_onnx.export import export_model
     from mha_onnx.runtimes import OrtRunner
-    from mha_onnx.tune_dispatch import dispatch
+    from mha_onnx.tune import rules as tune
+    from mha_onnx.tune.dispatch import dispatch
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "none.onnx"

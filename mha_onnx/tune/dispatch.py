@@ -1,4 +1,4 @@
-"""The dispatching model of a tuning (see :mod:`mha_onnx.tune`): the rules as a table the
+"""The dispatching model of a tuning (see :mod:`mha_onnx.tune.rules`): the rules as a table the
 graph reads, and each candidate the rules name in one branch of its own.
 
 The rules are data: three constant vectors (each rule's length bound, batch bound and
@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from mha_onnx.tune import ORIGINAL, Rule
+from mha_onnx.tune.rules import ORIGINAL, Rule
 
 NO_BOUND = np.iinfo(np.int64).max
 

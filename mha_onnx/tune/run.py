@@ -1,9 +1,9 @@
 """The tuning run: candidates fused and verified, timed on this machine, the dispatching model
-verified over every interval and written (see :mod:`mha_onnx.tune`)."""
+verified over every interval and written (see :mod:`mha_onnx.tune.rules`)."""
 
 from __future__ import annotations
 
-import math
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -17,7 +17,16 @@ from mha_onnx.config import FORM_CHOICES
 from mha_onnx.errors import ConfigError, InputSpecError
 from mha_onnx.graphio import prepare_output, read_model, write_model
 from mha_onnx.inputs import case_for, input_specs, split_dims
-from mha_onnx.tune import (
+from mha_onnx.tune.dispatch import dispatch
+from mha_onnx.tune.plan import (
+    AGAIN,
+    gains_over_default,
+    margin_of,
+    noise,
+    within_size,
+    without_twin,
+)
+from mha_onnx.tune.rules import (
     DEFAULT,
     ORIGINAL,
     TUNING,
@@ -27,18 +36,8 @@ from mha_onnx.tune import (
     choose,
     choose_by_batch,
     first_rule,
-    settle,
 )
-from mha_onnx.tune_dispatch import dispatch
-
-# A point is skipped when its attention scores alone would pass this many elements (batch *
-# heads * length^2): the default grid's batch 32 x 1024 of the base export (8 heads, 2^28)
-# took 55 s on a 2-core machine, 38 s of it the first runs of four candidates faulting in
-# their memory: alone past the 60 s a tune may take. Its rules are those of the lengths
-# below it. A point of 2^24 or more is timed on 3 interleaved runs after the warm-up, not 5
-# (a run there takes 0.1 s or more on such a machine).
-MAX_SCORES = 2 ** 27
-QUICK_SCORES = 2 ** 24
+from mha_onnx.tune.timing import confirmed, settled, two_passes
 
 
 def candidates(original: onnx.ModelProto
@@ -82,105 +81,6 @@ def _dims(model: onnx.ModelProto) -> tuple[str, str]:
     return (lengths[-1] if lengths else ""), (batches[0] if batches else "")
 
 
-def _time(paths: dict[str, str], cfg: TuneConfig, heads: int,
-          progress: Callable[[str], None], points: list[tuple[int, int]] | None = None):
-    """(p50 ms, median paired ratio to the original) per (batch, length) per candidate,
-    interleaved, the whole grid in one child process, largest point first (see
-    ``measure_grid``: a session faults in its memory once); ``points``: these (batch,
-    length) only, else the grid."""
-    import numpy as np
-
-    from mha_onnx.profile.worker import PointSpec, grid_in_child
-
-    order = list(paths)
-    grid = []
-    for batch, length in points or [(b, n) for b in cfg.batches for n in cfg.seq_lens]:
-        if batch * heads * length * length > MAX_SCORES:
-            progress(f"batch {batch} x {length}: skipped (too large to time in the budget: "
-                     "the rules of the shorter lengths apply)")
-        else:
-            grid.append((batch, length))
-    grid.sort(key=lambda p: -p[0] * p[1] * p[1])
-    specs = [PointSpec(models=tuple(paths[n] for n in order), batch=batch, seq_len=length,
-                       threads=cfg.threads, warmup=2,
-                       iters=3 if batch * heads * length * length >= QUICK_SCORES else 5,
-                       min_time=cfg.min_time, pad_fraction=cfg.pad_fraction)
-                 for batch, length in grid]
-    table: dict[tuple[int, int], dict[str, float]] = {}
-    ratios: dict[tuple[int, int], dict[str, float]] = {}
-
-    done: list[int] = []
-
-    def point_done(index: int, raw: dict) -> None:
-        batch, length = grid[index]
-        done.append(index)
-        where = f"{len(done)}/{len(grid)} batch {batch}" + (f" x {length}" if length else "")
-        mine = raw.get("models", {})
-        if "error" in raw or "times" not in mine.get(paths[ORIGINAL], {}):
-            why = raw.get("error") or mine.get(paths[ORIGINAL], {}).get("error", "?")
-            progress(f"{where}: skipped, the original does not run there ({why[:160]})")
-            return
-        runs = {n: np.array(mine[paths[n]]["times"]) for n in order
-                if "times" in mine.get(paths[n], {})}
-        times = {n: float(np.median(t)) * 1e3 for n, t in runs.items()}
-        table[(batch, length)] = times
-        # the runs interleave, one of each candidate in turn: the median of the paired
-        # ratios to the original is what the choice reads (steadier than a ratio of
-        # medians on a shared machine)
-        ratios[(batch, length)] = {n: float(np.median(t[:len(runs[ORIGINAL])] /
-                                                      runs[ORIGINAL][:len(t)]))
-                                   for n, t in runs.items()}
-        best = min(times, key=times.get)
-        progress(f"{where}: {best} {times[best]:.3g} ms (original {times[ORIGINAL]:.3g} ms)")
-
-    grid_in_child(specs, point_done)
-    return ({p: table[p] for p in sorted(table)}, {p: ratios[p] for p in sorted(ratios)})
-
-
-def _confirmed(paths: dict[str, str], cfg: TuneConfig, heads: int, ratios,
-               batch_dim: str, progress: Callable[[str], None]) -> list[Rule]:
-    """The rules, chosen again after the points where they depart from the default fusion
-    were timed once more (each candidate's ratio there: the geometric mean of both runs;
-    ``ratios`` updated). A burst of other work on a shared machine made one timing read the
-    fusion 1.09x and 1.14x of the original at two points where a second run read 0.95x and
-    0.90x: a departure from the default is taken on two runs, not one."""
-    def rules_for(table) -> list[Rule]:
-        return choose_by_batch(table) if batch_dim else choose(table)
-
-    rules = rules_for(ratios)
-    disputed = [p for p in sorted(ratios)
-                if rules[first_rule(rules, p)].name != DEFAULT]
-    if not disputed:
-        return rules
-    progress(f"timing again where the choice is not the default fusion: {len(disputed)} "
-             "point(s)")
-    _, again = _time(paths, cfg, heads, progress, disputed)
-    for point, second in again.items():
-        first = ratios[point]
-        ratios[point] = {n: math.sqrt(first[n] * second[n]) for n in first if n in second}
-    return rules_for(ratios)
-
-
-def _settle(tuned: onnx.ModelProto, paths: dict[str, str], rules: list[Rule], ratios,
-            cfg: TuneConfig, heads: int, progress: Callable[[str], None]
-            ) -> tuple[list[Rule], str, dict[tuple[int, int], float]]:
-    """``rules``, or one candidate alone where ``tuned`` (their dispatching model) loses at
-    the grid's shortest length because of its own If (timed there against the original:
-    ``tune.settle``), and its ratios to the original there."""
-    if len(rules) == 1:
-        return rules, "", {}
-    path = str(Path(paths[ORIGINAL]).with_name("dispatch.onnx"))
-    onnx.save(tuned, path)
-    shortest = min(n for _, n in ratios)
-    progress("timing the dispatching model itself" + (f" at length {shortest}" if shortest
-                                                       else ""))
-    probe_cfg = replace(cfg, seq_lens=(shortest,))
-    _, probe = _time({ORIGINAL: paths[ORIGINAL], "dispatch": path}, probe_cfg,
-                     heads, progress)
-    mine = {p: r["dispatch"] for p, r in probe.items() if "dispatch" in r}
-    return (*settle(ratios, rules, mine), mine)
-
-
 def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force: bool = False,
                progress: Callable[[str], None] = lambda _: None) -> TuneReport:
     """Fuse every candidate, time them here, write the dispatching model (verified)."""
@@ -191,38 +91,108 @@ def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force
     output = prepare_output(output, force=force)
     original = _the_original(source, progress)
     dim, batch_dim = _dims(original)
+    grid_note = ""
     if not dim:  # (one point a batch: the model's own sizes; 0 stands for no length)
         cfg = replace(cfg, seq_lens=(0,))
+    else:
+        cfg, grid_note = _within_positions(original, cfg)
     progress("fusing and verifying the candidates")
     models, notes, results = candidates(original)
+    notes = [grid_note] * bool(grid_note) + notes
     if len(models) == 1:
         raise ConfigError("--tune: no attention block was fused, nothing to choose")
     heads = max([int(r.details.get("heads", 1)) for r in results] + [1])
+    rules, table, probe, measured, more = _time_and_choose(
+        models, cfg, heads, dim, batch_dim, started, progress)
+    notes += more
+    result = TuneResult(rules, {f"{b}x{n}": t for (b, n), t in table.items()}, dim,
+                        {**machine_info(), "threads": cfg.threads},
+                        {f"{b}x{n}": round(r, 4) for (b, n), r in probe.items()}, batch_dim,
+                        round(measured, 4))
+    result, tuned = _within_budget(original, models, result, results, cfg, notes)
+    check = verify(original, tuned, cases=_branch_cases(original, result.rules, table, dim))
+    if not check.passed:
+        raise ConfigError(f"the tuned model differs from the original: {check.first_failure()}",
+                          hint="nothing was written; please report this model")
+    notes.append(_size_note(original, tuned, cfg.max_size))
+    write_model(tuned, output, force=force)
+    return TuneReport(str(output), result, tuple(notes), time.perf_counter() - started)
+
+
+def _time_and_choose(models: dict[str, onnx.ModelProto], cfg: TuneConfig, heads: int, dim: str,
+                     batch_dim: str, started: float, progress: Callable[[str], None]):
+    """Time every candidate (and the default twice, for the noise), keep what beats the default
+    by more than the noise and fits the size budget; (rules, table, probe, noise, notes)."""
+    notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="mha_onnx_tune_") as tmp:
         paths = {}
         for n, (name, model) in enumerate(models.items()):
             paths[name] = str(Path(tmp) / f"c{n}.onnx")
             onnx.save(model, paths[name])
-        table, ratios = _time(paths, cfg, heads, progress)
+        paths[AGAIN] = str(Path(tmp) / "again.onnx")  # the default fusion, a second session
+        shutil.copyfile(paths[DEFAULT], paths[AGAIN])
+        table, ratios, timing_notes = two_passes(paths, cfg, heads, started, progress)
+        notes += timing_notes
         if not table:
             raise ConfigError("--tune: every point of the grid was skipped",
                               hint="smaller --tune-batch / --tune-seq-lens")
-        chosen = _confirmed(paths, cfg, heads, ratios, batch_dim, progress)
-        rules, why, probe = _settle(dispatch(models, chosen, dim, batch_dim), paths, chosen,
-                                    ratios, cfg, heads, progress)
-    if why:  # one candidate alone instead
-        notes.append(why)
-    result = TuneResult(rules, {f"{b}x{n}": t for (b, n), t in table.items()}, dim,
-                        {**machine_info(), "threads": cfg.threads},
-                        {f"{b}x{n}": round(r, 4) for (b, n), r in probe.items()}, batch_dim)
+        measured = noise(ratios)
+        margin = margin_of(measured)
+        ratios = without_twin(ratios)
+        paths.pop(AGAIN)
+        chosen = confirmed(paths, cfg, heads, ratios, batch_dim, progress, margin)
+        chosen, why_size = _fits(ratios, chosen, models, batch_dim, cfg, margin)
+        notes += [why_size] if why_size else []
+        rules, why, probe = settled(dispatch(models, chosen, dim, batch_dim), paths, chosen,
+                                    ratios, cfg, heads, progress, margin)
+    notes += [why] if why else []  # one candidate alone instead
+    notes.append(f"noise: the default fusion's two sessions read up to {measured:.1%} apart; "
+                 f"a form replaces it only where it is more than {margin:.1%} faster")
+    if rules == [Rule(None, DEFAULT)] and not why:
+        notes.append("default kept: nothing beat the default fusion by more than the noise "
+                     "(the output is the default fusion)")
+    return rules, table, probe, measured, notes
+
+
+def _within_budget(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
+                   result: TuneResult, results, cfg: TuneConfig, notes: list[str]
+                   ) -> tuple[TuneResult, onnx.ModelProto]:
+    """The dispatching model, or the default fusion alone where it came past --tune-max-size."""
     tuned = assemble(original, models, result, results)
-    check = verify(original, tuned, cases=_branch_cases(original, rules, table, dim))
-    if not check.passed:
-        raise ConfigError(f"the tuned model differs from the original: {check.first_failure()}",
-                          hint="nothing was written; please report this model")
-    notes += _size_note(original, tuned)
-    write_model(tuned, output, force=force)
-    return TuneReport(str(output), result, tuple(notes), time.perf_counter() - started)
+    if len(result.rules) > 1 and tuned.ByteSize() > cfg.max_size * original.ByteSize():
+        notes.append(f"the dispatching model came to {tuned.ByteSize() / original.ByteSize():.2f}"
+                     f"x the original's size, past --tune-max-size {cfg.max_size:g}x: the "
+                     "default fusion alone instead")
+        result = replace(result, rules=[Rule(None, DEFAULT)], dispatch={})
+        tuned = assemble(original, models, result, results)
+    return result, tuned
+
+
+def _within_positions(original: onnx.ModelProto, cfg: TuneConfig) -> tuple[TuneConfig, str]:
+    """The grid's lengths within the model's position table (input_roles.length_limit):
+    those past it dropped, the longest that fits timed instead (a multiple of 64 within the
+    table: BART's table holds two rows more than its positions)."""
+    from mha_onnx.input_roles import length_limit
+
+    limit = length_limit(original)
+    if limit is None or max(cfg.seq_lens) <= limit:
+        return cfg, ""
+    longest = limit // 64 * 64 if limit >= 64 else limit
+    lengths = sorted({n for n in cfg.seq_lens if n <= longest} | {longest})
+    return replace(cfg, seq_lens=tuple(lengths)), (
+        f"lengths past the model's position table ({limit} rows) not timed: "
+        f"{', '.join(str(n) for n in cfg.seq_lens if n > longest)}; {longest} timed instead")
+
+
+def _fits(ratios, rules: list[Rule], models, batch_dim: str, cfg: TuneConfig, margin: float
+          ) -> tuple[list[Rule], str]:
+    """The rules within the size budget (tune.plan.within_size), or the default fusion alone
+    where they gain nothing over it beyond ``margin``."""
+    rules, why = within_size(ratios, rules, models, choose_by_batch if batch_dim else choose,
+                             cfg.max_size, margin)
+    if not gains_over_default(ratios, rules, margin):
+        return [Rule(None, DEFAULT)], why
+    return rules, why
 
 
 def assemble(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
@@ -299,18 +269,9 @@ def _the_original(source: str | Path, progress: Callable[[str], None]) -> onnx.M
     return original
 
 
-def _size_note(original: onnx.ModelProto, tuned: onnx.ModelProto) -> list[str]:
-    """A note where the tuned model is much bigger than the original (the weights of the
-    candidates past the second are held again by the else graph above them:
-    tune_dispatch)."""
+def _size_note(original: onnx.ModelProto, tuned: onnx.ModelProto, max_size: float) -> str:
     grown = tuned.ByteSize() / max(original.ByteSize(), 1)
-    if grown < 1.5:
-        return []
-    return [f"the tuned model is {grown:.1f}x the original's size: past the first two "
-            "candidates, each If's else graph holds a copy of the weights of the candidates "
-            "inside it (ONNX Runtime prepacks a MatMul's weight only from one graph up, and "
-            "ran such a candidate up to 1.3x slower with its weights shared); a smaller grid "
-            "gives fewer candidates"]
+    return f"size: {grown:.2f}x the original's (--tune-max-size {max_size:g}x)"
 
 
 def _branch_cases(original: onnx.ModelProto, rules: list[Rule], table, dim: str) -> list:

@@ -8,7 +8,7 @@ candidate: where it wins, it runs). Lengths with the same winner form intervals,
 with the same intervals form groups; the boundaries lie at the geometric mean of the grid
 values on either side. The tuned model dispatches at run time on the batch and length: the
 rules are a table in the graph, the first that applies names the candidate, and each
-candidate is one If branch (:mod:`mha_onnx.tune_dispatch`). That dispatch costs a
+candidate is one If branch (:mod:`mha_onnx.tune.dispatch`). That dispatch costs a
 constant time of its own, which the candidates' timings do not hold: the dispatching model
 is timed itself at the grid's shortest length, and where it loses there, one candidate
 alone is written instead if it stays within MARGIN of the original everywhere and gives up
@@ -30,11 +30,22 @@ TUNING = "tuning"
 
 @dataclass(frozen=True)
 class TuneConfig:
+    """``max_size``: the tuned model's weights at most this many times the original's
+    (tune.plan); ``budget``: seconds the timing may take (points past it dropped)."""
+
     batches: tuple[int, ...] = (1, 8, 32)
     seq_lens: tuple[int, ...] = (16, 64, 256, 1024, 4096)
     threads: int | None = None
     min_time: float = 0.15
     pad_fraction: float = 0.25
+    max_size: float = 1.1
+    budget: float = 150.0
+
+    def __post_init__(self) -> None:
+        from mha_onnx.errors import ConfigError
+
+        if self.max_size < 1 or self.budget <= 0:
+            raise ConfigError("--tune-max-size must be >= 1 and --tune-budget > 0")
 
 
 @dataclass(frozen=True)
@@ -67,13 +78,14 @@ class TuneResult:
     # was timed itself (the shortest length: what its If costs)
     dispatch: dict[str, float] = field(default_factory=dict)
     batch_dim: str = ""  # (none where the model's batch is not dynamic: no rule bounds it)
+    noise: float | None = None  # the default fusion's two sessions apart, at most
 
     def to_dict(self) -> dict[str, Any]:
         return {"runs": self.describe(), "dim": self.dim, "batch_dim": self.batch_dim,
                 "rules": [{"below": r.below, "batch_below": r.batch_below,
                            "candidate": r.name} for r in self.rules],
                 "table_ms": self.table, "dispatch_ratio": self.dispatch,
-                "machine": self.machine}
+                "noise": self.noise, "machine": self.machine}
 
     def describe(self) -> str:
         parts = []
