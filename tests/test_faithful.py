@@ -84,3 +84,25 @@ def test_norms_without_an_epsilon_are_found():
     assert unguarded_norms(_rms(None)) == ["root"]  # an unnamed node: by its output
     assert unguarded_norms(_rms(1e-8)) == []
     assert unguarded_norms(_rms(None, exponent=3.0)) == []  # not a mean of squares
+
+
+def test_constants_a_rewrite_made_under_one_name_are_all_registered():
+    """Two Flattens of one value (a mixture of experts' routing): onnxscript's Flatten2Reshape
+    names both shapes `{input}/shape` and its rewriter kept one (its issue 2945), leaving the
+    second Reshape reading a value nothing produced; ORT refused the fused Qwen3-MoE. Every
+    such constant is registered again under a name of its own."""
+    from mha_onnx.runtimes import OrtRunner
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])
+    outs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [2, 12]) for i in range(3)]
+    nodes = [helper.make_node("Flatten", ["x"], [f"y{i}"], axis=1) for i in range(3)]
+    proto = helper.make_model(helper.make_graph(nodes, "g", [x], outs),
+                              opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    model = ir.serde.deserialize_model(proto)
+    optimize_faithfully(model)
+    fixed = ir.serde.serialize_model(model)
+    onnx.checker.check_model(fixed, full_check=True)
+    data = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    with OrtRunner(fixed.SerializeToString()) as run:
+        got = run.infer({"x": data})
+    assert all(np.array_equal(got[f"y{i}"], data.reshape(2, 12)) for i in range(3))

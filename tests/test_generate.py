@@ -211,7 +211,8 @@ def _genai_runs(folder: Path, want3, equal, eos: set) -> list | None:
     return genai_generate(folder, PROMPTS, NEW, "batch")["sequences"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "phi3", "gpt2", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "phi3", "gpt2", "gemma",
+                                    "qwen3_moe"])
 def test_optimum_exports_fused_generate_what_transformers_generated(tmp_path, family):
     """Optimum's export fused in both forms: our tokens equal those transformers generated
     from the same weights when the fixture was made (generate.json, tools/optimum_fixtures.py),
@@ -238,6 +239,24 @@ def test_optimum_exports_fused_generate_what_transformers_generated(tmp_path, fa
             for mode in ("each", "batch") if family != "gemma3" else ("each",):
                 got = genai_generate(out.parent, prompts, NEW, mode)["sequences"]
                 assert got == without_eos(want["batch3"], eos), (form, mode)
+
+
+def test_deepseeks_latent_attention_generates_what_transformers_generated(tmp_path):
+    """DeepSeek-V3's MLA (V's heads narrower than Q's and K's: no ORT kernel with past takes
+    them) fused with its step over the concatenated cache: transformers' tokens; a shared
+    cache is refused, saying why."""
+    from mha_onnx.errors import ConfigError
+    from mha_onnx.rewrite import fuse_file
+
+    source = FIXTURES / "deepseek_v3"
+    want = json.loads((source / "generate.json").read_text())
+    out = tmp_path / "model.onnx"
+    report = fuse_file(source / "model.onnx", out)
+    assert all(b.form.startswith("If(one new token): MHA key_padding_mask over the cache")
+               for b in report.blocks), report.render()
+    assert ours(out, want["prompts"]) == want["batch3"]
+    with pytest.raises(ConfigError, match="V's head size is not K's"):
+        fuse_file(source / "model.onnx", tmp_path / "shared.onnx", kv_cache="shared")
 
 
 # -- the command line ----------------------------------------------------------------------------

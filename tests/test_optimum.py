@@ -46,6 +46,10 @@ def test_fixtures_say_what_made_them():
 def test_optimum_exports_fuse_every_block(path, tmp_path):
     report = fuse_file(path, tmp_path / "fused.onnx")
     left = [(b.block, b.reason) for b in report.blocks if b.status != "fused"]
+    if path.parent.name == "gpt_oss":  # not yet: its sinks are read (tests/test_sinks.py),
+        # but ORT's shape inference loses Q's dims through its rotary; the reason says so
+        assert left and all("shape inference lost it" in why for _, why in left), left
+        return
     if path.parent.name == "bloom":  # ALiBi from attention_mask's cumsum, added on merged
         # heads; its 4-D mask added after the heads split: causal + padding all the same
         assert all(b.meaning.startswith("causal (bottom-right) + key padding + bias on merged "
@@ -56,7 +60,11 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
     assert report.verification is not None and report.verification.passed
     forms = [b.form for b in report.blocks]
     meanings = [b.meaning for b in report.blocks]
-    if path in DECODERS and path.parent.name != "bloom":
+    if path.parent.name == "deepseek_v3":  # MLA: V's heads narrower than Q's and K's, which
+        # no ORT kernel with past takes: the step over the concatenated cache, unmasked
+        assert all(f.startswith("If(one new token): MHA key_padding_mask over the cache")
+                   for f in forms), forms
+    elif path in DECODERS and path.parent.name != "bloom":
         assert all(m.startswith("causal (bottom-right) + key padding") for m in meanings), meanings
         assert all("If(one new token" in f for f in forms), forms
         # a step on the kernel's own past (MHA, or GQA for grouped K/V), never the cache

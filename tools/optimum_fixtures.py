@@ -61,6 +61,23 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     "mpt": ("text-generation-with-past", "MptConfig", "MptForCausalLM",
             {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 256,
              "expansion_ratio": 2}),
+    # mixtures of experts: the router's top-k, each expert's tokens gathered, scattered back
+    "qwen3_moe": ("text-generation-with-past", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "decoder_sparse_step": 1}),
+    # MLA (a low-rank K/V, the rotary on a slice of each head, V narrower than Q/K) + MoE
+    "deepseek_v3": ("text-generation-with-past", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 8, "v_head_dim": 8, "n_group": 1, "topk_group": 1}),
+    # attention sinks (a learned logit per head beside the scores), sliding-window layers
+    # every other one, MoE
+    "gpt_oss": ("text-generation-with-past", "GptOssConfig", "GptOssForCausalLM",
+                {"num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+                 "num_experts_per_tok": 2, "sliding_window": 16, "intermediate_size": 64,
+                 "layer_types": ["sliding_attention", "full_attention"]}),
     "bert": ("feature-extraction", "BertConfig", "BertModel", {}),
     # probabilities viewed by their own sizes; c2p/p2c relative attention (a dense bias)
     "deberta_v2": ("feature-extraction", "DebertaV2Config", "DebertaV2Model",

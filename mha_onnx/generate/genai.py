@@ -71,6 +71,9 @@ def genai_config(iface: DecoderInterface, filename: str, record: dict[str, Any])
     names = _names(iface.pasts)
     if names is None:
         raise ValueError("cache names other than past_key_values.N.key/value")
+    if iface.past_heads:
+        raise ValueError("its values' head size is not its keys' (GenAI's config takes one "
+                         "head size)")
     context = int(iface.position_limit or iface.context_length or record.get(
         "max_position_embeddings") or 4096)
     heads = int(record.get("num_attention_heads") or iface.kv_heads)

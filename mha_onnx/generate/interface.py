@@ -62,6 +62,11 @@ class DecoderInterface:
     tokens: TokenIds = TokenIds()
     model_type: str | None = None
     context_length: int | None = None
+    past_heads: dict[str, int] = field(default_factory=dict)  # a past's own head size, where
+    # it is not head_size (DeepSeek's MLA: V's heads narrower than K's)
+
+    def head_of(self, past: str) -> int:
+        return self.past_heads.get(past, self.head_size)
 
     @property
     def has_mask(self) -> bool:
@@ -139,7 +144,18 @@ def read_interface(model: onnx.ModelProto, path: str | Path | None = None) -> De
         shared=shared, length_input=LENGTH_INPUT in inputs, last_logits=last, dtypes=dtypes,
         position_limit=limit, tokens=token_ids(model, config, int(vocab)),
         model_type=config.get("model_type"),
-        context_length=config.get("max_position_embeddings") or config.get("n_positions"))
+        context_length=config.get("max_position_embeddings") or config.get("n_positions"),
+        past_heads=_own_heads(inputs, pairs, head))
+
+
+def _own_heads(inputs, pairs, head: int) -> dict[str, int]:
+    """The pasts whose static head size is not ``head``."""
+    out = {}
+    for name in pairs:
+        dims = inputs[name].type.tensor_type.shape.dim
+        if len(dims) == 4 and dims[3].dim_value and dims[3].dim_value != head:
+            out[name] = int(dims[3].dim_value)
+    return out
 
 
 def _cache_dims(dims, config: dict[str, Any], name: str) -> tuple[int, int]:

@@ -254,9 +254,10 @@ class _BoundRuns:
         self.device, self.batch, self.ort_seconds = device, batch, 0.0
         self.outputs = [o.name for o in session.get_outputs()]
         self.presents = {present: past for past, present in iface.pasts}
-        shape = (batch, iface.kv_heads, capacity if iface.shared else 0, iface.head_size)
+        length = capacity if iface.shared else 0
         self.cache = {past: ort.OrtValue.ortvalue_from_numpy(
-            np.zeros(shape, iface.kv_dtype), device, 0) for past, _ in iface.pasts}
+            np.zeros((batch, iface.kv_heads, length, iface.head_of(past)), iface.kv_dtype),
+            device, 0) for past, _ in iface.pasts}
         self.logits: dict[int, np.ndarray] = {}
         self.dtype = np.dtype(_output_dtype(session, LOGITS))
         self.bound_rows = 0  # the logits buffer the binding holds (its rows), 0: none yet

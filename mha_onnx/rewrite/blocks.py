@@ -23,6 +23,8 @@ FUSED_OPS = {
 }
 # Ops allowed between the Softmax and the MatMul with V.
 PROBS_PASSTHROUGH = {"Cast", "Where", "IsNaN", "Dropout", "Identity", "Reshape"}
+# ... and, when looking for blocks, the Slice that drops a sink's column (GPT-OSS)
+_PROBS_WALK = PROBS_PASSTHROUGH | {"Slice"}
 # Ops that multiply two tensors: a product of two activations feeding a Softmax is attention.
 PRODUCTS = {"MatMul", "Einsum", "Gemm"}
 # Ops walked through from the Softmax back to Q·K^T when looking for blocks (wider than what
@@ -76,7 +78,7 @@ def probs_matmul(softmax: ir.Node) -> ir.Node | None:
             for user, index in value.uses():
                 if user.op_type == "MatMul" and user.domain in ("", "ai.onnx") and index == 0:
                     return user
-                if user.op_type in PROBS_PASSTHROUGH:
+                if user.op_type in _PROBS_WALK:
                     next_frontier.extend(user.outputs[:1])
         frontier = next_frontier
     return None
@@ -111,7 +113,16 @@ def scores_matmul(softmax: ir.Node) -> ir.Node | None:
             continue  # a projection: a weight times an activation
         if producer.op_type in SCORES_WALK_OPS:
             stack.extend(v for v in producer.inputs if v is not None)
+        elif producer.op_type == "Concat" and producer.inputs[0] is not None and any(
+                value is v for v in (softmax.inputs[0], _shifted_input(softmax))):
+            stack.append(producer.inputs[0])  # (an attention sink's column: rewrite/sinks.py)
     return None
+
+
+def _shifted_input(softmax: ir.Node) -> ir.Value | None:
+    """x of a Softmax over ``x - ReduceMax(x)``."""
+    sub = softmax.inputs[0].producer() if softmax.inputs[0] is not None else None
+    return sub.inputs[0] if sub is not None and sub.op_type == "Sub" else None
 
 
 def is_attention_softmax(node: ir.Node) -> bool:
@@ -129,7 +140,35 @@ def why_left(softmax: ir.Node) -> str:
     mm = scores_matmul(softmax)
     if mm is not None and mm.op_type != "MatMul":
         return f"Q·K^T is computed by {mm.op_type}, which the fusion does not read"
+    if _sink_column(softmax):
+        return ("attention sinks (a column concatenated to the scores before the Softmax "
+                "and sliced off after it) in a form the fusion does not read (rewrite/sinks.py "
+                "reads GPT-OSS's)")
     return "not recognised as attention by any rule"
+
+
+def _sink_column(softmax: ir.Node) -> bool:
+    """Do the scores reach this Softmax through a Concat on the last axis (after a max
+    subtracted or not), and its probabilities reach V through a Slice?"""
+    value = softmax.inputs[0]
+    for _ in range(3):
+        node = value.producer() if value is not None else None
+        if node is None:
+            return False
+        if node.op_type == "Concat" and node.attributes.get_int("axis", 0) == -1:
+            break
+        if node.op_type not in ("Sub", "Cast"):
+            return False
+        value = node.inputs[0]
+    else:
+        return False
+    frontier = [softmax.outputs[0]]
+    for _ in range(3):
+        users = [u for v in frontier for u, _ in v.uses()]
+        if any(u.op_type == "Slice" for u in users):
+            return True
+        frontier = [u.outputs[0] for u in users if u.op_type in PROBS_PASSTHROUGH]
+    return False
 
 
 def _subgraphs(node: ir.Node) -> list[ir.Graph]:

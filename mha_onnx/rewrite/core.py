@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
@@ -31,6 +32,7 @@ from mha_onnx.rewrite.scores import (
     strip_scale,
 )
 from mha_onnx.rewrite.sdpa import emit_sdpa
+from mha_onnx.rewrite.sinks import sink_values
 
 SUPPORTED_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 
@@ -72,6 +74,7 @@ class Core:
     # in float32 on V cast up, its output cast back: the original's float16 probabilities are
     # only rounded less.
     out_dtype: ir.DataType | None = None
+    sink: np.ndarray | None = None  # [H] logits in each row's denominator (rewrite/sinks.py)
 
     def describe(self) -> str:
         """e.g. ``causal + key padding, window 4096, 8 q heads / 2 kv heads, softcap 50``."""
@@ -82,6 +85,8 @@ class Core:
             text += f", softcap {self.softcap:g}"
         if self.out_dtype is not None:
             text += f", scores in {self.query.dtype}, values in {self.out_dtype}"
+        if self.sink is not None:
+            text += ", attention sinks"
         return text
 
 
@@ -134,7 +139,9 @@ def _operands(qk: ir.Node, value: ir.Value, rank: int, block: str) -> _Operands:
     batch, seq_q, dk = qd[0], qd[-2], qd[-1]
     heads = qd[1] if rank == 4 else 1
     if not (same_dim(kd[0], batch) and same_dim(vd[0], batch)):
-        raise Reject(block, "Q, K and V do not share their leading (batch) dim")
+        lost = [str(d) for d in (batch, kd[0], vd[0]) if str(d).startswith("unk__")]
+        raise Reject(block, "Q, K and V do not share their leading (batch) dim" + (
+            f" (shape inference lost it on the way: {', '.join(lost)})" if lost else ""))
     kv_heads = heads
     if rank == 4:
         grouped = _grouping(key, key_form, value, heads)
@@ -190,13 +197,38 @@ def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core
         mask = plan(list(chain.terms), ops.dims, oracle)
     except Unsupported as exc:
         raise Reject(block, str(exc)) from None
+    sink = _sink(tail.sliced, chain.sink, ops.heads, rank, block)
     return Core(
         block=block, query=ops.query, key=ops.key, key_form=ops.key_form, value=ops.value,
         rank=rank, heads=ops.heads, kv_heads=ops.kv_heads, scale=chain.scale * ops.scale,
         mask=mask, nan_to_zero=tail.nan_to_zero,
         self_attention=same_dim(ops.dims.seq_q, ops.dims.seq_kv),
-        softcap=chain.softcap, split_heads=split, out_dtype=out_dtype,
+        softcap=chain.softcap, split_heads=split, out_dtype=out_dtype, sink=sink,
     )
+
+
+def _sink(sliced: bool, column: ir.Value | None, heads: int, rank: int, block: str
+          ) -> np.ndarray | None:
+    """The [H] sink logits where a column joins the scores and leaves the probabilities."""
+    if not sliced and column is None:
+        return None
+    if sliced != (column is not None):
+        raise Reject(block, "a column concatenated to the scores is not the one sliced off "
+                     "the probabilities (not an attention sink)" if column is not None else
+                     "the probabilities are sliced before A·V")
+    values = sink_values(column, heads) if rank == 4 else None
+    if values is None:
+        raise Reject(block, "attention sinks other than one constant logit per head (computed "
+                     "at run time, or over merged heads)")
+    return values
+
+
+def check_sink(core: Core, target: str) -> None:
+    """Sinks have ORT's kernels only: GroupQueryAttention's head_sink, or MultiHeadAttention
+    with one more key of zeros whose bias is the sink (lower/common.dense_mha)."""
+    if core.sink is not None and target != "ort":
+        raise Reject(core.block, "attention sinks are fused for --target ort only "
+                     "(GroupQueryAttention's head_sink; the ONNX Attention op has none)")
 
 
 def parse_onnx_attention(node: ir.Node, block: str, oracle: Oracle) -> Core:
@@ -300,6 +332,7 @@ class SoftmaxAttention(pattern.RewriteRuleClassBase):
         try:
             self._core = parse_softmax_attention(attn.producer(), self.opset, self.oracle)
             check_softcap(self._core, self.target, self.softcap_gqa)
+            check_sink(self._core, self.target)
         except Reject as exc:
             if exc.candidate:
                 self.log.reject(exc.block, exc.reason)
@@ -338,6 +371,7 @@ class OnnxAttention(pattern.RewriteRuleClassBase):
         try:
             self._core = parse_onnx_attention(node, block, self.oracle)
             check_softcap(self._core, self.target, self.softcap_gqa)
+            check_sink(self._core, self.target)
         except Reject as exc:
             self.log.reject(block, exc.reason)
             return result.fail(str(exc))

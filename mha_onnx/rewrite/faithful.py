@@ -76,6 +76,31 @@ def _exact_rules() -> list:
             for first in ((False, True) if t in commutes else (False,))]
 
 
+def register_orphans(model: ir.Model) -> int:
+    """Register again the constants a rewrite made that no graph holds (onnxscript 0.7's
+    rewriter keeps one initializer per name: ``Flatten2Reshape`` names its shape
+    ``{input}/shape``, so two Flattens of one value - a mixture of experts' routing - left
+    the second Reshape reading a value nothing produces, and ORT refused the graph; its issue
+    2945). Each gets a name of its own; returns how many."""
+    from mha_onnx.rewrite.blocks import all_graphs
+
+    fixed = 0
+    for graph in all_graphs(model.graph):
+        for node in graph:
+            for value in node.inputs:
+                if value is None or value.producer() is not None or value.is_graph_input() \
+                        or value.is_initializer() or value.const_value is None:
+                    continue
+                base, n = value.name or "orphan", 0
+                taken = model.graph.initializers
+                while value.name in taken or not value.name:
+                    n += 1
+                    value.name = f"{base}#{n}"
+                model.graph.register_initializer(value)
+                fixed += 1
+    return fixed
+
+
 def optimize_faithfully(model: ir.Model, num_iterations: int = 2) -> None:
     """Constant folding and onnxscript's clean-up rules, in place, keeping every value the
     graph computes (the sequence of ``onnxscript.optimizer.optimize_ir``, exact no-ops)."""
@@ -84,6 +109,7 @@ def optimize_faithfully(model: ir.Model, num_iterations: int = 2) -> None:
     for _ in range(num_iterations):
         folded = fold_constants_ir(model, onnx_shape_inference=True)
         rewritten = rewrite(model)
+        register_orphans(model)
         common_passes.RemoveUnusedNodesPass()(model)
         if not (folded.modified or rewritten.modified):
             break

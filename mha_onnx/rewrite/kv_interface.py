@@ -26,11 +26,13 @@ def shared_note(shared: int, chosen: dict[str, Form], rows, from_shapes: bool) -
         raise ConfigError(
             "--kv-cache shared: " + (f"{len(appended)} cached layer(s) cannot take a shared "
                                      f"buffer (their caches are not plain model inputs and "
-                                     f"outputs, or they add a position bias, which the "
-                                     f"shared forms do not): "
+                                     f"outputs, they add a position bias, which the shared "
+                                     f"forms do not, or V's head size is not K's, which no "
+                                     f"kernel with past takes): "
                                      f"{', '.join(appended)}" if appended else
-                                     "the model has no KV-cache attention (a past input "
-                                     "appended to and returned as a present)"),
+                                     "the model has no KV-cache attention a shared buffer "
+                                     "can take (a past input appended to and returned as a "
+                                     "present, K and V of one head size)"),
             hint="fuse without --kv-cache shared keeps the appended cache")
     head = (f"KV cache shared by {shared} layer(s): every past_* input is now a buffer of "
             f"{MAX_LENGTH} positions; the cached length is "

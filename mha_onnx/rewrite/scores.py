@@ -27,6 +27,7 @@ from mha_onnx.rewrite.irutil import (
     same_dim,
 )
 from mha_onnx.rewrite.masks import Term
+from mha_onnx.rewrite.sinks import drops_last_column, max_shifted, sink_concat
 
 PROBS_OPS = ("Cast", "Dropout", "Identity")
 
@@ -51,6 +52,7 @@ class ProbsTail:
     nodes: tuple[ir.Node, ...]  # from the MatMul with V up to the Softmax
     nan_to_zero: bool
     merged: int = 0
+    sliced: bool = False  # the last column (an attention sink's) dropped (rewrite/sinks.py)
 
     @property
     def block(self) -> str:
@@ -86,16 +88,21 @@ def heads_split(node: ir.Node) -> int:
 def probs_tail(matmul: ir.Node) -> ProbsTail:
     """The Softmax whose probabilities ``matmul`` multiplies with V."""
     chain: list[ir.Node] = [matmul]
-    nan_to_zero, merged = False, 0
+    nan_to_zero, merged, sliced = False, 0, False
     current = matmul.inputs[0]
     for _ in range(6):
         node = producer(current)
         if node is None:
             break
         if node.op_type == "Softmax":
-            tail = ProbsTail(node, tuple(chain + [node]), nan_to_zero, merged)
+            tail = ProbsTail(node, tuple(chain + [node]), nan_to_zero, merged, sliced)
             _check_private(tail)
             return tail
+        if not sliced and drops_last_column(node):
+            sliced = True
+            chain.append(node)
+            current = node.inputs[0]
+            continue
         if not merged and heads_merged(node):
             merged = heads_merged(node)
             chain.append(node)
@@ -165,6 +172,7 @@ class ScoreChain:
     scale: float
     softcap: float = 0.0
     split: int = 0  # heads a Reshape [B*H, S, T] -> [B, H, S, T] split out on the way
+    sink: ir.Value | None = None  # the sink column concatenated to the scores (sinks.py)
 
 
 def reaches_matmul(value: ir.Value | None, depth: int = 0) -> bool:
@@ -209,10 +217,19 @@ class _ChainWalk:
         self.terms: list[Term] = []
         self.softcap = 0.0
         self.split = 0
+        self.sink: ir.Value | None = None
+        self.first = True  # (a sink's Concat and the max shifted out come before any term)
 
     def step(self, node: ir.Node) -> ir.Value:
         """Consume ``node``; return the value to continue from."""
         op = node.op_type
+        first, self.first = self.first, False
+        if first and max_shifted(node) is not None:
+            self.first = True
+            return max_shifted(node)
+        if first and self.sink is None and sink_concat(node) is not None:
+            scores, self.sink = sink_concat(node)
+            return scores
         if op in ("Mul", "Div"):
             capped = _softcap_inner(node) if op == "Mul" else None
             if capped is not None:
@@ -283,7 +300,8 @@ def score_chain(softmax: ir.Node, block: str) -> ScoreChain:
             break
         if node.op_type == "MatMul":
             # with a cap, the factors met before it were 1; walk.post holds those inside it
-            return ScoreChain(node, tuple(walk.terms), walk.post, walk.softcap, walk.split)
+            return ScoreChain(node, tuple(walk.terms), walk.post, walk.softcap, walk.split,
+                              walk.sink)
         current = walk.step(node)
     raise Reject(block, "the Softmax input does not come from Q·K^T")
 

@@ -44,6 +44,7 @@ class SdpaInfo:
     nan_to_zero: bool
     self_attention: bool
     block: str
+    sink: ir.Value | None = None  # [H] logits in each row's denominator (rewrite/sinks.py)
 
     @property
     def dk(self) -> int:
@@ -64,7 +65,7 @@ class SdpaInfo:
     @classmethod
     def of(cls, node: ir.Node) -> SdpaInfo:
         a = {k: v.value for k, v in node.attributes.items()}
-        inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
+        inputs = list(node.inputs) + [None] * (7 - len(node.inputs))
         return cls(
             query=inputs[0], key=inputs[1], value=inputs[2], padded=inputs[3], bias=inputs[4],
             dense=inputs[5], scale=float(a["scale"]), heads=int(a["num_heads"]),
@@ -72,7 +73,7 @@ class SdpaInfo:
             mask_kind=str(a["mask_kind"]), causal=bool(a["causal"]), window=int(a["window"]),
             alignment=str(a["alignment"]), fill=float(a["fill"]), fill_mode=str(a["fill_mode"]),
             nan_to_zero=bool(a["nan_to_zero"]), self_attention=bool(a["self_attention"]),
-            block=str(a["block"]),
+            block=str(a["block"]), sink=inputs[6],
         )
 
     def all_masked_value(self) -> str | None:
@@ -119,7 +120,11 @@ def emit_sdpa(op, core) -> ir.Value:
         "fill": float(mask.fill), "fill_mode": mask.mode, "nan_to_zero": int(core.nan_to_zero),
         "self_attention": int(core.self_attention), "block": core.block,
     }
-    inputs = [query, key, value, padded, bias, dense]
+    sink = None
+    if core.sink is not None:  # in the kernel's dtype: the query's
+        np_dtype = np.float16 if query.dtype == ir.DataType.FLOAT16 else np.float32
+        sink = op.Constant(value=ir.tensor(core.sink.astype(np_dtype)))
+    inputs = [query, key, value, padded, bias, dense, sink]
     while inputs[-1] is None:
         inputs.pop()
     out = op.Sdpa(*inputs, _domain=FUSION_DOMAIN, **attrs)

@@ -32,6 +32,7 @@ from mha_onnx.rewrite.lower.common import (
     dense_mha,
     fix_all_padded,
     int_const,
+    kv_operands,
     new_key_kept,
     none_padded,
     padding_bias,
@@ -46,7 +47,7 @@ from mha_onnx.rewrite.lower.gqa import (
 )
 from mha_onnx.rewrite.lower.lowered import Appended, Caches, Lowered
 from mha_onnx.rewrite.lower.shared import lower_shared, shareable
-from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
+from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
 
 
 def cached_ok(info: SdpaInfo) -> bool:
@@ -57,8 +58,9 @@ def cached_ok(info: SdpaInfo) -> bool:
 
 
 def _gqa_only(info: SdpaInfo) -> bool:
-    """A sliding window or a soft-cap: only GQA computes it (MHA with past does not)."""
-    return bool(info.window or info.softcap)
+    """A sliding window, a soft-cap or sinks: only GQA computes it (MHA with past does not;
+    the other forms take the dense mask, sinks as a key of zeros)."""
+    return bool(info.window or info.softcap) or info.sink is not None
 
 
 def _decode(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
@@ -66,8 +68,7 @@ def _decode(ops: TapeOps, info: SdpaInfo, q3: ir.Value) -> ir.Value:
     (but a window, a soft-cap or a position bias: then the original mask as a bias)."""
     if _gqa_only(info) or info.bias is not None:
         return dense_mha(ops, info, q3, lazy=True)
-    rep = info.heads // info.kv_heads
-    k, v = repeat_heads(ops, info.key, rep), repeat_heads(ops, info.value, rep)
+    k, v, _ = kv_operands(ops, info)  # (as [B, T, H*D] where V's head size is not K's)
     return _mha(ops, info, q3, k, v)[0]
 
 
@@ -137,12 +138,14 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
     layer's caches are not plain model inputs and outputs it stays appended, which fuse
     then refuses)."""
     if kv_cache == "shared" and cache is not None and shareable(*cache) \
-            and info.bias is None:  # (the shared forms add no position bias)
+            and info.bias is None and info.sink is None:  # (the shared forms add neither)
         return lower_shared(op, info, q3, *cache)
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
     biased = ", bias" if info.bias is not None else ""
     rest = either("no past", f"GroupQueryAttention (causal{biased})", "MHA + attention_bias",
-                  cases=(NO_PAST,), reach=info.window)
+                  cases=(NO_PAST,), reach=info.window) \
+        if gqa_ok(dataclasses.replace(info, alignment="square")) \
+        else Form("MHA + attention_bias")  # (as _prefill chooses)
     if cache is not None and info.padded is not None \
             and (info.kv_heads != info.heads or _gqa_only(info)):
         return _grouped_padded(op, info, q3, cache, decoding, rest)

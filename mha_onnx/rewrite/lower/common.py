@@ -223,11 +223,35 @@ def dense_mha(op, info: SdpaInfo, q3: ir.Value, *, lazy: bool) -> ir.Value:
         dense = clone_into(op, info.dense) if lazy else info.dense
     full = op.Concat(op.Constant(value_ints=[1, 1]), seq_dim(op, q3, 1),
                      op.Constant(value_ints=[1]), axis=0)
-    out = op.MultiHeadAttention(q3, k, v, None, None, op.Expand(dense, full),
+    bias = op.Expand(dense, full)
+    if info.sink is not None:
+        k, v, bias = _sink_key(op, info, q3, k, v, bias, 1 if k3d else 2)
+    out = op.MultiHeadAttention(q3, k, v, None, None, bias,
                                 num_heads=info.heads, scale=info.scale, _domain=MS_DOMAIN)
     if info.nan_to_zero:
         out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)
     return out
+
+
+def _sink_key(op, info: SdpaInfo, q3: ir.Value, k: ir.Value, v: ir.Value, bias: ir.Value,
+              axis: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """K and V with one more key of zeros (its score q·0 = 0) and the bias with the sink in
+    its column: the softmax over it is the original's over the scores and the sink, and the
+    zero value adds nothing (rewrite/sinks.py)."""
+    one = op.Constant(value_ints=[1])
+
+    def zero_key(x: ir.Value) -> ir.Value:  # x's first key, times 0: exactly 0 (finite x)
+        return op.Mul(op.Slice(x, op.Constant(value_ints=[0]), one,
+                               op.Constant(value_ints=[axis])), info.const(op, 0.0))
+
+    k = op.Concat(k, zero_key(k), axis=axis)
+    v = op.Concat(v, zero_key(v), axis=axis)
+    batch, keys = seq_dim(op, q3, 0), seq_dim(op, bias, 3)
+    heads = op.Constant(value_ints=[info.heads])
+    bias = op.Expand(bias, op.Concat(batch, heads, seq_dim(op, q3, 1), keys, axis=0))
+    sink = op.Expand(op.Reshape(info.sink, op.Constant(value_ints=[1, -1, 1, 1])),
+                     op.Concat(batch, heads, seq_dim(op, q3, 1), one, axis=0))
+    return k, v, op.Concat(bias, sink, axis=3)
 
 
 def fix_all_padded(op, info: SdpaInfo, out3: ir.Value, v: ir.Value, v_is_3d: bool) -> ir.Value:

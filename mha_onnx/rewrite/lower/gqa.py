@@ -77,7 +77,7 @@ def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None, *,
         # GQA takes [B|1, H|1, S, T]: a bias the same for every query (ALiBi) is spread
         rows = op.Concat(int_const(op, [1, 1]), seq_dim(op, q3, 1), int_const(op, [1]), axis=0)
         bias = op.Expand(bias, rows)
-    inputs = [q3, k3, v3, None, None, seqlens, total, None, None, None, bias]
+    inputs = [q3, k3, v3, None, None, seqlens, total, None, None, None, bias, info.sink]
     while inputs[-1] is None:
         inputs.pop()
     out = op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _outputs=3, **attrs)[0]
@@ -92,9 +92,10 @@ def gqa_with_past(op, info: SdpaInfo, q3, k3, v3, past_key, past_value, seqlens,
     present_key, present_value); the block's window and soft-cap, ``bias`` [B, 1, 1, T]
     the padded keys' additive mask. ``step``: only one-token runs reach it (its guard says
     so; rotary.py then needs no check of a prompt's positions)."""
-    inputs = [q3, k3, v3, past_key, past_value, seqlens, total]
-    if bias is not None:
-        inputs += [None, None, None, bias]
+    inputs = [q3, k3, v3, past_key, past_value, seqlens, total, None, None, None, bias,
+              info.sink]  # (head_sink: rewrite/sinks.py)
+    while inputs[-1] is None:
+        inputs.pop()
     outs = tuple(op.GroupQueryAttention(
         *inputs, num_heads=info.heads, kv_num_heads=info.kv_heads, scale=info.scale,
         local_window_size=info.window or None, softcap=info.softcap or None,
@@ -115,6 +116,7 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
     label += f", window {info.window}" if info.window else ""
     label += f", softcap {info.softcap:g}" if info.softcap else ""
     label += ", bias" if info.bias is not None else ""
+    label += ", sinks" if info.sink is not None else ""
     label += ")"
     if info.alignment == "top-left":
         out, form = _top_left(op, info, q3, k3, v3), either("S <= T", label, "MHA + causal bias")

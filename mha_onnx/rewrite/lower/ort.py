@@ -129,6 +129,9 @@ def lower_ort(op, node: ir.Node, forms: Forms = Forms(), cache: Caches | None = 
         return Lowered(*lower_gqa(op, info, q3, right_padded=forms.ep == "cpu"))
     if takes_presents(info, forms):
         return lower_cached(op, info, q3, cache, forms.kv_cache)
+    if info.sink is not None:  # (no other MultiHeadAttention form takes them)
+        return Lowered(dense_mha(op, info, q3, lazy=False),
+                       Form("MultiHeadAttention + attention_bias, sinks as a key of zeros"))
     kind = info.mask_kind
     if kind == "none":
         k, v, _ = kv_operands(op, info)
@@ -142,7 +145,8 @@ def lower_ort(op, node: ir.Node, forms: Forms = Forms(), cache: Caches | None = 
 
 def _on_gqa(info: SdpaInfo, forms: Forms) -> bool:
     return info.causal and gqa_ok(info) \
-        and forms.gqa_for(softcap=bool(info.softcap), window=bool(info.window))
+        and forms.gqa_for(softcap=bool(info.softcap) or info.sink is not None,
+                          window=bool(info.window))
 
 
 def takes_presents(info: SdpaInfo, forms: Forms) -> bool:

@@ -91,6 +91,10 @@ class LowerSdpa(pattern.RewriteRuleClassBase):
                             or not takes_presents(SdpaInfo.of(node), self.policy)):
             return result.fail("K and V are not appended caches that only this block reads, "
                                "or its form reads them as they are")
+        if self.cached and SdpaInfo.of(node).dk != SdpaInfo.of(node).dv:
+            # (DeepSeek's MLA: ORT's kernels with past take one head size for both pasts;
+            # the step runs over the concatenated cache instead)
+            return result.fail("V's head size is not K's: no kernel with past takes them")
         if merged is None:
             return result
         info = SdpaInfo.of(node)
