@@ -46,10 +46,6 @@ def test_fixtures_say_what_made_them():
 def test_optimum_exports_fuse_every_block(path, tmp_path):
     report = fuse_file(path, tmp_path / "fused.onnx")
     left = [(b.block, b.reason) for b in report.blocks if b.status != "fused"]
-    if path.parent.name == "gpt_oss":  # not yet: its sinks are read (tests/test_sinks.py),
-        # but ORT's shape inference loses Q's dims through its rotary; the reason says so
-        assert left and all("shape inference lost it" in why for _, why in left), left
-        return
     if path.parent.name == "bloom":  # ALiBi from attention_mask's cumsum, added on merged
         # heads; its 4-D mask added after the heads split: causal + padding all the same
         assert all(b.meaning.startswith("causal (bottom-right) + key padding + bias on merged "
@@ -72,6 +68,9 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
         assert all("with past" in f and "(presents from it)" in f for f in forms), forms
     if path.parent.name in ROTATING:  # the exporter's rotation moved into the kernel
         assert all("rotary inside" in f for f in forms), forms
+    if path.parent.name == "gpt_oss":  # sinks on GQA's head_sink, window 16 on layer 0
+        assert all(m.endswith("attention sinks") for m in meanings), meanings
+        assert all("sinks (presents from it)" in f for f in forms), forms
     if path.parent.name in ("bert", "roberta", "distilbert", "electra"):
         assert all(m == "key padding" for m in meanings), meanings
     if path.parent.name == "mpt":  # ALiBi (a table sliced to the keys), then the 4-D mask

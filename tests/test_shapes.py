@@ -168,3 +168,26 @@ def test_the_projection_is_found_through_reshapes_to_and_from_merged_heads():
     assert bsd_source(viewed, 2) is x3
     other = reshaped(merged, [None, 2, "T", 8], [-1, 2, 0, 8])  # not the same dims: kept
     assert bsd_source(other, 2) is None
+
+
+def test_a_reduce_max_with_axes_as_input_keeps_the_inference_going():
+    """GPT-OSS's ``logits - logits.max(-1, keepdim=True)`` at opset 18 (axes an input): ONNX
+    gave the ReduceMax no shape and ORT's symbolic inference then stopped at the Sub, leaving
+    the whole graph without shapes (its attention blocks unreadable)."""
+    from onnx import TensorProto, helper
+
+    from mha_onnx.rewrite.shapes import with_symbolic_shapes
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4, "s", "t"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Constant", [], ["axes"], value=helper.make_tensor(
+                 "a", TensorProto.INT64, [1], [-1])),
+             helper.make_node("ReduceMax", ["x", "axes"], ["m"], keepdims=1),
+             helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Softmax", ["d"], ["y"], axis=-1)]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in with_symbolic_shapes(model).graph.value_info}
+    assert shapes["m"] == ["b", 4, "s", 1]
+    assert shapes["d"] == ["b", 4, "s", "t"]

@@ -1,6 +1,7 @@
 """Attention sinks (rewrite/sinks.py): GPT-OSS's learned logit per head, concatenated to the
 scores and sliced off the probabilities, fused onto GroupQueryAttention's head_sink, with
-MultiHeadAttention and one key of zeros where GQA does not apply (left-padded rows)."""
+MultiHeadAttention and one key of zeros where GQA does not apply (left-padded rows); Optimum's
+GPT-OSS export end to end."""
 
 from __future__ import annotations
 
@@ -102,10 +103,27 @@ def test_sinks_are_left_for_a_target_without_a_kernel_for_them():
     assert "attention sinks are fused for --target ort only" in results[0].reason
 
 
-def test_optimum_gpt_oss_blocks_say_why_they_are_left():
-    """Optimum's GPT-OSS export: its sinks are read, but ORT's shape inference loses Q's dims
-    through its rotary (split halves, YaRN tables), and the reason says so (not fused yet)."""
-    path = Path(__file__).parent / "fixtures" / "optimum" / "gpt_oss" / "model.onnx"
-    report = fuse_model(onnx.load(path))[1]
-    assert [b.status for b in report] == ["left", "left"]
-    assert all("shape inference lost it on the way" in b.reason for b in report), report
+def test_optimum_gpt_oss_runs_its_sinks_on_gqa_and_generates_transformers_tokens(tmp_path):
+    """Optimum's GPT-OSS export (sinks, window 16 on alternate layers, MoE): every block on
+    GroupQueryAttention with past and head_sink, and the fused file generates the tokens
+    transformers generated from the same weights (alone and a left-padded batch); a shared
+    cache is refused, saying why (GQA on a shared buffer with sinks read 0.13 off the
+    original's logits for a prompt past the window)."""
+    import json
+
+    from mha_onnx.errors import ConfigError
+    from mha_onnx.rewrite import fuse_file
+    from tests.test_generate import ours
+
+    source = Path(__file__).parent / "fixtures" / "optimum" / "gpt_oss"
+    want = json.loads((source / "generate.json").read_text())
+    out = tmp_path / "model.onnx"
+    report = fuse_file(source / "model.onnx", out)
+    assert [b.status for b in report.blocks] == ["fused", "fused"]
+    assert "window 16, sinks (presents from it)" in report.blocks[0].form
+    gqa = [n for n in all_nodes(onnx.load(out).graph) if n.op_type == "GroupQueryAttention"]
+    assert gqa and all(len(n.input) == 12 and n.input[11] for n in gqa)
+    assert ours(out, want["prompts"][:1]) == want["batch1"]
+    assert ours(out, want["prompts"]) == want["batch3"]
+    with pytest.raises(ConfigError, match="attention sinks"):
+        fuse_file(source / "model.onnx", tmp_path / "shared.onnx", kv_cache="shared")

@@ -26,9 +26,9 @@ def shared_note(shared: int, chosen: dict[str, Form], rows, from_shapes: bool) -
         raise ConfigError(
             "--kv-cache shared: " + (f"{len(appended)} cached layer(s) cannot take a shared "
                                      f"buffer (their caches are not plain model inputs and "
-                                     f"outputs, they add a position bias, which the shared "
-                                     f"forms do not, or V's head size is not K's, which no "
-                                     f"kernel with past takes): "
+                                     f"outputs, they add a position bias or attention sinks, "
+                                     f"which the shared forms do not, or V's head size is not "
+                                     f"K's, which no kernel with past takes): "
                                      f"{', '.join(appended)}" if appended else
                                      "the model has no KV-cache attention a shared buffer "
                                      "can take (a past input appended to and returned as a "

@@ -94,6 +94,7 @@ def _inference():
 
         def _reduce(self, node, pick) -> None:
             """The max/min of a 1-D vector of known dims (every axis, or axis 0)."""
+            self._reduced_shape(node)
             if node.input[0] not in self.sympy_data_:
                 return
             data = self.sympy_data_[node.input[0]]
@@ -107,6 +108,27 @@ def _inference():
             picked = int(pick(int(v) for v in values))
             keep = ssi.get_attribute(node, "keepdims", 1)
             self.sympy_data_[node.output[0]] = [picked] if keep else picked
+
+        def _reduced_shape(self, node) -> None:
+            """The output's shape where ONNX's inference left none (axes an input, opset
+            18: GPT-OSS's ``logits - logits.max(-1, keepdim=True)``; without it the
+            Sub after it stopped the whole inference)."""
+            out = self.known_vi_[node.output[0]]
+            if ssi.get_shape_from_type_proto(out.type) is not None:
+                return
+            axes = ssi.get_attribute(node, "axes")
+            if axes is None and len(node.input) > 1 and node.input[1]:
+                axes = self._try_get_value(node, 1)
+            shape = self._get_shape(node, 0) if node.input[0] in self.known_vi_ else None
+            if shape is None or axes is None:
+                return
+            picked = {ssi.handle_negative_axis(int(a), len(shape))
+                      for a in np.reshape(axes, -1)}
+            keep = ssi.get_attribute(node, "keepdims", 1)
+            dims = [1 if i in picked else d for i, d in enumerate(shape)
+                    if keep or i not in picked]
+            out.CopyFrom(ssi.helper.make_tensor_value_info(
+                node.output[0], self.known_vi_[node.input[0]].type.tensor_type.elem_type, dims))
 
     return _Inference()
 

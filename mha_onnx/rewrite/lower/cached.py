@@ -138,10 +138,13 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
     layer's caches are not plain model inputs and outputs it stays appended, which fuse
     then refuses)."""
     if kv_cache == "shared" and cache is not None and shareable(*cache) \
-            and info.bias is None and info.sink is None:  # (the shared forms add neither)
+            and info.bias is None and info.sink is None:  # (the shared forms add no position
+        # bias; with sinks, GQA on a shared buffer read 0.13 off the original's logits for a
+        # prompt past GPT-OSS's window, where the appended form is exact)
         return lower_shared(op, info, q3, *cache)
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
-    biased = ", bias" if info.bias is not None else ""
+    biased = (", bias" if info.bias is not None else "") \
+        + (", sinks" if info.sink is not None else "")
     rest = either("no past", f"GroupQueryAttention (causal{biased})", "MHA + attention_bias",
                   cases=(NO_PAST,), reach=info.window) \
         if gqa_ok(dataclasses.replace(info, alignment="square")) \
@@ -193,6 +196,7 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache: Caches, decoding, rest: Form
     extra = f", window {info.window}" if info.window else ""
     extra += f", softcap {info.softcap:g}" if info.softcap else ""
     extra += ", bias" if info.bias is not None else ""
+    extra += ", sinks" if info.sink is not None else ""
     if half:
         form = either("one new token, no key padded",
                       f"GroupQueryAttention with past{extra} (presents from it)",
