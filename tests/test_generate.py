@@ -243,8 +243,8 @@ def test_optimum_exports_fused_generate_what_transformers_generated(tmp_path, fa
 
 def test_deepseeks_latent_attention_generates_what_transformers_generated(tmp_path):
     """DeepSeek-V3's MLA (V's heads narrower than Q's and K's: no ORT kernel with past takes
-    them) fused with its step over the concatenated cache: transformers' tokens; a shared
-    cache is refused, saying why."""
+    them) fused with its step over the concatenated cache and its prompt on GQA (V padded
+    with zeros): transformers' tokens; a shared cache is refused, saying why."""
     from mha_onnx.errors import ConfigError
     from mha_onnx.rewrite import fuse_file
 
@@ -253,6 +253,7 @@ def test_deepseeks_latent_attention_generates_what_transformers_generated(tmp_pa
     out = tmp_path / "model.onnx"
     report = fuse_file(source / "model.onnx", out)
     assert all(b.form.startswith("If(one new token): MHA key_padding_mask over the cache")
+               and "If(no past): GroupQueryAttention (causal)" in b.form
                for b in report.blocks), report.render()
     assert ours(out, want["prompts"]) == want["batch3"]
     with pytest.raises(ConfigError, match="V's head size is not K's"):

@@ -57,9 +57,10 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
     forms = [b.form for b in report.blocks]
     meanings = [b.meaning for b in report.blocks]
     if path.parent.name == "deepseek_v3":  # MLA: V's heads narrower than Q's and K's, which
-        # no ORT kernel with past takes: the step over the concatenated cache, unmasked
+        # no ORT kernel with past takes: the step over the concatenated cache, unmasked; the
+        # prompt on GQA with V padded with zeros to K's head size, the output cut back
         assert all(f.startswith("If(one new token): MHA key_padding_mask over the cache")
-                   for f in forms), forms
+                   and "If(no past): GroupQueryAttention (causal)" in f for f in forms), forms
     elif path in DECODERS and path.parent.name != "bloom":
         assert all(m.startswith("causal (bottom-right) + key padding") for m in meanings), meanings
         assert all("If(one new token" in f for f in forms), forms

@@ -98,8 +98,14 @@ def test_seq_dim_reads_the_length_before_the_layout_ops():
     assert heads.producer().attributes["start"].as_int() == 2
 
 
-def test_causal_with_dk_not_dv_avoids_gqa(export_cache):
+def test_causal_with_a_narrower_v_pads_it_for_gqa_and_a_wider_one_avoids_gqa(export_cache):
+    """GQA takes one head size: a V narrower than K (DeepSeek's MLA) is padded with zeros to
+    K's and the output cut back (verified over every branch); a wider V is not."""
     model = onnx.load(export_cache(SMALL.replace(mask="causal", d_k=16, d_v=8)))
+    fused, results = fused_and_checked(model)
+    assert results[0].form == "GroupQueryAttention (causal)"
+    assert {"GroupQueryAttention", "Pad"} <= set(ops(fused))
+    model = onnx.load(export_cache(SMALL.replace(mask="causal", d_k=8, d_v=16)))
     fused, results = fused_and_checked(model)
     assert results[0].form == "MultiHeadAttention + causal bias"
     assert "GroupQueryAttention" not in ops(fused)

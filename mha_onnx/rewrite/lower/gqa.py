@@ -36,8 +36,10 @@ from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
 
 
 def gqa_shapes_ok(info: SdpaInfo) -> bool:
-    """GQA's own limits: one head size for K and V, a multiple of 8; heads grouped evenly."""
-    return info.dk == info.dv and info.dk % 8 == 0 and info.heads % info.kv_heads == 0
+    """GQA's own limits: one head size for K and V, a multiple of 8; heads grouped evenly. A
+    V narrower than K (DeepSeek's MLA) is padded with zeros to K's head size and the output
+    cut back (gqa_call): the zero columns add nothing to the columns kept."""
+    return info.dk >= info.dv and info.dk % 8 == 0 and info.heads % info.kv_heads == 0
 
 
 def gqa_ok(info: SdpaInfo) -> bool:
@@ -77,11 +79,21 @@ def gqa_call(op, info: SdpaInfo, q3, k3, v3, seqlens=None, total=None, *,
         # GQA takes [B|1, H|1, S, T]: a bias the same for every query (ALiBi) is spread
         rows = op.Concat(int_const(op, [1, 1]), seq_dim(op, q3, 1), int_const(op, [1]), axis=0)
         bias = op.Expand(bias, rows)
+    narrow = info.dv < info.dk
+    if narrow:  # [B, T, G*Dv] -> [B, T, G*Dk], each head's columns past Dv zero
+        heads_v = op.Reshape(v3, int_const(op, [0, 0, info.kv_heads, info.dv]))
+        pads = int_const(op, [0, 0, 0, 0, 0, 0, 0, info.dk - info.dv])
+        v3 = op.Reshape(op.Pad(heads_v, pads), int_const(op, [0, 0, info.kv_heads * info.dk]))
     inputs = [q3, k3, v3, None, None, seqlens, total, None, None, None, bias, info.sink]
     while inputs[-1] is None:
         inputs.pop()
     out = op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _outputs=3, **attrs)[0]
     out.producer().meta[BLOCK] = info.block
+    if narrow:  # each head's first Dv columns: the attention over the original V
+        heads_out = op.Reshape(out, int_const(op, [0, 0, info.heads, info.dk]))
+        kept = op.Slice(heads_out, int_const(op, [0]), int_const(op, [info.dv]),
+                        int_const(op, [3]))
+        out = op.Reshape(kept, int_const(op, [0, 0, info.heads * info.dv]))
     return out
 
 
@@ -92,6 +104,7 @@ def gqa_with_past(op, info: SdpaInfo, q3, k3, v3, past_key, past_value, seqlens,
     present_key, present_value); the block's window and soft-cap, ``bias`` [B, 1, 1, T]
     the padded keys' additive mask. ``step``: only one-token runs reach it (its guard says
     so; rotary.py then needs no check of a prompt's positions)."""
+    assert info.dk == info.dv, info.block  # (the cache's head size is V's: no padding here)
     inputs = [q3, k3, v3, past_key, past_value, seqlens, total, None, None, None, bias,
               info.sink]  # (head_sink: rewrite/sinks.py)
     while inputs[-1] is None:
