@@ -263,7 +263,8 @@ def test_a_real_short_tune(export_cache, tmp_path):
     assert "tuning again from the original it keeps" in again.output
 
 
-@pytest.mark.parametrize("extra", [["--tune-batch", "0"], ["--tune-seq-lens", "x"]])
+@pytest.mark.parametrize("extra", [["--tune-batch", "0"], ["--tune-seq-lens", "x"],
+                                   ["--tune-max-size", "0.9x"], ["--tune-max-size", "big"]])
 def test_bad_grids_are_refused(tmp_path, extra):
     path = tmp_path / "m.onnx"
     onnx.save(_scaled(1.0), path)
@@ -454,7 +455,7 @@ def test_the_size_budget_keeps_the_rules_that_fit_and_says_so(export_cache, monk
     assert any("past --tune-max-size 1.1x" in n for n in report["notes"]), report["notes"]
     assert any("--tune-max-size 1.1x" in n and n.startswith("size") for n in report["notes"])
     roomy, size = _tune_with(monkeypatch, tmp_path, export_cache(WIDE), wins, "--force",
-                             "--tune-max-size", "3")
+                             "--tune-max-size", "3x")
     assert {r["candidate"] for r in roomy["tuning"]["rules"]} == set(wins) and size > 1.1
 
 

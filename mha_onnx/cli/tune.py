@@ -9,6 +9,25 @@ import click
 from mha_onnx.cli.options import int_list
 
 
+class _Times(click.ParamType):
+    """A size ratio: ``1.1`` or ``1.1x``, at least 1 (the default fusion alone is 1.0x)."""
+
+    name = "RATIO"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        text = str(value).strip().lower().removesuffix("x")
+        try:
+            ratio = float(text)
+        except ValueError:
+            self.fail(f"{value!r} is not a ratio such as 1.1 or 1.1x", param, ctx)
+        if not ratio >= 1.0:
+            self.fail(f"{value!r}: a tuned model holds the default fusion at least (1.0x)",
+                      param, ctx)
+        return ratio
+
+
 def tune_options(command):
     """--tune and its grid, for `fuse`."""
     for option in reversed([
@@ -22,7 +41,7 @@ def tune_options(command):
                      help="Lengths of the tuning grid."),
         click.option("--tune-threads", type=int, default=None,
                      help="Intra-op threads to tune for (the deployment's; default: ORT's)."),
-        click.option("--tune-max-size", type=float, default=1.1, show_default=True,
+        click.option("--tune-max-size", type=_Times(), default="1.1x", show_default=True,
                      help="The tuned model's size at most this many times the original's "
                           "(candidates whose weights do not fit are left out)."),
         click.option("--tune-budget", type=float, default=150.0, show_default=True,
