@@ -43,6 +43,11 @@ MAX_SCORES = 2 ** 27
 QUICK_SCORES = 2 ** 24
 
 
+def _scores(batch: int, length: int, heads: int) -> int:
+    """The attention scores one run at (batch, length) holds: batch * heads * length^2."""
+    return batch * heads * length * length
+
+
 def time_grid(paths: dict[str, str], cfg: TuneConfig, heads: int,
           progress: Callable[[str], None], points: list[tuple[int, int]] | None = None):
     """(p50 ms, median paired ratio to the original) per (batch, length) per candidate,
@@ -56,7 +61,7 @@ def time_grid(paths: dict[str, str], cfg: TuneConfig, heads: int,
     order = list(paths)
     grid = []
     for batch, length in points or [(b, n) for b in cfg.batches for n in cfg.seq_lens]:
-        if batch * heads * length * length > MAX_SCORES:
+        if _scores(batch, length, heads) > MAX_SCORES:
             progress(f"batch {batch} x {length}: skipped (too large to time in the budget: "
                      "the rules of the shorter lengths apply)")
         else:
@@ -64,7 +69,7 @@ def time_grid(paths: dict[str, str], cfg: TuneConfig, heads: int,
     grid.sort(key=lambda p: -p[0] * p[1] * p[1])
     specs = [PointSpec(models=tuple(paths[n] for n in order), batch=batch, seq_len=length,
                        threads=cfg.threads, warmup=2,
-                       iters=3 if batch * heads * length * length >= QUICK_SCORES else 5,
+                       iters=3 if _scores(batch, length, heads) >= QUICK_SCORES else 5,
                        min_time=cfg.min_time, pad_fraction=cfg.pad_fraction)
                  for batch, length in grid]
     table: dict[tuple[int, int], dict[str, float]] = {}
@@ -163,7 +168,7 @@ def two_passes(paths: dict[str, str], cfg: TuneConfig, heads: int, started: floa
     keep = survivors(without_twin(ratios), margin_of(noise(ratios)))
     left = (cfg.budget - (time.perf_counter() - started)) * 0.7  # (the rest: departures
     # timed again, the dispatch timed itself, the verification)
-    todo, dropped = fit_budget([p for p in rest if p[0] * heads * p[1] ** 2 <= MAX_SCORES],
+    todo, dropped = fit_budget([p for p in rest if _scores(*p, heads) <= MAX_SCORES],
                                table, len(keep), 8, left)
     notes = []
     if dropped:
