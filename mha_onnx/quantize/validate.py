@@ -168,4 +168,18 @@ def _parity(path: str, model: onnx.ModelProto, provider: str) -> RuntimeParity:
         want = runner.infer(feeds)
     worst = max(float(np.abs(want[k].astype(np.float64) - got[k]).max()) for k in want)
     scale = max(float(np.abs(want[k]).max()) for k in want)
-    return RuntimeParity(provider, True, max_abs=worst, passed=worst <= 1e-3 * max(1.0, scale))
+    return RuntimeParity(provider, True, max_abs=worst,
+                         passed=worst <= _relative_tolerance(model) * max(1.0, scale))
+
+
+def _relative_tolerance(model: onnx.ModelProto) -> float:
+    """1e-3 of the outputs' scale; 1e-2 where ORT's MatMulNBits runs at accuracy level 4,
+    which quantizes the activations to int8 per block on ORT's side while the other runtime
+    multiplies them in float (OpenVINO beside ORT on the Llama fixture's int4 export: max abs
+    0.0052 on an AMD EPYC, past 1e-3 of the scale; within it on the Intel Xeon of earlier
+    sessions)."""
+    from mha_onnx.input_roles import all_nodes
+
+    levels = {a.i for n in all_nodes(model.graph) if n.op_type == "MatMulNBits"
+              for a in n.attribute if a.name == "accuracy_level"}
+    return 1e-2 if 4 in levels else 1e-3
