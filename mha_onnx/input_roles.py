@@ -79,13 +79,15 @@ def length_limit(model: onnx.ModelProto) -> int | None:
     that count along the length without reading an input's values (BERT's position ids: a
     constant sliced to the length, or a Range up to it), or the position table of ORT's
     fused embedding given no position ids. None where no such table is found (rotary models
-    read their positions from an input)."""
+    read their positions from an input). Nodes inside If branches count (an Optimum merged
+    decoder gathers its positions there)."""
     graph = model.graph
+    nodes = list(all_nodes(graph))
     rows = {t.name: int(t.dims[0]) for t in graph.initializer if len(t.dims) >= 2}
-    made_by = {out: node for node in graph.node for out in node.output}
+    made_by = {out: node for node in nodes for out in node.output}
     inputs = {v.name for v in graph.input}
     limits = []
-    for node in graph.node:
+    for node in nodes:
         if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in rows \
                 and _counts(node.input[1], made_by, inputs, {}) == "length":
             limits.append(rows[node.input[0]])

@@ -191,3 +191,19 @@ def test_a_reduce_max_with_axes_as_input_keeps_the_inference_going():
               for v in with_symbolic_shapes(model).graph.value_info}
     assert shapes["m"] == ["b", 4, "s", 1]
     assert shapes["d"] == ["b", 4, "s", "t"]
+
+
+@pytest.mark.parametrize(("source", "kept"), [("m", False), ("x", True)])
+def test_a_slice_to_a_length_nothing_compares_gets_its_own_dim(source, kept):
+    """x[:, :m.shape[1]]: ORT's inference "treats as equal" an end it cannot compare with the
+    dim, so a cut looked uncut (Moonshine's mask cut to its conv stack's length, which the
+    optimizer then dropped as a no-op Slice). Here the axis gets a dim of its own; cut to
+    x's own length, it keeps x's."""
+    nodes = [node("Shape", [source], "s"), const("one", [1]), const("two", [2]),
+             node("Slice", ["s", "one", "two"], "end"), const("zero", [0]),
+             node("Slice", ["x", "zero", "end", "one"], "y")]
+    proto = model(nodes, [tensor("x", F, ["B", "N"]), tensor("m", F, ["B", "M"])], ["y"])
+    inferred = {v.name: v for v in with_symbolic_shapes(proto).graph.output}
+    got = [d.dim_param or d.dim_value for d in inferred["y"].type.tensor_type.shape.dim]
+    assert got[0] == "B", got
+    assert got[1] == "N" if kept else (isinstance(got[1], str) and got[1] not in ("N", "M")), got

@@ -25,6 +25,8 @@ from pathlib import Path
 # family -> (task, config class, model class, config fields)
 COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
           "intermediate_size": 128, "max_position_embeddings": 256}
+SWIN = {"image_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [2, 2],
+        "num_heads": [2, 4], "num_attention_heads": [2, 4], "window_size": 4}
 FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     "llama": ("text-generation-with-past", "LlamaConfig", "LlamaForCausalLM",
               {"num_key_value_heads": 2}),
@@ -78,6 +80,32 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
                 {"num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
                  "num_experts_per_tok": 2, "sliding_window": 16, "intermediate_size": 64,
                  "layer_types": ["sliding_attention", "full_attention"]}),
+    # speech encoders with a convolutional front end: Moonshine's mask cut to the conv
+    # stack's length by a Slice whose end ORT's shape inference cannot compare; Speech2Text's
+    # mask subsampled with its features; Whisper's merged decoder gathers positions from a
+    # 64-row table inside its If branches
+    "moonshine": ("automatic-speech-recognition-with-past", "MoonshineConfig",
+                  "MoonshineForConditionalGeneration",
+                  {"encoder_num_hidden_layers": 2, "decoder_num_hidden_layers": 2,
+                   "encoder_num_attention_heads": 4, "decoder_num_attention_heads": 4}),
+    "speech_to_text": ("automatic-speech-recognition-with-past", "Speech2TextConfig",
+                       "Speech2TextForConditionalGeneration",
+                       {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+                        "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                        "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+                        "max_source_positions": 256, "max_target_positions": 128,
+                        "conv_channels": 32, "input_feat_per_channel": 16}),
+    "whisper": ("automatic-speech-recognition-with-past", "WhisperConfig",
+                "WhisperForConditionalGeneration",
+                {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+                 "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                 "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "num_mel_bins": 16,
+                 "max_source_positions": 1500, "max_target_positions": 64, "pad_token_id": 1,
+                 "bos_token_id": 2, "eos_token_id": 3, "decoder_start_token_id": 2,
+                 "begin_suppress_tokens": None, "suppress_tokens": None}),
+    # shifted windows: the windows' mask added on a [B, nW, heads, N, N] view of the scores
+    "swin": ("image-feature-extraction", "SwinConfig", "SwinModel", SWIN),
+    "donut_swin": ("image-feature-extraction", "DonutSwinConfig", "DonutSwinModel", SWIN),
     "bert": ("feature-extraction", "BertConfig", "BertModel", {}),
     # probabilities viewed by their own sizes; c2p/p2c relative attention (a dense bias)
     "deberta_v2": ("feature-extraction", "DebertaV2Config", "DebertaV2Model",
@@ -99,6 +127,14 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     "t5": ("text2text-generation-with-past", "T5Config", "T5ForConditionalGeneration",
            {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2,
             "num_heads": 4}),
+}
+
+# families whose folders keep only some of Optimum's files (the rest is what other fixtures
+# cover already); config.json kept where it is listed (fuse reads a folder's HF config)
+KEEP = {
+    "moonshine": ("encoder_model.onnx", "decoder_with_past_model.onnx", "config.json"),
+    "speech_to_text": ("encoder_model.onnx",),
+    "whisper": ("decoder_model_merged.onnx", "config.json"),
 }
 
 
@@ -163,10 +199,15 @@ def export(family: str, out: Path) -> list[str]:
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for onnx_file in sorted((Path(tmp) / "onnx").glob("*.onnx")):
+            if family in KEEP and onnx_file.name not in KEEP[family]:
+                continue
             if onnx_file.stat().st_size > 1_500_000:
                 raise SystemExit(f"{family}: {onnx_file.name} is over 1.5 MB")
             shutil.copy(onnx_file, out / onnx_file.name)
             written.append(onnx_file.name)
+        if "config.json" in KEEP.get(family, ()):
+            shutil.copy(Path(tmp) / "onnx" / "config.json", out / "config.json")
+            written.append("config.json")
         if tokens is not None:  # a decoder: the folder as Optimum writes it, and its tokens
             for name in ("config.json", "generation_config.json"):
                 shutil.copy(Path(tmp) / "onnx" / name, out / name)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mha_onnx.errors import ConfigError
 from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 
 CONFIG = "genai_config.json"
@@ -118,7 +119,10 @@ def write_genai_folder(model: str | Path, source: str | Path | None,
 
     model = Path(model)
     proto = read_model(model, load_external_data=False)
-    iface = read_interface(proto, model)
+    try:
+        iface = read_interface(proto, model)
+    except ConfigError as exc:  # a decoder generate cannot run: no folder, the reason said
+        return GenAiFolder(None, reason=exc.args[0])
     record = record or hf_config(proto, model)
     if not iface.tokens.eos:
         return GenAiFolder(None, reason="the model names no eos_token_id inside its vocabulary "
@@ -152,6 +156,7 @@ def folder_generation(source: str | Path, model) -> dict[str, Any] | None:
 
     names = {i.name for i in model.graph.input}
     if metadata.read(model).get("generation") or IDS not in names \
+            or "encoder_hidden_states" in names \
             or not any(o.name == LOGITS for o in model.graph.output) \
             or not metadata.loaded(model, "kv_cache"):
         return None

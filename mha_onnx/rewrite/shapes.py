@@ -91,6 +91,10 @@ def _inference():
             super().__init__(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess rank
             self.dispatcher_["ReduceMax"] = lambda node: self._reduce(node, max)
             self.dispatcher_["ReduceMin"] = lambda node: self._reduce(node, min)
+            self.dispatcher_["Slice"] = lambda node: _slice(self, node, ssi)
+            for op in ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
+                       "ReduceSumSquare"):  # (Swin-v2's cosine attention: ReduceL2 of q, k)
+                self.dispatcher_.setdefault(op, self._reduced_shape)
 
         def _reduce(self, node, pick) -> None:
             """The max/min of a 1-D vector of known dims (every axis, or axis 0)."""
@@ -131,6 +135,49 @@ def _inference():
                 node.output[0], self.known_vi_[node.input[0]].type.tensor_type.elem_type, dims))
 
     return _Inference()
+
+
+def _slice(inference, node, ssi) -> None:
+    """ORT's Slice, except that an end it cannot compare with the input's dim gives the axis
+    a new symbol: ORT "treats them as equal", which made Moonshine's mask cut to its conv
+    stack's length (``mask[..., ::384][..., :n]``) look uncut, and every dim broadcast
+    against it the mask's length."""
+    inference._infer_Slice(node)
+    assumed = _assumed_axes(inference, node, ssi)
+    if not assumed:
+        return
+    out = inference.known_vi_[node.output[0]]
+    shape = ssi.get_shape_from_type_proto(out.type)
+    for axis in assumed:
+        shape[axis] = str(inference._new_symbolic_dim_from_output(node, 0, axis))
+    out.CopyFrom(ssi.helper.make_tensor_value_info(
+        node.output[0], out.type.tensor_type.elem_type, shape))
+
+
+def _assumed_axes(inference, node, ssi) -> list[int]:
+    """The axes whose symbolic end ORT could not compare with the symbolic dim."""
+    if len(node.input) < 3 or ssi.get_opset(inference.out_mp_) <= 9:
+        return []
+    ends = ssi.as_list(inference._try_get_value(node, 2), keep_none=True)
+    axes = inference._try_get_value(node, 3) if len(node.input) > 3 and node.input[3] else None
+    shape = inference._get_sympy_shape(node, 0)
+    if ends is None or shape is None:
+        return []
+    axes = ssi.as_list(axes, keep_none=True) if axes is not None else list(range(len(ends)))
+    return [a % len(shape) for a, e in zip(axes, ends, strict=False)
+            if e is not None and not ssi.is_literal(e)
+            and not ssi.is_literal(shape[a % len(shape)])
+            and _order(e, shape[a % len(shape)]) is None]
+
+
+def _order(end, dim) -> bool | None:
+    """Whether ``end <= dim`` is decided for two symbolic sizes (None: it is not)."""
+    for test in (lambda: end <= dim, lambda: dim - end >= 0):
+        try:
+            return bool(test())
+        except TypeError:
+            continue
+    return None
 
 
 def _infer_branch(model: onnx.ModelProto, branch: onnx.GraphProto) -> int:

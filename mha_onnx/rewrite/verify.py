@@ -15,6 +15,7 @@ import onnx
 
 from mha_onnx.cache import SharedCache, cache_pairs, is_shared, row_layout
 from mha_onnx.errors import FusionError, MhaOnnxError, ModelFileError, VerifyError
+from mha_onnx.input_roles import length_limit
 from mha_onnx.inputs import (
     ShapeCase,
     case_for,
@@ -222,7 +223,8 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
     unpadded batches (read from each form's fields, never from its label). ``results``: the
     fuse report's blocks (each with its ``chosen`` form, None where left)."""
     specs = input_specs(original)
-    cases = default_cases(specs)
+    table = length_limit(original)  # past and new positions both count against a table
+    cases = default_cases(specs, max_len=min(64, table // 2) if table else 64)
     forms = [r.chosen for r in results if r.chosen is not None]
     thresholds = {(n, form.keys) for form in forms for n in form.switches()}
     kinds = {c for form in forms for c in form.all_cases()}

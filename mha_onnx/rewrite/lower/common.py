@@ -221,8 +221,11 @@ def dense_mha(op, info: SdpaInfo, q3: ir.Value, *, lazy: bool) -> ir.Value:
         dense = causal_bias(op, info, seq_dim(op, q3, 1), seq_dim(op, k, 1 if k3d else 2))
     else:
         dense = clone_into(op, info.dense) if lazy else info.dense
+    # ORT's MHA wants the bias' last two dims as [S, T]; the original may broadcast either
+    # (Moonshine's cross-attention mask, cut to a length ORT's inference cannot relate to
+    # the keys, is one column when the audio is short)
     full = op.Concat(op.Constant(value_ints=[1, 1]), seq_dim(op, q3, 1),
-                     op.Constant(value_ints=[1]), axis=0)
+                     seq_dim(op, v, 1 if k3d else 2), axis=0)  # (V: never K^T)
     bias = op.Expand(dense, full)
     if info.sink is not None:
         k, v, bias = _sink_key(op, info, q3, k, v, bias, 1 if k3d else 2)
