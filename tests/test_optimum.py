@@ -77,6 +77,9 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
     if path.parent.name == "mpt":  # ALiBi (a table sliced to the keys), then the 4-D mask
         assert all(m == "causal (bottom-right) + key padding + position bias"
                    for m in meanings), meanings
+    if path.parent.name in ("swin", "donut_swin"):  # the shifted blocks' window mask, added
+        # on a [B, nW, heads, N, N] view of the scores, made a bias on the scores
+        assert any("window mask(s)" in n for n in report.notes), report.notes
     if path.name == "decoder_model_merged.onnx":  # both branches fused, both verified
         assert len(report.blocks) == 8
         cases = {r.case for r in report.verification.results}

@@ -57,6 +57,7 @@ from mha_onnx.rewrite.verify import (
     verify,
     verify_on_openvino,
 )
+from mha_onnx.rewrite.windows import window_mask_rules
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +190,15 @@ def _normalise(model: ir.Model) -> list[str]:
     """Repairs ORT needs, and attention spelt so that each Softmax is one block; notes."""
     notes = []
     repaired: list[str] = []
-    RewriteRuleSet([RotaryCachesOverBatch.rule(repaired)]).apply_to_model(model)
+    windows: list[str] = []
+    RewriteRuleSet([RotaryCachesOverBatch.rule(repaired),
+                    *window_mask_rules(windows)]).apply_to_model(model)
     if repaired:
         notes.append(f"repaired {len(repaired)} RotaryEmbedding node(s) that onnxruntime 1.31 "
                      "refuses (cos/sin caches broadcast over the batch, now expanded)")
+    if windows:
+        notes.append(f"{len(windows)} window mask(s) added on a [B, windows, heads, N, N] "
+                     "view of the scores made a bias on the scores (shifted windows)")
     merged = merge_value_matmuls(model) + distribute_combinations(model)
     if merged:
         remove_unused_nodes(model)  # the scaled weights now read by nothing

@@ -15,6 +15,7 @@ import onnx_ir as ir
 from mha_onnx.graphdims import lifted
 from mha_onnx.inputs import resolve_dim
 from mha_onnx.rewrite.irutil import Dim, const_array, dims
+from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 
 ARITHMETIC = {"Add", "Sub", "Mul", "Div", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
               "Equal", "Min", "Max", "Mod", "Trilu", "Range"}
@@ -68,6 +69,9 @@ class SliceRunner:
             graph = ir.convenience.extract(source, inputs, _unique(values))
         except ValueError as exc:
             raise Refused(f"the mask cannot be cut out of the graph ({exc})") from exc
+        if any(node.domain == FUSION_DOMAIN for node in graph):
+            raise Refused("the mask is computed from the sizes of an earlier attention "
+                          "block's output (Swin's window view)")
         self.graph = graph
         self.inputs = [(v.name, v.dtype, dims(v) or []) for v in graph.inputs]
         self.inputs_by_id = {id(v): v.name for v in inputs}

@@ -1,0 +1,96 @@
+"""Shifted-window masks added on a view of the scores, made a bias on the scores themselves.
+
+Swin (and its kin: Swin-v2, Donut's encoder, MaskFormer's backbone) attends inside windows of
+N patches, the windows of every image stacked on the batch: scores ``s`` [B*nW, H, N, N]. Its
+shifted blocks add the windows' mask [nW, N, N] on a view that splits the batch again::
+
+    y = Reshape(Reshape(s, [B, nW, H, N, N]) + mask[None, :, None], [-1, H, N, N])
+
+which no attention kernel takes as it stands. Reshapes only move elements row-major, so while
+``y`` has ``s``'s shape, ``y = s + Reshape(Expand(mask, [B, nW, H, N, N]), [-1, H, N, N])``
+element by element (``0 + m`` is ``m`` exactly): an additive bias on ``s`` computed from the
+mask and the view's shapes alone, which the recogniser then reads as any dense bias ([B*nW,
+1, N, N] where the mask is one for every head, as Swin's is). A view
+whose round trip does not give back ``s``'s shape gives a different graph, which
+verification refuses as it refuses any rewrite that changes a value.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, pattern
+
+from mha_onnx.rewrite.irutil import const_ints, dims, producer, same_dim
+
+
+class WindowMaskOnView(pattern.RewriteRuleClassBase):
+    """``Reshape(Reshape(s, shape5) + m, shape4)`` before a Softmax -> ``s + bias``."""
+
+    def __init__(self, found: list[str], mask_first: bool) -> None:
+        super().__init__(f"WindowMaskOnView{'Swapped' if mask_first else ''}")
+        self.found, self.mask_first = found, mask_first
+
+    def pattern(self, op, s, shape5, mask, shape4):
+        view = op.Reshape(s, shape5, _allow_other_attributes=True)
+        added = op.Add(mask, view) if self.mask_first else op.Add(view, mask)
+        return op.Reshape(added, shape4, _allow_other_attributes=True, _outputs=["out"])
+
+    def check(self, context, s, shape5, mask, shape4, out, **_) -> MatchResult:
+        result = MatchResult()
+        if not any(u.op_type == "Softmax" for u, _ in out.uses()):
+            return result.fail("not before a Softmax")
+        sd, od, s5, s4 = dims(s), dims(out), dims(shape5), dims(shape4)
+        if sd is None or od is None or len(sd) != 4 or s5 != [5] or s4 != [4]:
+            return result.fail("not 4-D scores viewed in 5-D and back")
+        if not all(same_dim(a, b) for a, b in zip(sd[1:], od[1:], strict=True)):
+            return result.fail("the view's round trip does not keep the heads and lengths")
+        if not _sizes(shape5):
+            return result.fail("the view's shape has a -1 or 0 (Expand cannot take it)")
+        if any(_reads(v, s) for v in (shape5, shape4, mask)):
+            return result.fail("the view's shapes or the mask are computed from the scores")
+        return result
+
+    def rewrite(self, op, s, shape5, mask, shape4, out, **_):
+        self.found.append(out.producer().name or "Reshape")
+        md = dims(mask)
+        if md is not None and len(md) == 5 and md[2] == 1:  # one mask for every head: the
+            # bias [B*nW, 1, N, N], broadcast over the heads as the view's Add broadcast it
+            one = op.Constant(value_ints=[1])
+            shape5 = op.Concat(op.Slice(shape5, op.Constant(value_ints=[0]),
+                                        op.Constant(value_ints=[2])), one,
+                               op.Slice(shape5, op.Constant(value_ints=[3]),
+                                        op.Constant(value_ints=[5])), axis=0)
+            shape4 = op.Concat(op.Slice(shape4, op.Constant(value_ints=[0]), one), one,
+                               op.Slice(shape4, op.Constant(value_ints=[2]),
+                                        op.Constant(value_ints=[4])), axis=0)
+        return op.Add(s, op.Reshape(op.Expand(mask, shape5), shape4))
+
+
+def _sizes(shape: ir.Value) -> bool:
+    """Is ``shape`` made of sizes only (no Reshape -1 or 0 among its constant parts)?"""
+    whole = const_ints(shape)
+    if whole is not None:
+        return all(d > 0 for d in whole)
+    concat = producer(shape, "Concat")
+    return concat is not None and all(
+        const_ints(part) is None or all(d > 0 for d in const_ints(part))
+        for part in concat.inputs)
+
+
+def _reads(value: ir.Value, target: ir.Value, limit: int = 400) -> bool:
+    """Is ``value`` computed from ``target`` (through at most ``limit`` nodes)?"""
+    stack, seen = [value], set()
+    while stack and len(seen) < limit:
+        current = stack.pop()
+        if current is target:
+            return True
+        node = current.producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(v for v in node.inputs if v is not None)
+    return bool(stack)  # past the limit: assume it does
+
+
+def window_mask_rules(found: list[str]) -> list:
+    return [WindowMaskOnView.rule(found, first) for first in (False, True)]

@@ -1,0 +1,72 @@
+"""rewrite/windows.py: a window mask added on a [B, nW, H, N, N] view of the scores becomes a
+bias on the scores themselves (Swin's shifted blocks), exactly; views that do not give the
+scores' layout back are left."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+import onnxruntime as ort
+import pytest
+from onnxscript.rewriter import RewriteRuleSet
+
+from mha_onnx.rewrite.windows import window_mask_rules
+from tests.irgraphs import F, const, model, node, tensor
+
+H, N, WINDOWS = 2, 4, 3
+
+
+def _view(back: list[int], mask_heads: int = 1, first: int = 2) -> onnx.ModelProto:
+    """probs = Softmax(Reshape(Reshape(s, [first, nW, H, N, N]) + mask, back)); s [B*nW, H,
+    N, N] from a MatMul, as in Swin."""
+    nodes = [node("MatMul", ["q", "kt"], "s"),
+             const("v5", [first, WINDOWS, H, N, N]), node("Reshape", ["s", "v5"], "view"),
+             node("Add", ["view", "mask"], "added"),
+             const("v4", back), node("Reshape", ["added", "v4"], "scores"),
+             node("Softmax", ["scores"], "probs", axis=-1)]
+    return model(nodes, [tensor("q", F, [2 * WINDOWS, H, N, 8]),
+                         tensor("kt", F, [2 * WINDOWS, H, 8, N]),
+                         tensor("mask", F, [1, WINDOWS, mask_heads, N, N])], ["probs"])
+
+
+def _run(proto: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    return ort.InferenceSession(proto.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def _rewritten(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    found: list[str] = []
+    graph = ir.from_proto(proto)
+    common_passes.ShapeInferencePass()(graph)
+    RewriteRuleSet(window_mask_rules(found)).apply_to_model(graph)
+    return ir.to_proto(graph), found
+
+
+@pytest.mark.parametrize("mask_heads", [1, H])
+def test_a_mask_on_the_window_view_becomes_a_bias_on_the_scores(mask_heads):
+    proto = _view([-1, H, N, N], mask_heads)
+    out, found = _rewritten(proto)
+    assert len(found) == 1
+    assert not [n for n in out.graph.node if n.op_type == "Reshape"
+                and n.output[0] in ("view",)], "the 5-D view of the scores is gone"
+    softmax = next(n for n in out.graph.node if n.op_type == "Softmax")
+    add = next(n for n in out.graph.node if softmax.input[0] in n.output)
+    assert add.op_type == "Add" and "s" in add.input  # scores + bias, the recogniser's form
+    rng = np.random.default_rng(0)
+    feeds = {"q": rng.standard_normal((2 * WINDOWS, H, N, 8)).astype(np.float32),
+             "kt": rng.standard_normal((2 * WINDOWS, H, 8, N)).astype(np.float32),
+             "mask": np.where(rng.random((1, WINDOWS, mask_heads, N, N)) < 0.3, -100.0,
+                              0.0).astype(np.float32)}
+    np.testing.assert_array_equal(_run(out, feeds), _run(proto, feeds))
+
+
+@pytest.mark.parametrize("back, first", [
+    ([-1, N, H, N], 2),   # back with heads and lengths swapped: not the scores' layout
+    ([-1, H, N, N], -1),  # a view sized by -1: no Expand target to make the bias with
+])
+def test_a_view_that_does_not_give_the_scores_back_is_left(back, first):
+    out, found = _rewritten(_view(back, first=first))
+    assert not found
+    assert sum(n.op_type == "Reshape" for n in out.graph.node) == 2
