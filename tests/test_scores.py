@@ -125,3 +125,21 @@ def test_one_head_broadcast_by_the_matmul_is_multi_query():
     g = Graph(model([node("Identity", ["k"], "k1")], [tensor("k", F, ["B", 1, "T", 8])], ["k1"]))
     assert broadcast_heads(g["k1"], 4).kv_heads == 1
     assert broadcast_heads(g["k1"], 1) is None
+
+
+def test_a_scale_per_head_is_read_outside_the_masks_only():
+    """Swin-v2: Softmax(Q·K^T * c[H, 1, 1] + bias): the factors per head are kept (and
+    folded into Q later); a mask inside them (scaled per head too) or a scalar-shaped
+    [H]-vector on the wrong axis is refused."""
+    scale = [[[0.5]], [[2.0]]]
+    g = _attention([const("c", scale), node("Mul", ["qk", "c"], "scaled"),
+                    const("b", [[[[1.0]]]]), node("Add", ["scaled", "b"], "scores")])
+    chain = score_chain(g.node("p"), "b")
+    assert list(chain.head_scale) == [0.5, 2.0] and chain.scale == 1.0 and len(chain.terms) == 1
+    inside = _attention([const("b", [[[[1.0]]]]), node("Add", ["qk", "b"], "biased"),
+                         const("c", scale), node("Mul", ["biased", "c"], "scores")])
+    with pytest.raises(Reject, match="mask inside a scale per head"):
+        score_chain(inside.node("p"), "b")
+    wrong_axis = _attention([const("c", [[0.5, 2.0]]), node("Mul", ["qk", "c"], "scores")])
+    with pytest.raises(Reject, match="non-constant or zero"):
+        score_chain(wrong_axis.node("p"), "b")

@@ -18,12 +18,14 @@ from tests.irgraphs import F, const, model, node, tensor
 H, N, WINDOWS = 2, 4, 3
 
 
-def _view(back: list[int], mask_heads: int = 1, first: int = 2) -> onnx.ModelProto:
+def _view(back: list[int], mask_heads: int = 1, first: int = 2, twice: bool = False
+          ) -> onnx.ModelProto:
     """probs = Softmax(Reshape(Reshape(s, [first, nW, H, N, N]) + mask, back)); s [B*nW, H,
-    N, N] from a MatMul, as in Swin."""
+    N, N] from a MatMul, as in Swin (``twice``: the mask added twice, as Swin-v2 does)."""
     nodes = [node("MatMul", ["q", "kt"], "s"),
              const("v5", [first, WINDOWS, H, N, N]), node("Reshape", ["s", "v5"], "view"),
-             node("Add", ["view", "mask"], "added"),
+             *([node("Add", ["view", "mask"], "once"), node("Add", ["mask", "once"], "added")]
+               if twice else [node("Add", ["view", "mask"], "added")]),
              const("v4", back), node("Reshape", ["added", "v4"], "scores"),
              node("Softmax", ["scores"], "probs", axis=-1)]
     return model(nodes, [tensor("q", F, [2 * WINDOWS, H, N, 8]),
@@ -41,19 +43,21 @@ def _rewritten(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     graph = ir.from_proto(proto)
     common_passes.ShapeInferencePass()(graph)
     RewriteRuleSet(window_mask_rules(found)).apply_to_model(graph)
+    common_passes.RemoveUnusedNodesPass()(graph)
     return ir.to_proto(graph), found
 
 
-@pytest.mark.parametrize("mask_heads", [1, H])
-def test_a_mask_on_the_window_view_becomes_a_bias_on_the_scores(mask_heads):
-    proto = _view([-1, H, N, N], mask_heads)
+@pytest.mark.parametrize("mask_heads, twice", [(1, False), (H, False), (1, True)])
+def test_a_mask_on_the_window_view_becomes_a_bias_on_the_scores(mask_heads, twice):
+    proto = _view([-1, H, N, N], mask_heads, twice=twice)
     out, found = _rewritten(proto)
     assert len(found) == 1
     assert not [n for n in out.graph.node if n.op_type == "Reshape"
                 and n.output[0] in ("view",)], "the 5-D view of the scores is gone"
     softmax = next(n for n in out.graph.node if n.op_type == "Softmax")
     add = next(n for n in out.graph.node if softmax.input[0] in n.output)
-    assert add.op_type == "Add" and "s" in add.input  # scores + bias, the recogniser's form
+    assert add.op_type == "Add"  # scores + bias (+ bias), the recogniser's form
+    assert sum(n.op_type == "Add" for n in out.graph.node) == (2 if twice else 1)
     rng = np.random.default_rng(0)
     feeds = {"q": rng.standard_normal((2 * WINDOWS, H, N, 8)).astype(np.float32),
              "kt": rng.standard_normal((2 * WINDOWS, H, 8, N)).astype(np.float32),

@@ -3,6 +3,7 @@ MatMul -> Softmax -> MatMul chains (subgraphs of Loop/If/Scan included)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -94,12 +95,13 @@ def _is_activation(value: ir.Value | None) -> bool:
 
 def scores_matmul(softmax: ir.Node) -> ir.Node | None:
     """The product of two activations (Q K^T) upstream of the Softmax input, through
-    elementwise and layout ops."""
+    elementwise and layout ops; the nearest first (breadth first: Swin-v2's window mask,
+    added twice, took the whole walk depth first)."""
     seen: set[int] = set()
-    stack = [softmax.inputs[0]]
+    stack = deque([softmax.inputs[0]])
     steps = 0
     while stack and steps < WALK_LIMIT:
-        value = stack.pop()
+        value = stack.popleft()
         steps += 1
         if value is None or id(value) in seen:
             continue

@@ -75,6 +75,7 @@ class Core:
     # only rounded less.
     out_dtype: ir.DataType | None = None
     sink: np.ndarray | None = None  # [H] logits in each row's denominator (rewrite/sinks.py)
+    head_scale: np.ndarray | None = None  # [H] factors of Q·K^T, folded into Q (Swin-v2)
 
     def describe(self) -> str:
         """e.g. ``causal + key padding, window 4096, 8 q heads / 2 kv heads, softcap 50``."""
@@ -87,6 +88,8 @@ class Core:
             text += f", scores in {self.query.dtype}, values in {self.out_dtype}"
         if self.sink is not None:
             text += ", attention sinks"
+        if self.head_scale is not None:
+            text += ", a scale per head"
         return text
 
 
@@ -198,12 +201,17 @@ def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core
     except Unsupported as exc:
         raise Reject(block, str(exc)) from None
     sink = _sink(tail.sliced, chain.sink, ops.heads, rank, block)
+    if chain.head_scale is not None and (split or rank != 4
+                                         or chain.head_scale.size != ops.heads):
+        raise Reject(block, f"a scale per head of {chain.head_scale.size} factors on "
+                            f"{ops.heads} heads{' merged into the batch' if split else ''}")
     return Core(
         block=block, query=ops.query, key=ops.key, key_form=ops.key_form, value=ops.value,
         rank=rank, heads=ops.heads, kv_heads=ops.kv_heads, scale=chain.scale * ops.scale,
         mask=mask, nan_to_zero=tail.nan_to_zero,
         self_attention=same_dim(ops.dims.seq_q, ops.dims.seq_kv),
         softcap=chain.softcap, split_heads=split, out_dtype=out_dtype, sink=sink,
+        head_scale=chain.head_scale,
     )
 
 

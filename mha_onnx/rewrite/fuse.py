@@ -197,6 +197,7 @@ def _normalise(model: ir.Model) -> list[str]:
         notes.append(f"repaired {len(repaired)} RotaryEmbedding node(s) that onnxruntime 1.31 "
                      "refuses (cos/sin caches broadcast over the batch, now expanded)")
     if windows:
+        remove_unused_nodes(model)  # the views and their Adds
         notes.append(f"{len(windows)} window mask(s) added on a [B, windows, heads, N, N] "
                      "view of the scores made a bias on the scores (shifted windows)")
     merged = merge_value_matmuls(model) + distribute_combinations(model)

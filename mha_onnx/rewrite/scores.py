@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import (
     WALK_LIMIT,
+    const_array,
     const_fill,
     const_ints,
     const_scalar,
@@ -78,8 +80,10 @@ def heads_merged(node: ir.Node) -> int:
 
 def heads_split(node: ir.Node) -> int:
     """For ``Reshape([B*H, S, T] -> [B, H, S, T])``: H (static); else 0."""
+    if node.op_type != "Reshape":  # (a Constant node has no input to read)
+        return 0
     src, out = dims(node.inputs[0]), dims(node.outputs[0])
-    if node.op_type != "Reshape" or src is None or out is None or len(src) != 3 or len(out) != 4:
+    if src is None or out is None or len(src) != 3 or len(out) != 4:
         return 0
     fits = isinstance(out[1], int) and same_dim(src[1], out[2]) and same_dim(src[2], out[3])
     return int(out[1]) if fits else 0
@@ -146,6 +150,22 @@ def scalar_factor(node: ir.Node) -> tuple[ir.Value, float] | None:
     return None
 
 
+def head_factor(node: ir.Node) -> tuple[ir.Value, np.ndarray] | None:
+    """For Mul by a constant of one finite, non-zero factor per head ([H, 1, 1] or [1, H, 1,
+    1] against [B, H, S, T] scores): (the other operand, the [H] factors)."""
+    if node.op_type != "Mul":
+        return None
+    for x, c in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+        array = const_array(c)
+        if array is None or array.ndim < 3 or array.ndim > 4 or array.shape[-3] < 2 \
+                or array.size != array.shape[-3] or array.dtype.kind != "f":
+            continue
+        factors = array.reshape(-1).astype(np.float64)
+        if np.all(np.isfinite(factors)) and np.all(factors != 0):
+            return x, factors
+    return None
+
+
 def strip_scale(value: ir.Value) -> tuple[ir.Value, float]:
     """Peel Mul/Div by constants off ``value``: (the unscaled value, the product)."""
     factor = 1.0
@@ -173,6 +193,7 @@ class ScoreChain:
     softcap: float = 0.0
     split: int = 0  # heads a Reshape [B*H, S, T] -> [B, H, S, T] split out on the way
     sink: ir.Value | None = None  # the sink column concatenated to the scores (sinks.py)
+    head_scale: np.ndarray | None = None  # [H] factors of Q·K^T, one per head (Swin-v2)
 
 
 def reaches_matmul(value: ir.Value | None, depth: int = 0) -> bool:
@@ -183,7 +204,8 @@ def reaches_matmul(value: ir.Value | None, depth: int = 0) -> bool:
     if node.op_type == "MatMul":
         return True
     if node.op_type in ("Mul", "Div"):
-        found = (_softcap_inner(node) if node.op_type == "Mul" else None) or scalar_factor(node)
+        found = (_softcap_inner(node) if node.op_type == "Mul" else None) \
+            or scalar_factor(node) or head_factor(node)
         return found is not None and reaches_matmul(found[0], depth + 1)
     if node.op_type == "Add":
         return any(reaches_matmul(v, depth + 1) for v in node.inputs)
@@ -218,6 +240,7 @@ class _ChainWalk:
         self.softcap = 0.0
         self.split = 0
         self.sink: ir.Value | None = None
+        self.head_scale: np.ndarray | None = None
         self.first = True  # (a sink's Concat and the max shifted out come before any term)
 
     def step(self, node: ir.Node) -> ir.Value:
@@ -235,6 +258,8 @@ class _ChainWalk:
             if capped is not None:
                 return self._enter_cap(*capped)
             found = scalar_factor(node)
+            if found is None and (per_head := head_factor(node)) is not None:
+                return self._head_scale(*per_head)
             if found is None:
                 raise Reject(self.block, f"scores are scaled by a non-constant or zero ({op})")
             self.post *= found[1]
@@ -253,7 +278,17 @@ class _ChainWalk:
                          "c·tanh(s/c)")
         raise Reject(self.block, f"{op} between Q·K^T and Softmax is not an attention pattern")
 
+    def _head_scale(self, inner: ir.Value, factors: np.ndarray) -> ir.Value:
+        """A factor per head on Q·K^T (Swin-v2's learned logit scale): terms met after it
+        would be inside it, scaled per head, which the kernels' bias is not."""
+        if self.softcap:
+            raise Reject(self.block, "a scale per head inside a soft-cap")
+        self.head_scale = factors if self.head_scale is None else self.head_scale * factors
+        return inner
+
     def _enter_cap(self, inner: ir.Value, cap: float) -> ir.Value:
+        if self.head_scale is not None:
+            raise Reject(self.block, "a soft-cap inside a scale per head")
         if self.softcap:
             raise Reject(self.block, "two soft-caps on one score")
         if not math.isclose(self.post, 1.0, rel_tol=1e-6):
@@ -288,6 +323,8 @@ class _ChainWalk:
     def _no_mask_inside_cap(self) -> None:
         if self.softcap:
             raise Reject(self.block, "a mask inside the soft-cap (applied before tanh)")
+        if self.head_scale is not None:
+            raise Reject(self.block, "a mask inside a scale per head (scaled with the scores)")
 
 
 def score_chain(softmax: ir.Node, block: str) -> ScoreChain:
@@ -301,7 +338,7 @@ def score_chain(softmax: ir.Node, block: str) -> ScoreChain:
         if node.op_type == "MatMul":
             # with a cap, the factors met before it were 1; walk.post holds those inside it
             return ScoreChain(node, tuple(walk.terms), walk.post, walk.softcap, walk.split,
-                              walk.sink)
+                              walk.sink, walk.head_scale)
         current = walk.step(node)
     raise Reject(block, "the Softmax input does not come from Q·K^T")
 

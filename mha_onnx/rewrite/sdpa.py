@@ -99,6 +99,11 @@ def emit_sdpa(op, core) -> ir.Value:
     if core.out_dtype is not None:  # float16 values under float32 scores: all in float32
         value = op.Cast(value, to=query.dtype)
         value.shape, value.dtype = core.value.shape, query.dtype
+    if core.head_scale is not None:  # c_h (q·k) as (c_h q)·k: Q scaled per head
+        np_dtype = np.float16 if query.dtype == ir.DataType.FLOAT16 else np.float32
+        factors = core.head_scale.reshape(1, -1, 1, 1).astype(np_dtype)
+        query = op.Mul(query, op.Constant(value=ir.tensor(factors)))
+        query.shape, query.dtype = core.query.shape, core.query.dtype
     if core.key_form == "bthd":
         key = op.Transpose(key, perm=[0, 2, 1, 3])
     elif core.key_form == "kt":

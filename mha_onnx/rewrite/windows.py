@@ -24,21 +24,28 @@ from mha_onnx.rewrite.irutil import const_ints, dims, producer, same_dim
 
 
 class WindowMaskOnView(pattern.RewriteRuleClassBase):
-    """``Reshape(Reshape(s, shape5) + m, shape4)`` before a Softmax -> ``s + bias``."""
+    """``Reshape(Reshape(s, shape5) + m1 (+ m2 ...), shape4)`` before a Softmax ->
+    ``s + bias1 (+ bias2 ...)``, the masks added in the original's order (Swin-v2 adds its
+    window mask twice)."""
 
-    def __init__(self, found: list[str], mask_first: bool) -> None:
-        super().__init__(f"WindowMaskOnView{'Swapped' if mask_first else ''}")
-        self.found, self.mask_first = found, mask_first
+    def __init__(self, found: list[str]) -> None:
+        super().__init__("WindowMaskOnView")
+        self.found = found
+        self._view: ir.Node | None = None
+        self._masks: list[ir.Value] = []
 
-    def pattern(self, op, s, shape5, mask, shape4):
-        view = op.Reshape(s, shape5, _allow_other_attributes=True)
-        added = op.Add(mask, view) if self.mask_first else op.Add(view, mask)
+    def pattern(self, op, added, shape4):
         return op.Reshape(added, shape4, _allow_other_attributes=True, _outputs=["out"])
 
-    def check(self, context, s, shape5, mask, shape4, out, **_) -> MatchResult:
+    def check(self, context, added, shape4, out, **_) -> MatchResult:
         result = MatchResult()
         if not any(u.op_type == "Softmax" for u, _ in out.uses()):
             return result.fail("not before a Softmax")
+        found = _view_and_masks(added)
+        if found is None:
+            return result.fail("not masks added on a 5-D view of 4-D scores")
+        view, masks = found
+        s, shape5 = view.inputs[0], view.inputs[1]
         sd, od, s5, s4 = dims(s), dims(out), dims(shape5), dims(shape4)
         if sd is None or od is None or len(sd) != 4 or s5 != [5] or s4 != [4]:
             return result.fail("not 4-D scores viewed in 5-D and back")
@@ -46,24 +53,52 @@ class WindowMaskOnView(pattern.RewriteRuleClassBase):
             return result.fail("the view's round trip does not keep the heads and lengths")
         if not _sizes(shape5):
             return result.fail("the view's shape has a -1 or 0 (Expand cannot take it)")
-        if any(_reads(v, s) for v in (shape5, shape4, mask)):
-            return result.fail("the view's shapes or the mask are computed from the scores")
+        if any(_reads(v, s) for v in (shape5, shape4, *masks)):
+            return result.fail("the view's shapes or the masks are computed from the scores")
+        self._view, self._masks = view, masks
         return result
 
-    def rewrite(self, op, s, shape5, mask, shape4, out, **_):
+    def rewrite(self, op, added, shape4, out, **_):
         self.found.append(out.producer().name or "Reshape")
-        md = dims(mask)
-        if md is not None and len(md) == 5 and md[2] == 1:  # one mask for every head: the
-            # bias [B*nW, 1, N, N], broadcast over the heads as the view's Add broadcast it
-            one = op.Constant(value_ints=[1])
-            shape5 = op.Concat(op.Slice(shape5, op.Constant(value_ints=[0]),
-                                        op.Constant(value_ints=[2])), one,
-                               op.Slice(shape5, op.Constant(value_ints=[3]),
-                                        op.Constant(value_ints=[5])), axis=0)
-            shape4 = op.Concat(op.Slice(shape4, op.Constant(value_ints=[0]), one), one,
-                               op.Slice(shape4, op.Constant(value_ints=[2]),
-                                        op.Constant(value_ints=[4])), axis=0)
-        return op.Add(s, op.Reshape(op.Expand(mask, shape5), shape4))
+        s, shape5 = self._view.inputs[0], self._view.inputs[1]
+        total = s
+        for mask in self._masks:
+            total = op.Add(total, _bias(op, mask, shape5, shape4))
+        return total
+
+
+def _view_and_masks(value: ir.Value, depth: int = 4) -> tuple[ir.Node, list[ir.Value]] | None:
+    """The view ``Reshape(s, shape5)`` under a chain of Adds and the masks the chain adds,
+    innermost first."""
+    node = value.producer()
+    if node is None or depth == 0:
+        return None
+    if node.op_type == "Reshape" and node.domain in ("", "ai.onnx"):
+        return node, []
+    if node.op_type != "Add" or node.domain not in ("", "ai.onnx"):
+        return None
+    for inner, mask in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+        below = _view_and_masks(inner, depth - 1)
+        if below is not None and len(dims(below[0].inputs[0]) or []) == 4:
+            return below[0], [*below[1], mask]
+    return None
+
+
+def _bias(op, mask: ir.Value, shape5: ir.Value, shape4: ir.Value) -> ir.Value:
+    """``mask`` expanded over the view and brought to the scores' layout; [B*nW, 1, N, N]
+    where the mask is one for every head, broadcast over the heads as the view's Add
+    broadcast it."""
+    md = dims(mask)
+    if md is not None and len(md) == 5 and md[2] == 1:
+        one = op.Constant(value_ints=[1])
+        shape5 = op.Concat(op.Slice(shape5, op.Constant(value_ints=[0]),
+                                    op.Constant(value_ints=[2])), one,
+                           op.Slice(shape5, op.Constant(value_ints=[3]),
+                                    op.Constant(value_ints=[5])), axis=0)
+        shape4 = op.Concat(op.Slice(shape4, op.Constant(value_ints=[0]), one), one,
+                           op.Slice(shape4, op.Constant(value_ints=[2]),
+                                    op.Constant(value_ints=[4])), axis=0)
+    return op.Reshape(op.Expand(mask, shape5), shape4)
 
 
 def _sizes(shape: ir.Value) -> bool:
@@ -93,4 +128,4 @@ def _reads(value: ir.Value, target: ir.Value, limit: int = 400) -> bool:
 
 
 def window_mask_rules(found: list[str]) -> list:
-    return [WindowMaskOnView.rule(found, first) for first in (False, True)]
+    return [WindowMaskOnView.rule(found)]
