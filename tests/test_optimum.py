@@ -77,9 +77,11 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
     if path.parent.name == "mpt":  # ALiBi (a table sliced to the keys), then the 4-D mask
         assert all(m == "causal (bottom-right) + key padding + position bias"
                    for m in meanings), meanings
-    if path.parent.name in ("swin", "donut_swin"):  # the shifted blocks' window mask, added
-        # on a [B, nW, heads, N, N] view of the scores, made a bias on the scores
+    if path.parent.name in ("swin", "donut_swin", "swinv2"):  # the shifted blocks' window
+        # mask, added on a [B, nW, heads, N, N] view of the scores, made a bias on the scores
         assert any("window mask(s)" in n for n in report.notes), report.notes
+    if path.parent.name == "swinv2":  # its learned logit scale per head, folded into Q
+        assert len(meanings) == 4 and all("a scale per head" in m for m in meanings), meanings
     if path.name == "decoder_model_merged.onnx":  # both branches fused, both verified
         assert len(report.blocks) == 8
         cases = {r.case for r in report.verification.results}

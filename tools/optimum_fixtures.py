@@ -27,6 +27,8 @@ COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_att
           "intermediate_size": 128, "max_position_embeddings": 256}
 SWIN = {"image_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [2, 2],
         "num_heads": [2, 4], "num_attention_heads": [2, 4], "window_size": 4}
+AUDIO = {"vocab_size": 32, "conv_dim": [16, 16], "conv_stride": [5, 2], "conv_kernel": [10, 3],
+         "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4}
 FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     "llama": ("text-generation-with-past", "LlamaConfig", "LlamaForCausalLM",
               {"num_key_value_heads": 2}),
@@ -106,6 +108,14 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     # shifted windows: the windows' mask added on a [B, nW, heads, N, N] view of the scores
     "swin": ("image-feature-extraction", "SwinConfig", "SwinModel", SWIN),
     "donut_swin": ("image-feature-extraction", "DonutSwinConfig", "DonutSwinModel", SWIN),
+    # cosine attention (Q, K L2-normalised), a learned scale per head, the mask added twice
+    "swinv2": ("image-feature-extraction", "Swinv2Config", "Swinv2Model", SWIN),
+    # audio encoders: conv feature extractor on raw samples; WavLM's gated relative position
+    # bias; SEW's squeezed sequence (a Slice end ORT's shape inference asserted on)
+    "wav2vec2": ("feature-extraction", "Wav2Vec2Config", "Wav2Vec2Model", AUDIO),
+    "wavlm": ("feature-extraction", "WavLMConfig", "WavLMModel",
+              {**AUDIO, "num_buckets": 32, "max_bucket_distance": 64}),
+    "sew": ("feature-extraction", "SEWConfig", "SEWModel", {**AUDIO, "squeeze_factor": 2}),
     "bert": ("feature-extraction", "BertConfig", "BertModel", {}),
     # probabilities viewed by their own sizes; c2p/p2c relative attention (a dense bias)
     "deberta_v2": ("feature-extraction", "DebertaV2Config", "DebertaV2Model",

@@ -142,7 +142,12 @@ def _slice(inference, node, ssi) -> None:
     a new symbol: ORT "treats them as equal", which made Moonshine's mask cut to its conv
     stack's length (``mask[..., ::384][..., :n]``) look uncut, and every dim broadcast
     against it the mask's length."""
-    inference._infer_Slice(node)
+    try:
+        inference._infer_Slice(node)
+    except (AssertionError, TypeError):  # an end whose sign sympy cannot settle (SEW's
+        # squeezed length): ORT's own code asserts, which stopped the whole inference
+        _fresh_axes(inference, node, ssi)
+        return
     assumed = _assumed_axes(inference, node, ssi)
     if not assumed:
         return
@@ -152,6 +157,18 @@ def _slice(inference, node, ssi) -> None:
         shape[axis] = str(inference._new_symbolic_dim_from_output(node, 0, axis))
     out.CopyFrom(ssi.helper.make_tensor_value_info(
         node.output[0], out.type.tensor_type.elem_type, shape))
+
+
+def _fresh_axes(inference, node, ssi) -> None:
+    """The Slice's output: its input's shape with a new symbol on every sliced axis."""
+    shape = ssi.get_shape_from_sympy_shape(inference._get_sympy_shape(node, 0))
+    axes = inference._try_get_value(node, 3) if len(node.input) > 3 and node.input[3] else None
+    for axis in ssi.as_list(axes, keep_none=True) if axes is not None else range(len(shape)):
+        shape[axis % len(shape)] = str(inference._new_symbolic_dim_from_output(
+            node, 0, axis % len(shape)))
+    out = inference.known_vi_[node.output[0]]
+    out.CopyFrom(ssi.helper.make_tensor_value_info(
+        node.output[0], inference.known_vi_[node.input[0]].type.tensor_type.elem_type, shape))
 
 
 def _assumed_axes(inference, node, ssi) -> list[int]:
