@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
+from mha_onnx.rewrite.factors import strip_scale
 from mha_onnx.rewrite.irutil import dims, float_attr, int_attr, same_dim
 from mha_onnx.rewrite.masks import ScoreDims, Term
 from mha_onnx.rewrite.meaning import Causal, MaskMeaning, Unsupported, plan
@@ -29,7 +30,6 @@ from mha_onnx.rewrite.scores import (
     probs_tail,
     repeated_heads,
     score_chain,
-    strip_scale,
 )
 from mha_onnx.rewrite.sdpa import emit_sdpa
 from mha_onnx.rewrite.sinks import sink_values
