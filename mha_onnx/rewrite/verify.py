@@ -224,7 +224,7 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
     fuse report's blocks (each with its ``chosen`` form, None where left)."""
     specs = input_specs(original)
     table = length_limit(original)  # past and new positions both count against a table
-    cases = default_cases(specs, max_len=min(64, table // 2) if table else 64)
+    cases = default_cases(specs, max_len=max(1, min(64, table // 2)) if table else 64)
     forms = [r.chosen for r in results if r.chosen is not None]
     thresholds = {(n, form.keys) for form in forms for n in form.switches()}
     kinds = {c for form in forms for c in form.all_cases()}
