@@ -41,8 +41,9 @@ COMMON_SIZES = (224, 384, 512)
 MAX_TRIALS = 10
 
 
-def _conv_weights(model: onnx.ModelProto) -> dict[str, tuple[int, int, int]]:
-    """Graph input -> (channels, kernel height, kernel width) of the first Conv it reaches."""
+def _conv_weights(model: onnx.ModelProto) -> dict[str, tuple[int, int, int, int, int]]:
+    """Graph input -> (channels, kernel height, kernel width, output channels, stride) of the
+    first Conv it reaches."""
     weights = {t.name: t for t in model.graph.initializer}
     uses_of = consumers(model.graph)
     out = {}
@@ -57,8 +58,11 @@ def _conv_weights(model: onnx.ModelProto) -> dict[str, tuple[int, int, int]]:
                 if node.op_type == "Conv" and node.input[0] == name and node.input[1] in weights:
                     w = weights[node.input[1]].dims
                     group = next((a.i for a in node.attribute if a.name == "group"), 1)
+                    strides = next((list(a.ints) for a in node.attribute
+                                    if a.name == "strides"), [1])
                     if len(w) == 4:
-                        out[value.name] = (int(w[1]) * group, int(w[2]), int(w[3]))
+                        out[value.name] = (int(w[1]) * group, int(w[2]), int(w[3]), int(w[0]),
+                                           int(strides[0]))
                         break
                 elif node.op_type in PASS_THROUGH:
                     frontier.extend(node.output)
@@ -119,14 +123,14 @@ def pin_dims(model: onnx.ModelProto, specs: Sequence) -> list:
             continue
         if spec.name not in convs or len(spec.dims) != 4:
             continue
-        channels, kh, kw = convs[spec.name]
+        channels, kh, kw, width, stride = convs[spec.name]
         dims = list(spec.dims)
         if not isinstance(dims[1], int):
             dims[1] = channels
         pinned[n] = replace(spec, dims=tuple(dims))
         if isinstance(dims[2], int) and isinstance(dims[3], int):
             continue
-        size = _image_size(model, pinned, n, max(kh, kw))
+        size = _image_size(model, pinned, n, max(kh, kw), _table_sizes(model, width, stride))
         dims[2] = size if not isinstance(dims[2], int) else dims[2]
         dims[3] = size if not isinstance(dims[3], int) else dims[3]
         pinned[n] = replace(spec, dims=tuple(dims))
@@ -136,19 +140,47 @@ def pin_dims(model: onnx.ModelProto, specs: Sequence) -> list:
 _SIZES: dict[tuple[str, str], int] = {}  # (graph digest, input) -> size: trials run once
 
 
-def _image_size(model: onnx.ModelProto, specs: list, index: int, kernel: int) -> int:
-    """The smallest square size, of the candidates, at which ORT runs the model (found once
-    per graph: input_specs is called by every stage)."""
+def _image_size(model: onnx.ModelProto, specs: list, index: int, kernel: int,
+                tables: list[int]) -> int:
+    """The size of a position table (``tables``) or else the smallest square size, of the
+    candidates, at which ORT runs the model (found once per graph: input_specs is called by
+    every stage)."""
     key = (hashlib.sha1(model.graph.SerializeToString()).hexdigest(), specs[index].name)
     if key not in _SIZES:
-        _SIZES[key] = _try_sizes(model, specs, index, kernel)
+        _SIZES[key] = _try_sizes(model, specs, index, kernel, tables)
     return _SIZES[key]
 
 
-def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int) -> int:
+def _table_sizes(model: onnx.ModelProto, width: int, stride: int) -> list[int]:
+    """Image sizes whose patch grid (``size / stride`` squared, with or without a class
+    token) is as long as a table of ``width`` columns that no MatMul or Gemm reads (a position
+    table). SigLIP runs an image of one patch by broadcasting it over its 16-row table: the
+    smallest size that runs is not one the model was made for, and shape inference, which
+    takes the table's length, gives the fused graph 16 patches."""
+    read_by_matmul = {x for n in model.graph.node if n.op_type in ("MatMul", "Gemm")
+                      for x in n.input}
+    sizes = []
+    for table in model.graph.initializer:
+        dims = list(table.dims)
+        if (len(dims) not in (2, 3) or dims[-1] != width or table.name in read_by_matmul
+                or table.data_type not in _FLOATS or any(d != 1 for d in dims[:-2])):
+            continue
+        for rows in (dims[-2], dims[-2] - 1):
+            side = int(round(rows ** 0.5))
+            if rows > 1 and side * side == rows and side * stride not in sizes:
+                sizes.append(side * stride)
+    return sizes
+
+
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int,
+               tables: list[int]) -> int:
     from mha_onnx.runtimes import OrtRunner
 
-    candidates = sorted({kernel * 2**k for k in range(8)} | set(COMMON_SIZES))[:MAX_TRIALS]
+    smallest = sorted({kernel * 2**k for k in range(8)} | set(COMMON_SIZES))[:MAX_TRIALS]
+    candidates = tables + [s for s in smallest if s not in tables]
     spec = specs[index]
     reasons = []
     with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
@@ -157,8 +189,8 @@ def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int) -> 
             if failed:
                 reasons.append(f"{size}: {failed[:120]}")
                 continue
-            log.info("input %s: images of %dx%d (the smallest size the model runs at)",
-                     spec.name, size, size)
+            log.info("input %s: images of %dx%d (%s)", spec.name, size, size,
+                     "its position table's" if size in tables else "the smallest size it runs at")
             return size
     raise InputSpecError(
         f"input {spec.name!r} {list(spec.dims)}: the model runs at none of the image sizes "

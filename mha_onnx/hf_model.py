@@ -84,6 +84,12 @@ def infer_task(config: Any) -> str:
     encoder's hidden states."""
     arch = " ".join(getattr(config, "architectures", None) or [])
     if getattr(config, "is_encoder_decoder", False):
+        if getattr(config, "vocab_size", None) is None:  # DETR and its kin: no tokens
+            raise ConfigError(
+                f"{arch or config.model_type} ({config.model_type}) is an encoder-decoder "
+                "without a vocabulary (object detection): not a task export --model takes",
+                hint="export it with Optimum (--task object-detection) and run mha-onnx "
+                     "fuse on the file")
         return "text2text-generation-with-past"
     if "ForCausalLM" in arch or "LMHeadModel" in arch:  # GPT-2's GPT2LMHeadModel
         return "text-generation-with-past"

@@ -130,3 +130,16 @@ def test_profile_gives_graph_gflops_for_a_model_exported_elsewhere(tmp_path):
     layer = 2 * 32 * 64 * (4 * 64 + 2 * 128) + 4 * 32 * 32 * 64
     assert point["gflop"] * 1e9 >= 2 * layer and point["gflops"] > 0
     assert point["roofline_fraction"] is not None
+
+
+def test_an_object_detector_is_not_taken_for_a_text2text_model(tmp_path):
+    """DETR's config says encoder-decoder; without a vocabulary it is not a T5 (it was
+    loaded as one and failed in AutoModelForSeq2SeqLM with a page of class names)."""
+    import transformers as tf
+
+    tf.DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False).save_pretrained(
+        tmp_path / "detr")
+    result = _cli("export", "--model", tmp_path / "detr", "-o", tmp_path / "x.onnx")
+    assert result.exit_code == 2, result.output
+    assert "without a vocabulary" in result.output and "Optimum" in result.output
+    assert "[export]" not in result.output and len(result.output.strip().splitlines()) == 1

@@ -79,7 +79,11 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
                    for m in meanings), meanings
     if path.parent.name in ("swin", "donut_swin", "swinv2"):  # the shifted blocks' window
         # mask, added on a [B, nW, heads, N, N] view of the scores, made a bias on the scores
-        assert any("window mask(s)" in n for n in report.notes), report.notes
+        assert any("mask(s) added on a view" in n for n in report.notes), report.notes
+    if path.parent.name == "detr":  # its pixel mask on a [B, H, T, S] view of [B*H, T, S]
+        assert any("mask(s) added on a view" in n for n in report.notes), report.notes
+    if path.parent.name == "siglip_vision":  # the pooling head (a probe query of batch 1)
+        assert len(report.blocks) == 3 and "head/attention" in report.blocks[-1].block
     if path.parent.name == "swinv2":  # its learned logit scale per head, folded into Q
         assert len(meanings) == 4 and all("a scale per head" in m for m in meanings), meanings
     if path.name == "decoder_model_merged.onnx":  # both branches fused, both verified

@@ -1,4 +1,5 @@
-"""rewrite/windows.py: a window mask added on a [B, nW, H, N, N] view of the scores becomes a
+"""rewrite/windows.py: a window mask added on a [B, nW, H, N, N] view of the scores (or a mask on
+DETR's [B, H, T, S] view of [B*H, T, S] scores) becomes a
 bias on the scores themselves (Swin's shifted blocks), exactly; views that do not give the
 scores' layout back are left."""
 
@@ -74,3 +75,28 @@ def test_a_view_that_does_not_give_the_scores_back_is_left(back, first):
     out, found = _rewritten(_view(back, first=first))
     assert not found
     assert sum(n.op_type == "Reshape" for n in out.graph.node) == 2
+
+
+def _view_of_3d(back: list[int]) -> onnx.ModelProto:
+    """DETR's form: scores [B*H, T, S] viewed as [B, H, T, S], a pixel mask [B, 1, 1, S]
+    added, and viewed back."""
+    nodes = [node("MatMul", ["q", "kt"], "s"), const("v4", [2, H, N, N + 1]),
+             node("Reshape", ["s", "v4"], "view"), node("Add", ["view", "mask"], "added"),
+             const("v3", back), node("Reshape", ["added", "v3"], "scores"),
+             node("Softmax", ["scores"], "probs", axis=-1)]
+    return model(nodes, [tensor("q", F, [2 * H, N, 8]), tensor("kt", F, [2 * H, 8, N + 1]),
+                         tensor("mask", F, [2, 1, 1, N + 1])], ["probs"])
+
+
+def test_a_mask_on_a_view_of_3d_scores_becomes_a_bias_on_them():
+    proto = _view_of_3d([2 * H, N, N + 1])
+    out, found = _rewritten(proto)
+    assert len(found) == 1
+    assert not [n for n in out.graph.node if "view" in n.output], "the 4-D view is gone"
+    rng = np.random.default_rng(1)
+    feeds = {"q": rng.standard_normal((2 * H, N, 8)).astype(np.float32),
+             "kt": rng.standard_normal((2 * H, 8, N + 1)).astype(np.float32),
+             "mask": np.where(rng.random((2, 1, 1, N + 1)) < 0.4, -1e4, 0.0).astype(np.float32)}
+    np.testing.assert_array_equal(_run(out, feeds), _run(proto, feeds))
+    # back as [B*H, S, T]: not the scores' layout, left
+    assert not _rewritten(_view_of_3d([2 * H, N + 1, N]))[1]

@@ -116,6 +116,19 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     "wavlm": ("feature-extraction", "WavLMConfig", "WavLMModel",
               {**AUDIO, "num_buckets": 32, "max_bucket_distance": 64}),
     "sew": ("feature-extraction", "SEWConfig", "SEWModel", {**AUDIO, "squeeze_factor": 2}),
+    # attention pooling: SigLIP's head (a learned query of batch 1 over the batch's tokens,
+    # nn.MultiheadAttention's packed in-projection sliced at Mod(-1, 3)); DETR's object
+    # queries, its pixel mask added on a [B, H, T, S] view of [B*H, T, S] scores
+    "siglip_vision": ("feature-extraction", "SiglipVisionConfig", "SiglipVisionModel",
+                      {"image_size": 32, "patch_size": 8, "vision_use_head": True}),
+    "detr": ("object-detection", "DetrConfig", "DetrForObjectDetection",
+             {"backbone_config": {"model_type": "resnet", "embedding_size": 16,
+                                  "hidden_sizes": [16, 32], "depths": [1, 1],
+                                  "out_features": ["stage2"]},
+              "use_timm_backbone": False, "use_pretrained_backbone": False, "d_model": 64,
+              "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 4,
+              "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+              "num_queries": 8, "num_labels": 3}),
     "bert": ("feature-extraction", "BertConfig", "BertModel", {}),
     # probabilities viewed by their own sizes; c2p/p2c relative attention (a dense bias)
     "deberta_v2": ("feature-extraction", "DebertaV2Config", "DebertaV2Model",

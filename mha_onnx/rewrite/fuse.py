@@ -198,8 +198,9 @@ def _normalise(model: ir.Model) -> list[str]:
                      "refuses (cos/sin caches broadcast over the batch, now expanded)")
     if windows:
         remove_unused_nodes(model)  # the views and their Adds
-        notes.append(f"{len(windows)} window mask(s) added on a [B, windows, heads, N, N] "
-                     "view of the scores made a bias on the scores (shifted windows)")
+        notes.append(f"{len(windows)} mask(s) added on a view of the scores with one more "
+                     "axis (Swin's [B, windows, heads, N, N], DETR's [B, heads, T, S]) made a "
+                     "bias on the scores")
     merged = merge_value_matmuls(model) + distribute_combinations(model)
     if merged:
         remove_unused_nodes(model)  # the scaled weights now read by nothing

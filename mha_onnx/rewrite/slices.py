@@ -71,7 +71,7 @@ class SliceRunner:
             raise Refused(f"the mask cannot be cut out of the graph ({exc})") from exc
         if any(node.domain == FUSION_DOMAIN for node in graph):
             raise Refused("the mask is computed from the sizes of an earlier attention "
-                          "block's output (Swin's window view)")
+                          "block's output (a view of its scores, as Swin's windows and DETR's masks are)")
         self.graph = graph
         self.inputs = [(v.name, v.dtype, dims(v) or []) for v in graph.inputs]
         self.inputs_by_id = {id(v): v.name for v in inputs}

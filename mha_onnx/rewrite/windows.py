@@ -13,6 +13,10 @@ mask and the view's shapes alone, which the recogniser then reads as any dense b
 1, N, N] where the mask is one for every head, as Swin's is). A view
 whose round trip does not give back ``s``'s shape gives a different graph, which
 verification refuses as it refuses any rewrite that changes a value.
+
+The same holds one rank down: DETR (and the BART-style attention of its kin: Table
+Transformer, Conditional DETR) keeps scores as [B*H, T, S] and adds the pixel mask on a
+[B, H, T, S] view; the bias is then the mask expanded over that view, [B*H, T, S].
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ class WindowMaskOnView(pattern.RewriteRuleClassBase):
         view, masks = found
         s, shape5 = view.inputs[0], view.inputs[1]
         sd, od, s5, s4 = dims(s), dims(out), dims(shape5), dims(shape4)
-        if sd is None or od is None or len(sd) != 4 or s5 != [5] or s4 != [4]:
-            return result.fail("not 4-D scores viewed in 5-D and back")
+        if sd is None or od is None or len(sd) not in (3, 4) or s5 != [len(sd) + 1] \
+                or s4 != [len(sd)]:
+            return result.fail("not 3-D or 4-D scores viewed with one more axis and back")
         if not all(same_dim(a, b) for a, b in zip(sd[1:], od[1:], strict=True)):
             return result.fail("the view's round trip does not keep the heads and lengths")
         if not _sizes(shape5):
@@ -79,7 +84,7 @@ def _view_and_masks(value: ir.Value, depth: int = 4) -> tuple[ir.Node, list[ir.V
         return None
     for inner, mask in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
         below = _view_and_masks(inner, depth - 1)
-        if below is not None and len(dims(below[0].inputs[0]) or []) == 4:
+        if below is not None and len(dims(below[0].inputs[0]) or []) in (3, 4):
             return below[0], [*below[1], mask]
     return None
 
