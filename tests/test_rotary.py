@@ -215,7 +215,7 @@ def _model(offset_input: bool = False, past: bool = False, norm: bool = False,
 
 def _folded(proto: onnx.ModelProto, rows: int = 64):
     model = ir.from_proto(proto)
-    fuse_norms(model)  # (as rewrite/layer.py runs them: the norms first)
+    fuse_norms(model)  # (as rewrite/passes.py runs them: the norms first)
     folded = fold_rotary(model, max_positions=rows)
     sink_into_branches(model.graph, folded.copyable(model.graph))
     return folded, ir.to_proto(model)
@@ -351,33 +351,34 @@ def test_a_step_whose_total_passes_the_tables_takes_the_exporters_rotation(past,
     np.testing.assert_allclose(got["out"], want["out"], rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("rotate", [True, False])
-def test_the_fold_is_only_for_the_cpu_kernel_it_was_measured_on(rotate):
-    """fuse --ep cuda (and tensorrt) passes rotate=False: how the GPU kernel reads
-    position_ids was never measured (issue 14: no GPU run of it)."""
-    from mha_onnx.rewrite.layer import tighten_layers
+@pytest.mark.parametrize("ep", ["cpu", "cuda"])
+def test_the_fold_is_only_for_the_cpu_kernel_it_was_measured_on(ep):
+    """fuse --ep cuda (and tensorrt): how the GPU kernel reads position_ids was never
+    measured (issue 14: no GPU run of it), so the fold is not on a GPU's list of passes."""
+    from mha_onnx.rewrite.lower.ort import Forms
+    from mha_onnx.rewrite.passes import FoldRotary, FuseRun, Guards, pipeline
 
+    run = FuseRun("ort", Forms.for_ep(ep))
+    kinds = [type(p) for p in pipeline(run)]
+    assert (FoldRotary in kinds) is (ep == "cpu")
     model = ir.from_proto(_model())
-    tighten_layers(model, {}, rotate=rotate)
+    for kind in kinds[kinds.index(FoldRotary if ep == "cpu" else Guards):]:
+        kind(run)(model)
     nodes = ir.traversal.RecursiveGraphIterator(model.graph)
     folded = [n for n in nodes if n.op_type == "GroupQueryAttention"
               and n.attributes.get("do_rotary") is not None]
-    assert bool(folded) is rotate
+    assert bool(folded) is (ep == "cpu")
 
 
 def test_fuse_for_a_gpu_does_not_fold():
     from mha_onnx.rewrite import fuse
     from mha_onnx.rewrite.lower.ort import Forms
 
-    calls = []
-    original = fuse.tighten_layers
-    fuse.tighten_layers = lambda model, chosen, rotate: calls.append(rotate) or ([], {})
-    try:
-        for ep in ("cpu", "cuda"):
-            fuse.fuse_model(_model(), forms=Forms.for_ep(ep))
-    finally:
-        fuse.tighten_layers = original
-    assert calls == [True, False]
+    for ep, rotated in (("cpu", True), ("cuda", False)):
+        fused, _, notes = fuse.fuse_model(_model(), forms=Forms.for_ep(ep))
+        assert any("rotate Q and K inside GroupQueryAttention" in n for n in notes) is rotated
+        assert any(a.name == "do_rotary" and a.i for n in all_nodes(fused.graph)
+                   for a in n.attribute) is rotated, notes
 
 
 def test_equal_tables_are_one_pair_of_initializers():

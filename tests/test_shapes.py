@@ -226,3 +226,24 @@ def test_a_slice_ort_cannot_infer_gets_new_dims_and_inference_goes_on(monkeypatc
     inferred = {v.name: v for v in with_symbolic_shapes(proto).graph.output}
     got = [d.dim_param or d.dim_value for d in inferred["y"].type.tensor_type.shape.dim]
     assert got[0] == "B" and got[2] == 8 and got[1] not in ("N", 0, 2), got
+
+
+def test_a_shape_sliced_at_a_constant_mod_is_read():
+    """nn.MultiheadAttention's packed K/V in-projection (SigLIP's pooling head) reshapes to
+    ``shape[:Mod(-1, 3)] + [2, E] + shape[Mod(-1, 3) + 1:]``: ORT's inference carries no value
+    through Mod, asserted at the Reshape (a shape of unknown length) and left the whole graph
+    without shapes. The graph given back is the original, Mod and all."""
+    x = tensor("x", F, ["s", "b", 6])
+    nodes = [node("Shape", ["x"], "shape"), const("minus", [-1]), const("rank", [3]),
+             node("Mod", ["minus", "rank"], "axis"), const("zero", [0]), const("one", [1]),
+             node("Slice", ["shape", "zero", "axis"], "head"),
+             node("Add", ["axis", "one"], "after"), const("big", [2 ** 62]),
+             node("Slice", ["shape", "after", "big"], "tail"), const("split", [2, 3]),
+             node("Concat", ["head", "split", "tail"], "target", axis=0),
+             node("Reshape", ["x", "target"], "y")]
+    proto = model(nodes, [x], ["y"])
+    inferred = with_symbolic_shapes(proto)
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    assert shapes["y"] == ["s", "b", 2, 3]
+    assert [n.op_type for n in inferred.graph.node] == [n.op_type for n in proto.graph.node]

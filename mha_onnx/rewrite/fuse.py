@@ -1,8 +1,8 @@
 """``fuse()``: every attention block of any ONNX graph onto one fused kernel, verified.
 
-Pipeline: read -> (opset upgrade for ``--target onnx``) -> shape inference -> stage 1 (attention
-cores -> internal Sdpa) -> stage 2 (Sdpa -> the target's kernel) -> cleanup -> verification
-against the original on ORT CPU -> atomic write. A block that is not fused gets a reason.
+read -> symbolic shapes (shapes.py) -> the target's list of passes (passes.py: prepare,
+normalise, recognise, lower, tighten, tidy) -> verification against the original on ORT CPU
+-> atomic write. A block that is not fused gets a reason.
 """
 
 from __future__ import annotations
@@ -14,99 +14,42 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
-from onnxscript.optimizer import remove_unused_nodes
-from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx import __version__, metadata
-from mha_onnx.cache import LENGTH_INPUT
 from mha_onnx.errors import BlocksLeft, ConfigError, RuntimeCrash
 from mha_onnx.graphdims import dim_floors, with_related_dims
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.inputs import input_specs, load_inputs
 from mha_onnx.original import record as record_original
 from mha_onnx.preflight import Preflight, preflight
-from mha_onnx.rewrite.blocks import all_graphs, find_blocks, why_left
+from mha_onnx.rewrite.blocks import why_left
 from mha_onnx.rewrite.core import (
     BlockLog,
-    OnnxAttention,
-    SoftmaxAttention,
     parse_onnx_attention,
     parse_softmax_attention,
 )
-from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
-from mha_onnx.rewrite.irutil import MS_DOMAIN, opset
-from mha_onnx.rewrite.kv_interface import past_dim, shared_note
-from mha_onnx.rewrite.layer import tighten_layers
-from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
+from mha_onnx.rewrite.irutil import opset
+from mha_onnx.rewrite.kv_interface import past_dim
 from mha_onnx.rewrite.lower.ort import Forms
-from mha_onnx.rewrite.lower.rules import lower_to_ort
-from mha_onnx.rewrite.lower.shared import length_from_shapes, share_interface, shared_rows
-from mha_onnx.rewrite.norms import omit_unread_outputs, unguarded_norms
+from mha_onnx.rewrite.norms import unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
-from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
+from mha_onnx.rewrite.passes import FuseRun, Prepare, run_pipeline
 from mha_onnx.rewrite.scores import Reject
-from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
-from mha_onnx.rewrite.shapes import fold_static_dims, probability_shapes, with_symbolic_shapes
-from mha_onnx.rewrite.shared_probs import distribute_combinations, merge_value_matmuls
+from mha_onnx.rewrite.shapes import with_symbolic_shapes
 from mha_onnx.rewrite.verify import (
     refuse_mismatch,
     verification_cases,
     verify,
     verify_on_openvino,
 )
-from mha_onnx.rewrite.windows import window_mask_rules
 
 log = logging.getLogger(__name__)
 
 # openvino: the standard ops of ``onnx`` (OpenVINO fuses them into its own attention; measured
 # as fast as any contrib form there, docs/bench.md), verified on OpenVINO itself as well.
 TARGETS = ("ort", "onnx", "openvino")
-
-
-def _prepare(model: ir.Model, target: str) -> list[str]:
-    notes = []
-    if model.functions:
-        common_passes.InlinePass()(model)
-    _unique_node_names(model)
-    if target == "onnx" and opset(model) < ONNX_ATTENTION_OPSET:
-        from onnxscript.version_converter import convert_version
-
-        before = opset(model)
-        convert_version(model, ONNX_ATTENTION_OPSET, fallback=True)
-        model.opset_imports[""] = ONNX_ATTENTION_OPSET
-        notes.append(f"opset upgraded {before} -> {ONNX_ATTENTION_OPSET} for the ONNX Attention op")
-    try:
-        common_passes.ShapeInferencePass()(model)
-    except Exception as exc:  # noqa: BLE001 - shapes only help; rules fail without them
-        log.warning("shape inference failed (%s); fusing with the shapes in the file", exc)
-    fold_static_dims(model)  # static dims read by Shape chains: constants to fold further
-    probability_shapes(model)  # dims of a Softmax's output read elsewhere: DeBERTa's views
-    try:  # constant folding: masks that are constant (e.g. all-keep) become visible as such
-        optimize_faithfully(model)
-    except Exception as exc:  # noqa: BLE001 - optional clean-up
-        log.warning("onnxscript optimizer failed (%s); fusing the graph as it is", exc)
-    return notes
-
-
-def _unique_node_names(model: ir.Model) -> None:
-    """One identity per block: node names unique over the model, subgraphs included (an
-    Optimum merged decoder's two If branches name their nodes alike); a repeated name gets
-    its graph's name (the branch) after it."""
-    seen: set[str] = set()
-    for graph in all_graphs(model.graph):
-        for node in graph:
-            name = node.name or node.op_type
-            if name in seen:
-                base, n = f"{name}@{graph.name or 'subgraph'}", 1
-                name = base
-                while name in seen:
-                    n += 1
-                    name = f"{base}#{n}"
-            node.name = name
-            seen.add(name)
 
 
 def fuse_model(
@@ -128,85 +71,18 @@ def fuse_model(
     specs = input_specs(model_proto)
     related = with_related_dims(model_proto, specs)  # one name per axis
     model = to_ir(with_symbolic_shapes(related))
-    notes = _prepare(model, target)
-    notes += _normalise(model)
-    before = find_blocks(model.graph)
-    blog = BlockLog()
-    chosen: dict[str, Form] = {}
-    packed: dict[str, tuple[str, int, int]] = {}
-    oracle = Oracle(model, floors=dim_floors(specs))
-    RewriteRuleSet([SoftmaxAttention.rule(blog, opset(model), oracle, target, policy)]
-                   ).apply_to_model(model)
-    RewriteRuleSet([OnnxAttention.rule(blog, oracle, target, policy)]).apply_to_model(model)
-    remove_unused_nodes(model)
-    cache: dict | None = None
-    if target == "ort":
-        cache, packed = _lower_ort(model, policy, chosen, notes)
-    else:
-        RewriteRuleSet([LowerToOnnxAttention.rule(chosen, ungroup)]).apply_to_model(model)
-    model.opset_imports.pop(FUSION_DOMAIN, None)
-    remove_unused_nodes(model)
-    common_passes.NameFixPass()(model)
-    omit_unread_outputs(model.graph)
-    results = _results(before, blog, chosen)
+    run = FuseRun(target, policy, ungroup=ungroup, floors=dim_floors(specs))
+    notes = run_pipeline(model, run)
+    results = _results(run.before, run.blog, run.chosen)
     fused = ir.to_proto(model)
-    if packed:  # validate rebuilds PyTorch references from weights: where each one went
-        metadata.write(fused, {"packed": {k: list(v) for k, v in packed.items()}})
-    if cache:  # which outputs are which past's present, by any names
-        cache["past_dim"] = past_dim(model_proto, cache["pairs"])
-        metadata.write(fused, {"kv_cache": cache})
+    if run.packed:  # validate rebuilds PyTorch references from weights: where each one went
+        metadata.write(fused, {"packed": {k: list(v) for k, v in run.packed.items()}})
+    if run.cache:  # which outputs are which past's present, by any names
+        run.cache["past_dim"] = past_dim(model_proto, run.cache["pairs"])
+        metadata.write(fused, {"kv_cache": run.cache})
     if fused.ir_version > 10 and model_proto.ir_version <= 10:
         fused.ir_version = model_proto.ir_version
     return fused, results, notes
-
-
-def _lower_ort(model: ir.Model, policy: Forms, chosen: dict[str, Form], notes: list[str]
-               ) -> tuple[dict | None, dict[str, tuple[str, int, int]]]:
-    """Stage 2 onto ORT's kernels, the KV-cache interface (shared buffers where asked) and
-    the layers tightened; (the cache record or None, where packed weights went)."""
-    stage = lower_to_ort(model, policy)
-    chosen.update(stage.forms)
-    pairs = stage.pairs(model.graph)
-    rows = shared_rows(stage.layers)
-    shared = share_interface(model.graph, stage.layers)
-    tightened, packed = tighten_layers(model, chosen, rotate=policy.ep == "cpu")
-    notes += tightened
-    from_shapes = bool(shared) and rows is not None \
-        and length_from_shapes(model.graph, rows, set(pairs))
-    if policy.kv_cache == "shared":
-        notes.append(shared_note(shared, chosen, rows, from_shapes))
-    model.opset_imports.setdefault(MS_DOMAIN, 1)
-    if not pairs:
-        return None, packed
-    cache: dict = {"form": "shared" if shared else "appended", "pairs": pairs}
-    if shared and rows is not None:  # each buffer row holds that row's kept keys first
-        cache["rows"] = rows.to_dict()
-    if shared:  # where the cached length comes from
-        cache["past_length"] = "mask - ids" if from_shapes else LENGTH_INPUT
-    return cache, packed
-
-
-def _normalise(model: ir.Model) -> list[str]:
-    """Repairs ORT needs, and attention spelt so that each Softmax is one block; notes."""
-    notes = []
-    repaired: list[str] = []
-    windows: list[str] = []
-    RewriteRuleSet([RotaryCachesOverBatch.rule(repaired),
-                    *window_mask_rules(windows)]).apply_to_model(model)
-    if repaired:
-        notes.append(f"repaired {len(repaired)} RotaryEmbedding node(s) that onnxruntime 1.31 "
-                     "refuses (cos/sin caches broadcast over the batch, now expanded)")
-    if windows:
-        remove_unused_nodes(model)  # the views and their Adds
-        notes.append(f"{len(windows)} mask(s) added on a view of the scores with one more "
-                     "axis (Swin's [B, windows, heads, N, N], DETR's [B, heads, T, S]) made a "
-                     "bias on the scores")
-    merged = merge_value_matmuls(model) + distribute_combinations(model)
-    if merged:
-        remove_unused_nodes(model)  # the scaled weights now read by nothing
-        notes.append(f"{merged} differential attention(s) (Softmax weights applied to several "
-                     "value tensors, or combined before V) made one attention per Softmax")
-    return notes
 
 
 def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
@@ -215,7 +91,7 @@ def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
     specs = input_specs(model_proto)
     related = with_related_dims(model_proto, specs)  # one name per axis
     model = to_ir(with_symbolic_shapes(related))
-    _prepare(model, "ort")
+    Prepare(FuseRun("ort"))(model)
     oracle = Oracle(model, floors=dim_floors(specs))
     out: dict[str, str] = {}
     for node in model.graph:

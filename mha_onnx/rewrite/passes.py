@@ -1,0 +1,399 @@
+"""Fusion as an ordered list of passes: what ``fuse_model`` runs, per target.
+
+Each stage is an onnx-ir ``InPlacePass`` (``requires`` checks that it is on the list of its
+target, ``call`` returns a ``PassResult``) that counts what it did; the fuse report's notes
+are rendered from those counts. The passes share one ``FuseRun``: the target and its form
+policy going in, the blocks and forms found coming out.
+
+    prepare -> normalise -> recognise -> lower (ORT | ONNX) -> tighten -> cache record -> tidy
+
+``pipeline(run)`` gives the list. The ORT target lowers onto ORT's contrib kernels, then
+tightens the layer around them (below); passes measured on the CPU kernels only (the
+residual Sum, the rotary fold, the packed Q/K/V) are on the list for ``ep == "cpu"`` alone,
+so that what a GPU gets is read off the list, not off a switch inside a function. The ONNX
+target (and OpenVINO, which reads the same standard ops) lowers onto ONNX's Attention.
+
+Tightening the rest of the layer, where a decode step's time goes once attention is fast,
+in order: RMS norms onto SimplifiedLayerNormalization and, for the CPU, residual Adds before
+a float32 LayerNormalization written as Sum (norms.py); the exporter's rotary
+folded into GroupQueryAttention, its Q/K/V projections packed into one MatMul the kernel
+reads whole (rotary.py, packing.py); a guard nested in a guard's fast branch merged into one
+condition (sink.py); every layer's guard computed once (tidy.py); what only a guarded branch
+reads moved into it, and what only every layer's general branch reads computed behind one
+If (sink.py); last, any other GroupQueryAttention's projections packed too (packing.py,
+after the sinking: a branch's own copies are what its kernel alone reads). A decode
+step of the Optimum Llama in docs/bench.md runs 48 kernels (the export: 269; ORT GenAI's
+hand-built graph: 29).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from onnxscript.optimizer import remove_unused_nodes
+from onnxscript.rewriter import RewriteRuleSet
+
+from mha_onnx.cache import LENGTH_INPUT
+from mha_onnx.rewrite.blocks import all_graphs, find_blocks
+from mha_onnx.rewrite.core import BlockLog, OnnxAttention, SoftmaxAttention
+from mha_onnx.rewrite.faithful import optimize_faithfully
+from mha_onnx.rewrite.forms import Form, rotating_kernels
+from mha_onnx.rewrite.irutil import MS_DOMAIN, opset
+from mha_onnx.rewrite.kv_interface import shared_note
+from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
+from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.lower.rules import lower_to_ort
+from mha_onnx.rewrite.lower.shared import length_from_shapes, share_interface, shared_rows
+from mha_onnx.rewrite.norms import fuse_norms, omit_unread_outputs, residual_sums
+from mha_onnx.rewrite.oracle import Oracle
+from mha_onnx.rewrite.packing import pack_kernel_inputs
+from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
+from mha_onnx.rewrite.rotary import Folded, fold_rotary
+from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
+from mha_onnx.rewrite.shapes import fold_static_dims, probability_shapes
+from mha_onnx.rewrite.shared_probs import distribute_combinations, merge_value_matmuls
+from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
+from mha_onnx.rewrite.tidy import share_guards
+from mha_onnx.rewrite.windows import window_mask_rules
+
+log = logging.getLogger(__name__)
+
+ROTATING_NOTE = ("{} block(s) rotate Q and K inside GroupQueryAttention (do_rotary, with cos/sin "
+                 "tables of {} positions taken from the graph's own rotation) where a run's "
+                 "positions allow it (inside the tables; a prompt's counted up from the "
+                 "first row's); other runs take the exporter's rotation")
+
+
+@dataclass
+class FuseRun:
+    """What the passes of one fuse share: the target ("ort" or "onnx"), its form policy and
+    floors (in); the blocks found before recognition, the log of each block, the form each
+    fused block got, where packed weights went and the KV-cache record (out)."""
+
+    target: str
+    policy: Forms = field(default_factory=Forms)
+    ungroup: bool = False  # OpenVINO's Attention import takes no grouped K/V
+    floors: dict = field(default_factory=dict)
+    before: list = field(default_factory=list)
+    blog: BlockLog = field(default_factory=BlockLog)
+    chosen: dict[str, Form] = field(default_factory=dict)
+    packed: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    cache: dict | None = None
+    rotating: Folded = field(default_factory=lambda: Folded({}))
+    layers: list = field(default_factory=list)
+
+
+class FusionPass(ir.passes.InPlacePass):
+    """A stage of fuse: ``apply`` rewrites the model and returns what it did, by name
+    (``counts``); ``NOTES`` renders the counts that users read in the fuse report.
+    ``TARGETS``/``EPS``: the targets and execution providers whose list it is on."""
+
+    TARGETS: tuple[str, ...] = ("ort", "onnx")
+    EPS: tuple[str, ...] | None = None  # None: any
+    NOTES: dict[str, str] = {}
+
+    def __init__(self, run: FuseRun) -> None:
+        super().__init__()
+        self.run = run
+        self.counts: dict[str, int] = {}
+
+    def requires(self, model: ir.Model) -> None:
+        if self.run.target not in self.TARGETS or (
+                self.EPS is not None and self.run.policy.ep not in self.EPS):
+            raise ir.passes.PreconditionError(
+                f"{type(self).__name__} is a pass for target(s) {', '.join(self.TARGETS)}"
+                + (f" on {', '.join(self.EPS)}" if self.EPS else "")
+                + f", not {self.run.target} on {self.run.policy.ep}")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.counts = self.apply(model)
+        return ir.passes.PassResult(model, modified=any(bool(v) for v in self.counts.values()))
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        raise NotImplementedError
+
+    def notes(self) -> list[str]:
+        return [self.NOTES[k].format(n=v) for k, v in self.counts.items()
+                if v and k in self.NOTES]
+
+
+class Prepare(FusionPass):
+    """Functions inlined, node names unique over the model (subgraphs included), the opset
+    raised for ONNX's Attention (ONNX target), shapes inferred, static dims read by Shape
+    chains folded, Softmax outputs' dims read elsewhere named, then onnxscript's optimizer
+    without the rules that change what a value computes (faithful.py)."""
+
+    NOTES = {"upgraded_from": "opset upgraded {n} -> " + str(ONNX_ATTENTION_OPSET)
+             + " for the ONNX Attention op"}
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        counts = {"inlined": len(model.functions)}
+        if model.functions:
+            common_passes.InlinePass()(model)
+        counts["renamed"] = unique_node_names(model)
+        if self.run.target == "onnx" and opset(model) < ONNX_ATTENTION_OPSET:
+            from onnxscript.version_converter import convert_version
+
+            counts["upgraded_from"] = opset(model)
+            convert_version(model, ONNX_ATTENTION_OPSET, fallback=True)
+            model.opset_imports[""] = ONNX_ATTENTION_OPSET
+        try:
+            common_passes.ShapeInferencePass()(model)
+        except Exception as exc:  # noqa: BLE001 - shapes only help; rules fail without them
+            log.warning("shape inference failed (%s); fusing with the shapes in the file", exc)
+        counts["static_dims"] = fold_static_dims(model)
+        counts["probability_shapes"] = probability_shapes(model)
+        try:  # constant folding: masks that are constant (e.g. all-keep) become visible
+            optimize_faithfully(model)
+        except Exception as exc:  # noqa: BLE001 - optional clean-up
+            log.warning("onnxscript optimizer failed (%s); fusing the graph as it is", exc)
+        return counts
+
+
+def unique_node_names(model: ir.Model) -> int:
+    """One identity per block: node names unique over the model, subgraphs included (an
+    Optimum merged decoder's two If branches name their nodes alike); a repeated name gets
+    its graph's name (the branch) after it. Returns how many were renamed."""
+    seen: set[str] = set()
+    renamed = 0
+    for graph in all_graphs(model.graph):
+        for node in graph:
+            name = node.name or node.op_type
+            if name in seen:
+                base, n = f"{name}@{graph.name or 'subgraph'}", 1
+                name = base
+                while name in seen:
+                    n += 1
+                    name = f"{base}#{n}"
+                renamed += 1
+            node.name = name
+            seen.add(name)
+    return renamed
+
+
+class Normalise(FusionPass):
+    """Repairs ORT needs and attention spelt so that each Softmax is one block: RotaryEmbedding
+    caches broadcast over the batch expanded, masks added on a view of the scores made biases
+    on them (windows.py), Softmax weights applied to several value tensors made one attention
+    each (shared_probs.py)."""
+
+    NOTES = {
+        "repaired": "repaired {n} RotaryEmbedding node(s) that onnxruntime 1.31 refuses "
+                    "(cos/sin caches broadcast over the batch, now expanded)",
+        "views": "{n} mask(s) added on a view of the scores with one more axis (Swin's [B, "
+                 "windows, heads, N, N], DETR's [B, heads, T, S]) made a bias on the scores",
+        "shared_probabilities": "{n} differential attention(s) (Softmax weights applied to "
+                                "several value tensors, or combined before V) made one "
+                                "attention per Softmax"}
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        repaired: list[str] = []
+        windows: list[str] = []
+        RewriteRuleSet([RotaryCachesOverBatch.rule(repaired),
+                        *window_mask_rules(windows)]).apply_to_model(model)
+        if windows:
+            remove_unused_nodes(model)  # the views and their Adds
+        merged = merge_value_matmuls(model) + distribute_combinations(model)
+        if merged:
+            remove_unused_nodes(model)  # the scaled weights now read by nothing
+        return {"repaired": len(repaired), "views": len(windows),
+                "shared_probabilities": merged}
+
+
+class Recognise(FusionPass):
+    """Every attention block (a Softmax between Q·K^T and ·V, or ONNX's Attention) whose mask
+    is proven by evaluation becomes the internal Sdpa node (core.py); the others keep a
+    reason in the run's block log. The blocks as found before are kept for the report."""
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        run = self.run
+        run.before = find_blocks(model.graph)
+        oracle = Oracle(model, floors=run.floors)
+        RewriteRuleSet([SoftmaxAttention.rule(run.blog, opset(model), oracle, run.target,
+                                              run.policy)]).apply_to_model(model)
+        RewriteRuleSet([OnnxAttention.rule(run.blog, oracle, run.target, run.policy)]
+                       ).apply_to_model(model)
+        remove_unused_nodes(model)
+        return {"blocks": len(run.before), "recognised": len(run.blog.matched)}
+
+
+class LowerToOrt(FusionPass):
+    """Sdpa onto ORT's kernels (GroupQueryAttention, MultiHeadAttention, the Loop form), each
+    block's form chosen by the policy (lower/rules.py); with ``kv_cache="shared"`` the KV
+    interface made max-length buffers (lower/shared.py)."""
+
+    TARGETS = ("ort",)
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        run = self.run
+        stage = lower_to_ort(model, run.policy)
+        run.chosen.update(stage.forms)
+        run.layers = stage.layers
+        pairs = stage.pairs(model.graph)
+        rows = shared_rows(stage.layers)
+        shared = share_interface(model.graph, stage.layers)
+        run.cache = {"pairs": pairs, "rows": rows, "shared": shared}
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+        return {"lowered": len(stage.forms), "cache_pairs": len(pairs)}
+
+
+class LowerToOnnx(FusionPass):
+    """Sdpa onto ONNX's Attention (opset 23), K/V heads repeated for OpenVINO."""
+
+    TARGETS = ("onnx",)
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        before = len(self.run.chosen)
+        RewriteRuleSet([LowerToOnnxAttention.rule(self.run.chosen, self.run.ungroup)]
+                       ).apply_to_model(model)
+        return {"lowered": len(self.run.chosen) - before}
+
+
+class FuseNorms(FusionPass):
+    """RMS normalisations (with the residual Add before them) onto ORT's
+    SimplifiedLayerNormalization kernels (norms.py)."""
+
+    TARGETS = ("ort",)
+    NOTES = {"norms": "{n} RMS normalisation(s) (with the residual Add where there is one) "
+                      "onto ORT's SimplifiedLayerNormalization kernels"}
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        return {"norms": fuse_norms(model)}
+
+
+class ResidualSums(FusionPass):
+    """Residual Adds before a float32 LayerNormalization written as Sum, so that ORT does not
+    fuse them into SkipLayerNormalization (slower on the CPU; a GPU's fast kernel)."""
+
+    TARGETS, EPS = ("ort",), ("cpu",)
+    NOTES = {"sums": "{n} residual Add(s) before a float32 LayerNormalization written as Sum: "
+                     "ORT would fuse them into SkipLayerNormalization, 1.5-5.5x slower on the "
+                     "CPU"}
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        return {"sums": residual_sums(model)}
+
+
+class FoldRotary(FusionPass):
+    """The exporter's rotary folded into GroupQueryAttention (do_rotary) and its Q/K/V
+    projections packed into one MatMul the kernel reads whole (rotary.py); measured on the
+    CPU kernel only (how a GPU's kernel reads position_ids never was)."""
+
+    TARGETS, EPS = ("ort",), ("cpu",)
+    NOTES = {"packed_groups": "{n} Q/K/V projection(s) packed into one MatMul each, read whole "
+                              "by the kernel that rotates them"}
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        run = self.run
+        run.rotating = rotating = fold_rotary(model)
+        run.packed.update(rotating.packed)
+        for block, positions in rotating.blocks.items():
+            if block in run.chosen:  # (a kernel node not lowered from a recognised block)
+                run.chosen[block] = rotating_kernels(run.chosen[block], positions,
+                                                     step=block in rotating.steps,
+                                                     prompt=block in rotating.prompts)
+        return {"packed_groups": len({name for name, _, _ in rotating.packed.values()}),
+                "rotating": len(rotating.blocks)}
+
+    def notes(self) -> list[str]:
+        rows = " / ".join(map(str, self.run.rotating.rows))
+        return super().notes() + ([ROTATING_NOTE.format(self.counts["rotating"], rows)]
+                                  if self.counts.get("rotating") else [])
+
+
+class Guards(FusionPass):
+    """The kernels' shape guards tidied (sink.py, tidy.py): a guard nested in a guard's fast
+    branch merged into one condition, every layer's guard computed once, what only a guarded
+    branch reads moved into it, what only the general branches read behind one If."""
+
+    TARGETS = ("ort",)
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        merge_nested_guards(model.graph)
+        share_guards(model)  # (also drops the readers the rewrites left)
+        sink_into_branches(model.graph, self.run.rotating.copyable(model.graph))
+        hoist_by_condition(model.graph)
+        return {}
+
+
+class PackKernelInputs(FusionPass):
+    """Any other GroupQueryAttention's projections packed into one MatMul, Q, K and V read
+    as one tensor (packing.py; after the guards: a branch's own copies are what its kernel
+    alone reads)."""
+
+    TARGETS, EPS = ("ort",), ("cpu",)
+    NOTES = {"kernels": "{n} GroupQueryAttention kernel(s) read Q, K and V as one packed "
+                        "tensor (their projections joined into one MatMul, or the exporter's "
+                        "own before its split)"}
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        kernels, plain = pack_kernel_inputs(model)
+        if kernels:
+            self.run.packed.update(plain)
+        return {"kernels": kernels}
+
+
+class RecordCache(FusionPass):
+    """The KV-cache record the fused model carries (which present is which past's, the
+    cache form, each buffer row's layout, where a shared cache's past length comes from),
+    and the note on sharing where ``kv_cache="shared"`` was asked for."""
+
+    TARGETS = ("ort",)
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        run = self.run
+        found = run.cache or {"pairs": {}, "rows": None, "shared": 0}
+        pairs, rows, shared = found["pairs"], found["rows"], found["shared"]
+        from_shapes = bool(shared) and rows is not None \
+            and length_from_shapes(model.graph, rows, set(pairs))
+        self._note = shared_note(shared, run.chosen, rows, from_shapes) \
+            if run.policy.kv_cache == "shared" else None
+        if not pairs:
+            run.cache = None
+            return {"pairs": 0}
+        cache: dict = {"form": "shared" if shared else "appended", "pairs": pairs}
+        if shared and rows is not None:  # each buffer row holds that row's kept keys first
+            cache["rows"] = rows.to_dict()
+        if shared:  # where the cached length comes from
+            cache["past_length"] = "mask - ids" if from_shapes else LENGTH_INPUT
+        run.cache = cache
+        return {"pairs": len(pairs), "shared": int(shared)}
+
+    def notes(self) -> list[str]:
+        return [self._note] if getattr(self, "_note", None) else []
+
+
+class Tidy(FusionPass):
+    """The internal domain dropped, nodes nothing reads removed, names fixed, outputs nothing
+    reads left unwritten (LayerNormalization's mean and inverse deviation)."""
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        model.opset_imports.pop(FUSION_DOMAIN, None)
+        remove_unused_nodes(model)
+        common_passes.NameFixPass()(model)
+        omit_unread_outputs(model.graph)
+        return {}
+
+
+ORT_PASSES = (Prepare, Normalise, Recognise, LowerToOrt, FuseNorms, ResidualSums,
+              FoldRotary, Guards, PackKernelInputs, RecordCache, Tidy)
+ONNX_PASSES = (Prepare, Normalise, Recognise, LowerToOnnx, Tidy)
+
+
+def pipeline(run: FuseRun) -> list[FusionPass]:
+    """The passes of ``run``'s target, in order; those for other execution providers left
+    out (a GPU's list has no residual Sum, rotary fold or packed Q/K/V)."""
+    kinds = ORT_PASSES if run.target == "ort" else ONNX_PASSES
+    return [kind(run) for kind in kinds
+            if kind.EPS is None or run.policy.ep in kind.EPS]
+
+
+def run_pipeline(model: ir.Model, run: FuseRun) -> list[str]:
+    """Every pass of ``pipeline(run)`` on ``model`` (in place); the notes they give."""
+    passes = pipeline(run)
+    for each in passes:
+        each(model)
+    return [note for each in passes for note in each.notes()]
