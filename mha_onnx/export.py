@@ -307,7 +307,7 @@ def _locate_params(model: onnx.ModelProto, state: dict[str, Any]) -> dict[str, d
 
 def _post_export_checks(model: onnx.ModelProto, config: MhaConfig, module32: Any) -> list[CheckResult]:
     """onnx.checker, IR version, an ORT session, then parity with the PyTorch reference."""
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     try:
         onnx.checker.check_model(model, full_check=True)

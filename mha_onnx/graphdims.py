@@ -177,7 +177,7 @@ _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BF
 
 def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int,
                tables: list[int]) -> int:
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     smallest = sorted({kernel * 2**k for k in range(8)} | set(COMMON_SIZES))[:MAX_TRIALS]
     candidates = tables + [s for s in smallest if s not in tables]
@@ -273,7 +273,7 @@ def _structure(model: onnx.ModelProto) -> str:
 
 
 def _find_floors(model: onnx.ModelProto, specs: Sequence, names: list[str]) -> dict[str, int]:
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
         def runs(sizes: dict) -> bool:
@@ -342,7 +342,7 @@ def _related(specs: Sequence) -> list:
 
 def _needs_relating(model: onnx.ModelProto, specs: Sequence, related: list) -> bool:
     """Does the model fail at distinct sizes for its dims but run with them related?"""
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     names = sorted({d for s in specs for d in s.dims if isinstance(d, str) and "+" not in d})
     rising = {name: 2 + n for n, name in enumerate(names)}  # distinct small sizes, both ways

@@ -241,7 +241,7 @@ def test_the_shared_adapter_keeps_one_buffer_over_a_decode(export_cache, tmp_pat
     reach an output."""
     from mha_onnx import cache as kv
     from mha_onnx.parity.decode import decode_chains
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     out, _ = _shared(tmp_path, export_cache(CFG))
     model = onnx.load(out)

@@ -187,7 +187,7 @@ def test_target_onnx_of_a_grouped_padded_decoder_loads_and_verifies(name, tmp_pa
     from pathlib import Path
 
     from mha_onnx.rewrite import fuse_file
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     source = Path(__file__).parent / "fixtures" / "optimum" / name / "model.onnx"
     report = fuse_file(source, tmp_path / "onnx.onnx", target="onnx")

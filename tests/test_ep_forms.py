@@ -16,7 +16,7 @@ from mha_onnx.errors import ConfigError
 from mha_onnx.parity.report import ProviderStatus
 from mha_onnx.parity.run import placement_notes
 from mha_onnx.rewrite.lower.ort import Forms
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 from tests.conftest import SMALL
 from tests.fusing import fused_and_checked, ops
 

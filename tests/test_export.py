@@ -12,7 +12,7 @@ from mha_onnx.errors import ExportError, OutputExistsError
 from mha_onnx.export import export_model
 from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
 from mha_onnx.reference import build_reference, run_reference
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 
 SMALL = MhaConfig(d_model=32, num_heads=4, name="small")
 COMBOS = [(a, m) for a in ("self", "cross") for m in ("none", "key-padding", "causal")]

@@ -91,7 +91,7 @@ def test_constants_a_rewrite_made_under_one_name_are_all_registered():
     names both shapes `{input}/shape` and its rewriter kept one (its issue 2945), leaving the
     second Reshape reading a value nothing produced; ORT refused the fused Qwen3-MoE. Every
     such constant is registered again under a name of its own."""
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])
     outs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [2, 12]) for i in range(3)]

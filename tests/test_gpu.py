@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mha_onnx.config import MhaConfig
-from mha_onnx.runtimes import OrtRunner, cuda_available, node_placement
+from mha_onnx.runtime.ort import OrtRunner, cuda_available, node_placement
 
 _OK, _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"CUDA EP unavailable: {_WHY}")]

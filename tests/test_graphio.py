@@ -7,7 +7,7 @@ import pytest
 import mha_onnx.graphio as graphio
 from mha_onnx.errors import ModelFileError, OutputExistsError
 from mha_onnx.graphio import read_model, write_model
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 
 
 def test_large_models_go_to_external_data_and_come_back(export_cache, tmp_path, monkeypatch):

@@ -388,7 +388,7 @@ def test_read_model_rejects_dangling_inputs(tmp_path):
 def test_float16_has_no_nan_where_float32_has_none(export_cache, mask, tmp_path):
     from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
     from mha_onnx.rewrite import fuse_file
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     cfg = MhaConfig(d_model=64, num_heads=4, mask=mask, dtype="float16", name="h")
     src = export_cache(cfg)

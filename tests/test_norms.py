@@ -13,7 +13,7 @@ from onnxscript.optimizer import remove_unused_nodes
 
 from mha_onnx.graphio import check_structure
 from mha_onnx.rewrite.norms import fuse_norms, omit_unread_outputs
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 
 F = TensorProto.FLOAT
 DIM = 16

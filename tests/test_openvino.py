@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 from mha_onnx.errors import ConfigError
 from mha_onnx.parity import ValidateConfig, validate_model
-from mha_onnx.runners import make_runner
-from mha_onnx.runtime_openvino import OpenVinoRunner, device_of, reduced_precision
-from mha_onnx.runtimes import ProviderUnavailableError, parse_providers
+from mha_onnx.runtime import make_runner
+from mha_onnx.runtime.openvino import OpenVinoRunner, device_of, reduced_precision
+from mha_onnx.runtime.ort import ProviderUnavailableError, parse_providers
 from tests.conftest import SMALL
 from tests.irgraphs import node, tensor
 

@@ -9,7 +9,7 @@ import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from mha_onnx.rewrite.packing import pack, projections
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 
 
 def _model(widths: list[int], other_input: bool = False) -> onnx.ModelProto:

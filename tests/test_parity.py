@@ -13,7 +13,7 @@ from mha_onnx.errors import EXIT_MISMATCH, EXIT_OK, EXIT_PROVIDER, InputSpecErro
 from mha_onnx.inputs import input_specs, parse_shapes
 from mha_onnx.parity import ValidateConfig, parse_tolerances, validate_model
 from mha_onnx.rewrite import fuse_file
-from mha_onnx.runtimes import cuda_available
+from mha_onnx.runtime.ort import cuda_available
 
 CFG = MhaConfig(d_model=32, num_heads=4, name="t", mask="key-padding")
 

@@ -16,7 +16,7 @@ from mha_onnx.errors import FusionError, ModelFileError
 from mha_onnx.inputs import ShapeCase, input_specs, make_inputs
 from mha_onnx.rewrite import fuse_file, fuse_model
 from mha_onnx.rewrite.verify import verify
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 from tests.fusing import fused_and_checked, ops
 
 SMALL = MhaConfig(d_model=64, num_heads=4, name="small")

@@ -16,7 +16,7 @@ from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.norms import fuse_norms
 from mha_onnx.rewrite.rotary import fold_rotary
 from mha_onnx.rewrite.sink import sink_into_branches
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 
 N, G, D = 4, 2, 16  # query heads, K/V heads, head size
 
@@ -270,7 +270,7 @@ def test_a_left_padded_prompt_is_rotated_by_rotary_embedding(tmp_path, positions
     """The kernel counts a prompt's positions up from the first row's first: a left-padded
     prompt runs RotaryEmbedding over the same tables, each token at its own position, not
     the exporter's dozen ops (ORT's profiler says which ran)."""
-    from mha_onnx.runtimes import read_profile
+    from mha_onnx.runtime.ort import read_profile
 
     original = _model()
     _, model = _folded(original)

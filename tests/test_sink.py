@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 
 X = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
 

@@ -9,7 +9,7 @@ import onnx_ir as ir
 from onnx import TensorProto, helper
 
 from mha_onnx.rewrite.tidy import share_guards
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 
 
 def _model() -> onnx.ModelProto:

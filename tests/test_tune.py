@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 from mha_onnx.tune.dispatch import dispatch
 from mha_onnx.tune.rules import ORIGINAL, Rule, TuneResult, choose, choose_by_batch, settle
 from tests.conftest import SMALL

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from mha_onnx.cache import LENGTH_INPUT
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 from tools import suite
 
 KV, D = 4, 64
@@ -151,7 +151,7 @@ def op_shares(graphs: dict[str, Path], args) -> None:
     import tempfile
     from collections import Counter
 
-    from mha_onnx.runtimes import read_profile
+    from mha_onnx.runtime.ort import read_profile
 
     runs = 5
     for phase, new, past in (("prompt", args.prompt, 0), ("decode", 1, args.context)):

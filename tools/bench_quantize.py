@@ -80,7 +80,7 @@ def accuracy_rows(models: dict[str, Path]) -> list[tuple]:
 
 
 def timing_rows(models: dict[str, Path], args) -> list[tuple]:
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
     from tools.bench_optimum_run import _feeds, _step, _time
 
     runners = {k: OrtRunner(v, threads=args.threads, spinning=False) for k, v in models.items()}
@@ -110,7 +110,7 @@ def kernel_times(models: dict[str, Path], args) -> list[str]:
     import tempfile
     from collections import Counter
 
-    from mha_onnx.runtimes import OrtRunner, read_profile
+    from mha_onnx.runtime.ort import OrtRunner, read_profile
     from tools.bench_optimum_run import _feeds, _step
 
     lines, steps = [], 20

@@ -139,7 +139,7 @@ def check(folder: Path, providers: tuple[str, ...], md: str | None, out: str | N
 def kernels(folder: Path, provider: str) -> int:
     from mha_onnx.graphio import read_model
     from mha_onnx.inputs import case_for, input_specs, make_inputs
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     for path in sorted(folder.glob("*.fused.onnx")):
         model = read_model(path)

@@ -52,7 +52,7 @@ def profile(ctx, models, providers, batches, seq_lens, warmup, iters, min_time, 
         write_csv,
     )
     from mha_onnx.profile import plot as draw
-    from mha_onnx.runtimes import parse_providers
+    from mha_onnx.runtime.ort import parse_providers
 
     for path in (csv_path, plot_path):  # refuse before the long run, not after it
         if path:

@@ -52,7 +52,7 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
     from mha_onnx.inputs import input_specs, parse_shapes
     from mha_onnx.parity import ValidateConfig, parse_tolerances, validate_model
     from mha_onnx.quantize.accuracy import Thresholds
-    from mha_onnx.runtimes import parse_providers
+    from mha_onnx.runtime.ort import parse_providers
 
     cases = tuple(parse_shapes(shapes, input_specs(read_model(model)))) if shapes else None
     config = ValidateConfig(

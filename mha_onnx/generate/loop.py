@@ -136,7 +136,7 @@ class Generator:
         from mha_onnx.generate.interface import read_interface
         from mha_onnx.graphio import read_model
         from mha_onnx.metadata import session_options
-        from mha_onnx.runtimes import OrtRunner
+        from mha_onnx.runtime.ort import OrtRunner
 
         proto = read_model(model, load_external_data=False)
         self.path = Path(model)

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from mha_onnx.runners import make_runner
+from mha_onnx.runtime import make_runner
 from mha_onnx.stats import compare
 
 Tolerance = Callable[[str, np.dtype], tuple[float, float]]

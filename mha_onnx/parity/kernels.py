@@ -22,7 +22,7 @@ def attention_kernels(model: str, feeds: Mapping[str, np.ndarray], specs: Sequen
     """op type -> how many times it ran in one run of ``model`` on ``feeds`` (appended
     interface; a shared-buffer model runs behind its adapter)."""
     from mha_onnx.cache import SharedCache
-    from mha_onnx.runtimes import OrtRunner, read_profile
+    from mha_onnx.runtime.ort import OrtRunner, read_profile
 
     with tempfile.TemporaryDirectory(prefix="mha_onnx_kernels_") as folder:
         runner = OrtRunner(model, "cpu", profile_dir=folder, strict=False)

@@ -16,8 +16,8 @@ from mha_onnx.graphio import all_initializers, read_model
 from mha_onnx.inputs import input_specs
 from mha_onnx.metadata import CheckResult, session_options
 from mha_onnx.parity.config import ValidateConfig
-from mha_onnx.preflight import preflight
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
+from mha_onnx.runtime.preflight import preflight
 
 
 def _weight(arrays: dict, packed: dict, name: str) -> np.ndarray | None:

@@ -43,11 +43,10 @@ from mha_onnx.parity.golden import (
 from mha_onnx.parity.kernels import attention_kernels, describe
 from mha_onnx.parity.references import references_for
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
-from mha_onnx.preflight import preflight
 from mha_onnx.profile.roofline import machine_info
-from mha_onnx.runners import make_runner
-from mha_onnx.runtime_openvino import is_openvino
-from mha_onnx.runtimes import OrtRunner, ProviderError, node_placement
+from mha_onnx.runtime import capabilities, make_runner
+from mha_onnx.runtime.ort import OrtRunner, ProviderError, node_placement
+from mha_onnx.runtime.preflight import preflight
 from mha_onnx.stats import compare
 
 log = logging.getLogger(__name__)
@@ -220,7 +219,7 @@ def placement_notes(model, statuses: Sequence[ProviderStatus]) -> list[str]:
     fusion = metadata.loaded(model, "fusion") or {}
     fused_for = fusion.get("ep", "cpu") if fusion.get("target", "ort") == "ort" else None
     for status in statuses:
-        if not status.ran or status.provider == "cpu" or is_openvino(status.provider):
+        if not status.ran or not capabilities(status.provider).places_nodes_on_cpu:
             continue
         kernels = [n for n in status.cpu_nodes if n.endswith(ATTENTION_KERNELS)]
         if kernels:
@@ -340,7 +339,7 @@ def _start_providers(path: str, config: ValidateConfig, probe_feeds: dict[str, n
     statuses: list[ProviderStatus] = []
     runners: dict[str, OrtRunner] = {}
     for provider in config.providers:
-        ort = not is_openvino(provider)  # ORT meets the model in a child process first
+        ort = capabilities(provider).child_preflight  # ORT meets the model in a child first
         checked = preflight(path, provider, level) if ort else None
         if checked is not None and checked.crashed:
             statuses.append(ProviderStatus(provider, False, checked.message()))
@@ -395,6 +394,6 @@ def _masked_rows(case: ShapeCase, gots, wants, special, out_dims) -> list[Masked
         seen = {key: _behaviour(np.take(want[name], rows, axis=axis))
                 for key, want in wants.items() if name in want}
         for provider, got in gots.items():
-            seen[provider if is_openvino(provider) else f"ort {provider}"] = _behaviour(np.take(got[name], rows, axis=axis))
+            seen[capabilities(provider).label] = _behaviour(np.take(got[name], rows, axis=axis))
         out.append(MaskedRows(case.describe(), name, f"batch entries {rows}", seen))
     return out

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mha_onnx.errors import ConfigError
-from mha_onnx.runtime_openvino import is_openvino
+from mha_onnx.runtime import capabilities
 from mha_onnx.table import human_bytes, table
 
 SCHEMA_VERSION = 2
@@ -166,7 +166,7 @@ class ProfileReport:
         lines = [f"profile on {self.machine.get('processor') or self.machine.get('machine')} "
                  f"({self.machine.get('cpus')} CPUs), onnxruntime {self.machine.get('onnxruntime')}"
                  + (f", openvino {self.machine['openvino']}" if self.machine.get("openvino")
-                    and any(is_openvino(p.provider) for p in self.points) else "")
+                    and any(capabilities(p.provider).runtime == "openvino" for p in self.points) else "")
                  + (", models interleaved in one process" if self.interleaved else "")]
         for key, value in self.roofline_gflops.items():
             lines.append(f"  matmul roofline ({key}): {value:.1f} GFLOP/s")

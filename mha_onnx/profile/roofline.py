@@ -55,10 +55,9 @@ def matmul_roofline(provider: str, threads: int | None, dtype: str = "float32") 
     """GFLOP/s of large square MatMuls on ``provider`` (best of several runs and sizes)."""
     from onnx import TensorProto, helper
 
-    from mha_onnx.runners import make_runner
-    from mha_onnx.runtime_openvino import device_of, is_openvino
+    from mha_onnx.runtime import capabilities, make_runner
 
-    on_cpu = provider == "cpu" or (is_openvino(provider) and device_of(provider) == "CPU")
+    on_cpu = capabilities(provider).device == "CPU"
     sizes = (512, 1024, 2048) if on_cpu else (4096, 8192)
     elem = TensorProto.FLOAT16 if dtype == "float16" else TensorProto.FLOAT
     np_dtype = np.float16 if dtype == "float16" else np.float32
@@ -94,7 +93,7 @@ def memory_bandwidth(provider: str, threads: int | None) -> float:
     The ceiling of a decode step, which reads its weights and its KV cache once."""
     from onnx import TensorProto, helper
 
-    from mha_onnx.runners import make_runner
+    from mha_onnx.runtime import make_runner
 
     side = 8192
     probes = {

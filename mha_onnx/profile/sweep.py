@@ -54,12 +54,11 @@ def _check_sessions(paths: Sequence[str], config: ProfileConfig) -> None:
     still works; a provider that cannot run is an error, never a CPU run."""
     from mha_onnx.errors import RuntimeCrash
     from mha_onnx.metadata import session_options
-    from mha_onnx.preflight import preflight
-    from mha_onnx.runners import make_runner
-    from mha_onnx.runtime_openvino import is_openvino
+    from mha_onnx.runtime import capabilities, make_runner
+    from mha_onnx.runtime.preflight import preflight
 
     for provider in config.providers:
-        for path in paths if not is_openvino(provider) else ():  # ORT meets them in a child
+        for path in paths if capabilities(provider).child_preflight else ():  # ORT meets them in a child
             level = session_options(read_model(path, load_external_data=False)).get(
                 "optimization", "all")
             checked = preflight(path, provider, level)

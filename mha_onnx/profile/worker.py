@@ -195,7 +195,7 @@ def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
     one session would steal the cores of the next one's run."""
     from mha_onnx.graphio import read_model
     from mha_onnx.metadata import session_options
-    from mha_onnx.runners import make_runner
+    from mha_onnx.runtime import make_runner
 
     needs = session_options(read_model(model, load_external_data=False))
     return make_runner(model, spec.provider, threads=spec.threads, io_binding=spec.io_binding,
@@ -208,7 +208,7 @@ def _bound_run(runner, feeds: dict[str, np.ndarray], proto) -> Callable[[], Any]
     """One run: inputs on the device once (IO binding) or plain host feeds; a shared KV
     cache bound as past and present (every run writes the same next position in place)."""
     from mha_onnx.cache import bound_step, cache_pairs, device_of, is_shared
-    from mha_onnx.runtimes import import_ort
+    from mha_onnx.runtime.ort import import_ort
 
     if is_shared(proto) and hasattr(runner.session, "io_binding"):  # ORT: in place
         pairs, device = cache_pairs(proto), device_of(runner.provider)
@@ -233,7 +233,7 @@ def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, An
     see :func:`measure_grid`)."""
     device0 = device_used() if spec.provider in ("cuda", "tensorrt") else None
     from mha_onnx.errors import ProviderError
-    from mha_onnx.runtime_openvino import is_openvino
+    from mha_onnx.runtime import capabilities
 
     runners, runs, sessions, first = [], [], {}, None
     refused: dict[str, dict[str, str]] = {}
@@ -276,7 +276,7 @@ def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, An
     if len(spec.models) == 1:
         out.update(peak_rss=peak, run_rss=max(0, peak - rss_before),
                    device_bytes=None if device0 is None or device is None else max(0, device - device0))
-    if (spec.op_breakdown or spec.trace_dir) and not is_openvino(spec.provider):
+    if (spec.op_breakdown or spec.trace_dir) and capabilities(spec.provider).op_profile:
         for model in timed:  # each model's own profiled runs, after the timing
             try:
                 out["models"][model].update(_op_times(spec, model))
@@ -310,7 +310,7 @@ def _op_times(spec: PointSpec, model: str) -> dict[str, Any]:
     runs; control flow nodes are left out since their time is their subgraphs' nodes,
     listed too."""
     from mha_onnx.profile.flops import trace_flops
-    from mha_onnx.runtimes import read_profile
+    from mha_onnx.runtime.ort import read_profile
 
     folder = spec.trace_dir or None
     with tempfile.TemporaryDirectory(prefix="mha_onnx_prof_") as tmp:

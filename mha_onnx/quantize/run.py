@@ -70,7 +70,7 @@ class QuantizeReport:
 
 
 def _session_outputs(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray]):
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     source = model if isinstance(model, str) else model.SerializeToString()
     with OrtRunner(source) as runner:

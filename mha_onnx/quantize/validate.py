@@ -151,8 +151,8 @@ def _parity(path: str, model: onnx.ModelProto, provider: str) -> RuntimeParity:
     """The quantized model on ``provider`` against ORT CPU, on the accuracy run's inputs."""
     from mha_onnx.errors import ProviderError
     from mha_onnx.quantize.run import _decoder_feeds, _generic_feeds, _is_decoder
-    from mha_onnx.runners import make_runner
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime import make_runner
+    from mha_onnx.runtime.ort import OrtRunner
 
     feeds = _decoder_feeds(model, path, 2, 16, seed=1)[0] if _is_decoder(model, path) \
         else _generic_feeds(model, seed=1)

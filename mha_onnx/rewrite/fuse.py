@@ -21,7 +21,6 @@ from mha_onnx.graphdims import dim_floors, with_related_dims
 from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
 from mha_onnx.inputs import input_specs, load_inputs
 from mha_onnx.original import record as record_original
-from mha_onnx.preflight import Preflight, preflight
 from mha_onnx.rewrite.blocks import why_left
 from mha_onnx.rewrite.core import (
     BlockLog,
@@ -44,6 +43,7 @@ from mha_onnx.rewrite.verify import (
     verify,
     verify_on_openvino,
 )
+from mha_onnx.runtime.preflight import Preflight, preflight
 
 log = logging.getLogger(__name__)
 

@@ -140,7 +140,7 @@ def with_last_logits(original: onnx.ModelProto) -> onnx.ModelProto:
 def _check(original: onnx.ModelProto, changed: onnx.ModelProto) -> None:
     from mha_onnx.errors import FusionError
     from mha_onnx.inputs import case_for, input_specs, iter_feeds
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     specs = input_specs(original)
     cases = [case_for(specs, "one token", 1, [1], "none"),

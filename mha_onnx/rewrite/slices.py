@@ -97,7 +97,7 @@ class SliceRunner:
     def run(self, assignment: dict[str, int],
             given: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """The values at ``assignment``: inputs in ``given`` as given, others zeros."""
-        from mha_onnx.runtimes import OrtRunner
+        from mha_onnx.runtime.ort import OrtRunner
 
         if self._session is None:
             self._session = OrtRunner(self._proto.SerializeToString(), "cpu", optimization="none")

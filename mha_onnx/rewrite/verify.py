@@ -27,7 +27,7 @@ from mha_onnx.inputs import (
     split_dims,
 )
 from mha_onnx.rewrite.forms import COUNTED, LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 from mha_onnx.stats import ErrorStats, compare
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ def verify_on_openvino(original: onnx.ModelProto, fused: onnx.ModelProto, on_ort
     afresh, so that what is checked is the rewrite: OpenVINO 2026.4.1 keeps shape-specialised
     state across runs of one compiled model that can change later results (a run at one token
     then a batch of two, docs/bench.md), which `validate --providers openvino` shows as it is."""
-    from mha_onnx.runtime_openvino import OpenVinoRunner
+    from mha_onnx.runtime.openvino import OpenVinoRunner
 
     runs = _runs(input_specs(original), cases, given)
     before = _Original(original, None, "all")

@@ -241,8 +241,8 @@ def package_notes(model, cfg: PackageConfig, batching: dict[str, Any]
 def openvino_notes(model: bytes, specs: list[InputSpec]) -> list[str]:
     """The model compiled on OpenVINO here (else the target is refused with its reason), and
     what Triton's OpenVINO backend documents that a deployment must know."""
-    from mha_onnx.runtime_openvino import OpenVinoRunner
-    from mha_onnx.runtimes import ProviderUnavailableError
+    from mha_onnx.runtime.openvino import OpenVinoRunner
+    from mha_onnx.runtime.ort import ProviderUnavailableError
 
     notes = []
     try:

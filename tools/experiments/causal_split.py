@@ -16,7 +16,7 @@ import numpy as np
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 
 H, D = 8, 64
 HD = H * D

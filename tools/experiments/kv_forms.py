@@ -30,7 +30,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 from mha_onnx.cache import bound_step, shared_buffers
-from mha_onnx.runtimes import OrtRunner
+from mha_onnx.runtime.ort import OrtRunner
 
 HEADS, DK = 8, 64
 MS = "com.microsoft"

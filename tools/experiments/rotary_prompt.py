@@ -26,7 +26,7 @@ SPELLINGS = {"rotate_half": {}, "gpt-j": {"before": True, "interleaved": True, "
 
 def main() -> None:
     import tests.test_rotary as graphs
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     runs = [(name, 16, 16) for name in SPELLINGS] if "--spellings" in sys.argv[1:] else \
         [("rotate_half", 4, 2), ("rotate_half", 16, 4)]

@@ -1,4 +1,4 @@
-"""OpenVINO as a second runtime, behind the same protocol as :class:`~mha_onnx.runtimes.OrtRunner`.
+"""OpenVINO as a second runtime, behind the same protocol as :class:`~mha_onnx.runtime.ort.OrtRunner`.
 
 Provider names: ``openvino`` (OpenVINO's CPU device with INFERENCE_PRECISION_HINT pinned to
 f32, so that an fp32 model computes in fp32) and ``openvino-bf16`` (the device's own reduced
@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from mha_onnx.errors import ConfigError, ModelFileError, ProviderError
-from mha_onnx.runtimes import OPENVINO, ProviderUnavailableError, Runner, SessionInfo
+from mha_onnx.runtime.base import Capabilities, Runner
+from mha_onnx.runtime.ort import OPENVINO, ProviderUnavailableError, SessionInfo
 
 FAMILY, REDUCED = OPENVINO
 
@@ -73,6 +74,11 @@ def _short(exc: BaseException) -> str:
 
 class OpenVinoRunner(Runner):
     """One compiled OpenVINO model on one device; ``infer(feeds)`` -> {output name: array}."""
+
+    @classmethod
+    def capabilities(cls, provider: str) -> Capabilities:
+        return Capabilities("openvino", provider, device_of(provider), child_preflight=False,
+                            op_profile=False, places_nodes_on_cpu=False)
 
     def __init__(self, model: str | os.PathLike[str] | bytes, provider: str = FAMILY, *,
                  threads: int | None = None, **_ignored: Any) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from mha_onnx.errors import ConfigError, ModelFileError, ProviderError
+from mha_onnx.runtime.base import Capabilities, Runner
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ PROVIDERS = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 SHORT_NAMES = {v: k for k, v in PROVIDERS.items()}
-# A second runtime (mha_onnx.runtime_openvino): f32 pinned, and its reduced precision; each
+# A second runtime (mha_onnx.runtime.openvino): f32 pinned, and its reduced precision; each
 # takes an OpenVINO device after a colon (openvino:GPU).
 OPENVINO = ("openvino", "openvino-bf16")
 # Our names for ORT's graph optimisation levels, from the most to the least optimised.
@@ -125,26 +126,15 @@ class SessionInfo:
     cpu_fallback_allowed: bool
 
 
-class Runner:
-    """What every runner shares: a context manager that builds its session on entry and
-    drops it on exit (``session`` and ``close`` are the runner's own)."""
-
-    session: Any
-
-    def __enter__(self):
-        self.session  # noqa: B018 (build now)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
 class OrtRunner(Runner):
     """One ORT session on one execution provider (plus the CPU only where ORT must place
     shape ops there, and only when ``strict=False``)."""
+
+    @classmethod
+    def capabilities(cls, provider: str) -> Capabilities:
+        return Capabilities("onnxruntime", f"ort {provider}", provider.upper(),
+                            child_preflight=True, op_profile=True,
+                            places_nodes_on_cpu=provider != "cpu")
 
     def __init__(
         self,

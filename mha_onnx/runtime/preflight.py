@@ -3,7 +3,7 @@ a child process, so that a crash inside ORT (a segmentation fault at session cre
 becomes a message instead of a dead CLI. When the default optimisation level crashes, the
 lower ones are tried and the first that runs is reported: what still works.
 
-``python -m mha_onnx.preflight`` is the child: one JSON request on stdin, one line of JSON out.
+``python -m mha_onnx.runtime.preflight`` is the child: one JSON request on stdin, one line of JSON out.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha_onnx.runtimes import LEVELS  # noqa: F401 (also where callers look for it)
+from mha_onnx.runtime.ort import LEVELS  # noqa: F401 (also where callers look for it)
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def preflight(model: str | os.PathLike[str] | bytes, provider: str = "cpu",
 
 
 def _child(request: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", "mha_onnx.preflight"], input=json.dumps(request),
+    done = subprocess.run([sys.executable, "-m", "mha_onnx.runtime.preflight"], input=json.dumps(request),
                           capture_output=True, text=True,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode < 0:
@@ -85,7 +85,7 @@ def _main() -> None:
     from mha_onnx.errors import MhaOnnxError
     from mha_onnx.graphio import read_model
     from mha_onnx.inputs import case_for, make_inputs
-    from mha_onnx.runtimes import OrtRunner
+    from mha_onnx.runtime.ort import OrtRunner
 
     request = json.loads(sys.stdin.read())
     try:
