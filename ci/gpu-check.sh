@@ -70,7 +70,7 @@ import torch
 print("torch cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 import onnxruntime as ort
 print("onnxruntime providers", ort.get_available_providers())
-from mha_onnx.runtimes import cuda_available
+from mha_onnx.runtime.ort import cuda_available
 print("CUDA EP starts:", cuda_available())
 PY
 } 2>&1 | tee "$RESULTS/machine.log"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mha_onnx.errors import InputSpecError
-from mha_onnx.graphio import atomic_path, check_readable, prepare_output
+from mha_onnx.graph.files import atomic_path, check_readable, prepare_output
 from mha_onnx.table import human_bytes
 
 MIN_SCHEMA = 2

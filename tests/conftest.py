@@ -21,7 +21,7 @@ SMALL = MhaConfig(d_model=32, num_heads=4, name="small")
 @pytest.fixture(scope="session")
 def export_cache(tmp_path_factory: pytest.TempPathFactory):
     """export_cache(config, **kw) -> path of an export of ``config`` (made once per session)."""
-    from mha_onnx.export import export_model
+    from mha_onnx.export.mha import export_model
 
     folder = tmp_path_factory.mktemp("exports")
     cache: dict[tuple, Path] = {}

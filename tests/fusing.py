@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from mha_onnx.graphio import for_checker
+from mha_onnx.graph.files import for_checker
 from mha_onnx.inspect import summarize
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.blocks import all_graphs

@@ -86,7 +86,7 @@ def test_chunks_bound_each_run_and_find_the_same_node(tmp_path):
 def test_without_a_second_graph_it_says_why():
     """Only the PyTorch reference (or a golden file) disagrees and one provider ran: there is
     no second ONNX run to expose values from."""
-    from mha_onnx.inputs import ShapeCase
+    from mha_onnx.graph.inputs import ShapeCase
     from mha_onnx.parity.bisect import after_failure
     from mha_onnx.parity.report import Comparison
     from mha_onnx.stats import compare

@@ -17,8 +17,8 @@ from onnx import numpy_helper
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError
-from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
-from mha_onnx.reference import build_reference, run_reference
+from mha_onnx.export.reference import build_reference, run_reference
+from mha_onnx.graph.inputs import ShapeCase, contract_specs, make_inputs
 from mha_onnx.rewrite.verify import verification_cases
 from tests.fusing import fused_and_checked, ops
 
@@ -239,7 +239,7 @@ def test_the_shared_adapter_keeps_one_buffer_over_a_decode(export_cache, tmp_pat
     """A chain feeding back the presents it got runs on the same buffers, written in place
     (the prompt allocates them, no step does); positions past the cache are NaN and never
     reach an output."""
-    from mha_onnx import cache as kv
+    from mha_onnx.graph import cache as kv
     from mha_onnx.parity.decode import decode_chains
     from mha_onnx.runtime.ort import OrtRunner
 

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from mha_onnx.cli import main
-from mha_onnx.inputs import ShapeCase, input_specs, make_inputs
+from mha_onnx.graph.inputs import ShapeCase, input_specs, make_inputs
 from mha_onnx.runtime.ort import OrtRunner
 from tests.fusing import fused_and_checked, ops
 from tests.models import CAUSAL_SPELLINGS, NOT_CAUSAL, hf_decoder

@@ -10,9 +10,9 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from mha_onnx import metadata
 from mha_onnx.cli import main
 from mha_onnx.errors import ConfigError
+from mha_onnx.graph import metadata
 from mha_onnx.parity.report import ProviderStatus
 from mha_onnx.parity.run import placement_notes
 from mha_onnx.rewrite.lower.ort import Forms

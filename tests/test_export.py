@@ -9,9 +9,9 @@ import torch
 
 from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.errors import ExportError, OutputExistsError
-from mha_onnx.export import export_model
-from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
-from mha_onnx.reference import build_reference, run_reference
+from mha_onnx.export.mha import export_model
+from mha_onnx.export.reference import build_reference, run_reference
+from mha_onnx.graph.inputs import ShapeCase, contract_specs, make_inputs
 from mha_onnx.runtime.ort import OrtRunner
 
 SMALL = MhaConfig(d_model=32, num_heads=4, name="small")
@@ -102,7 +102,7 @@ def test_existing_output_needs_force(tmp_path):
 @pytest.mark.slow  # (torch.export)
 def test_specialised_axis_is_named(tmp_path, monkeypatch):
     """A graph whose seq axis torch fixed to a number must fail, naming the axis."""
-    import mha_onnx.export as ex
+    import mha_onnx.export.mha as ex
 
     real = ex._torch_export
 

@@ -21,7 +21,7 @@ def _export(folder, out, *extra):
 
 
 def _ops(model: onnx.ModelProto) -> set[str]:
-    from mha_onnx.input_roles import all_nodes
+    from mha_onnx.graph.roles import all_nodes
 
     return {n.op_type for n in all_nodes(model.graph)}
 

@@ -104,7 +104,7 @@ def test_profile_shows_the_top_ops_of_models_timed_in_turn(tmp_path):
 def test_form_kv_cache_shared_is_not_overridden_by_the_default(export_cache, tmp_path):
     """`--form kv_cache=shared` shares the cache (the CLI's --kv-cache default used to
     override it silently); --kv-cache and --form that disagree are refused."""
-    from mha_onnx.cache import is_shared
+    from mha_onnx.graph.cache import is_shared
     from tests.conftest import SMALL
 
     source = export_cache(SMALL.replace(mask="causal", kv_cache=True))

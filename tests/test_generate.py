@@ -172,7 +172,7 @@ def test_export_model_generates_what_transformers_generates(hf_decoder, tmp_path
     of different lengths, and GenAI's generator on the folder export writes (genai_config
     and all) alone, as a batch of equal lengths and as a right-padded batch (GenAI pads so;
     each row as alone where the model has no window, the same in both forms)."""
-    from mha_onnx.hf_model import load_module
+    from mha_onnx.export.hf_model import load_module
 
     folder = hf_decoder(family)
     model = load_module(folder, "text-generation-with-past")
@@ -355,7 +355,7 @@ def test_a_float16_decoder_generates_transformers_float32_tokens(hf_decoder, tmp
     """`export --model --dtype float16 --kv-cache shared`: the half-precision cache and
     logits through the same loop and GenAI's (logits far apart: the same greedy tokens as
     the float32 model in transformers)."""
-    from mha_onnx.hf_model import load_module
+    from mha_onnx.export.hf_model import load_module
     from tests.genai import genai_python
 
     folder = hf_decoder("llama")

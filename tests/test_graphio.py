@@ -4,9 +4,9 @@ import numpy as np
 import onnx
 import pytest
 
-import mha_onnx.graphio as graphio
+import mha_onnx.graph.files as graphio
 from mha_onnx.errors import ModelFileError, OutputExistsError
-from mha_onnx.graphio import read_model, write_model
+from mha_onnx.graph.files import read_model, write_model
 from mha_onnx.runtime.ort import OrtRunner
 
 

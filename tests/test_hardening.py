@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import MhaOnnxError, ModelFileError
-from mha_onnx.graphio import atomic_path, read_model
+from mha_onnx.graph.files import atomic_path, read_model
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
 TINY = MhaConfig(d_model=16, num_heads=2, name="tiny", mask="key-padding")
@@ -86,7 +86,7 @@ def files(tmp_path_factory, export_cache, hf_folder):
     f["zero_toml"] = root / "zero.toml"
     f["zero_toml"].write_text("d_model = 0\nnum_heads = 8\n")
     wrong = MhaConfig(d_model=16, num_heads=2, d_v=4)
-    from mha_onnx.reference import build_reference
+    from mha_onnx.export.reference import build_reference
 
     torch.save(build_reference(wrong).state_dict(), root / "wrong_shape.pt")
     f["wrong_shape"] = root / "wrong_shape.pt"
@@ -320,8 +320,8 @@ configs = st.builds(
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(cfg=configs, seq=st.integers(1, 19), seq_kv=st.integers(1, 11), batch=st.integers(1, 3))
 def test_export_fuse_validate_stays_at_parity(cfg, seq, seq_kv, batch, tmp_path_factory):
-    from mha_onnx.export import export_model
-    from mha_onnx.inputs import input_specs, parse_shapes
+    from mha_onnx.export.mha import export_model
+    from mha_onnx.graph.inputs import input_specs, parse_shapes
     from mha_onnx.parity import ValidateConfig, validate_model
     from mha_onnx.rewrite import fuse_file
 
@@ -386,7 +386,7 @@ def test_read_model_rejects_dangling_inputs(tmp_path):
 
 @pytest.mark.parametrize("mask", ["key-padding", "causal", "none"])
 def test_float16_has_no_nan_where_float32_has_none(export_cache, mask, tmp_path):
-    from mha_onnx.inputs import ShapeCase, contract_specs, make_inputs
+    from mha_onnx.graph.inputs import ShapeCase, contract_specs, make_inputs
     from mha_onnx.rewrite import fuse_file
     from mha_onnx.runtime.ort import OrtRunner
 
@@ -409,7 +409,7 @@ def test_float16_has_no_nan_where_float32_has_none(export_cache, mask, tmp_path)
 def test_damaged_metadata_is_one_error_not_a_crash(small_bytes, tmp_path, key, damage):
     """Found by the fuzz test: the PyTorch reference is rebuilt from the metadata, whose
     damage must read as ModelFileError/ConfigError (exit 2), not a JSONDecodeError."""
-    from mha_onnx import metadata
+    from mha_onnx.graph import metadata
     from mha_onnx.parity import ValidateConfig, validate_model
 
     model = onnx.load_from_string(small_bytes)
@@ -424,7 +424,7 @@ def test_damaged_metadata_is_one_error_not_a_crash(small_bytes, tmp_path, key, d
 def test_dim_expressions_are_integer_arithmetic_and_nothing_else():
     """A KV-cache total (past_seq + seq_q), torch's symbolic leftovers ((seq**2)//seq); any
     other text (calls, attributes, huge powers, division by zero) has no value."""
-    from mha_onnx.inputs import resolve_dim
+    from mha_onnx.graph.inputs import resolve_dim
 
     values = {"seq": 7, "past_seq": 3, "seq_q": 2}
     assert resolve_dim("past_seq + seq_q", values) == 5

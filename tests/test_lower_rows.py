@@ -12,7 +12,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from mha_onnx import cache as kv
+from mha_onnx.graph import cache as kv
 from mha_onnx.rewrite.lower import rows as rows
 from mha_onnx.rewrite.lower.common import TapeOps
 from tests.irgraphs import B64, BOOL, Graph, model, node, tensor
@@ -135,7 +135,7 @@ def test_an_optimum_llama_left_padded_batch_stays_on_gqa(tmp_path):
     from click.testing import CliRunner
 
     from mha_onnx.cli import main
-    from mha_onnx.inputs import ShapeCase, case_for, make_inputs
+    from mha_onnx.graph.inputs import ShapeCase, case_for, make_inputs
     from tests.test_optimum import FIXTURES
 
     src, out = FIXTURES / "llama" / "model.onnx", tmp_path / "shared.onnx"

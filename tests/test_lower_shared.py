@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_onnx.cache import LENGTH_INPUT
+from mha_onnx.graph.cache import LENGTH_INPUT
 from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.lower.shared import share_interface
 from tests.sdpa_graphs import (

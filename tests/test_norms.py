@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxscript.optimizer import remove_unused_nodes
 
-from mha_onnx.graphio import check_structure
+from mha_onnx.graph.files import check_structure
 from mha_onnx.rewrite.norms import fuse_norms, omit_unread_outputs
 from mha_onnx.runtime.ort import OrtRunner
 

@@ -125,8 +125,8 @@ def test_profile_times_both_runtimes_in_one_table(export_cache):
 def test_fuse_for_openvino_is_verified_on_openvino(export_cache, tmp_path):
     """--target openvino: standard ops (no com.microsoft), verified case by case on
     OpenVINO f32 as well as on ORT; the metadata says which target it was fused for."""
-    from mha_onnx import metadata
-    from mha_onnx.graphio import read_model
+    from mha_onnx.graph import metadata
+    from mha_onnx.graph.files import read_model
 
     src = export_cache(SMALL.replace(mask="key-padding"))
     dst = tmp_path / "ov.onnx"

@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from mha_onnx.inputs import input_specs
+from mha_onnx.graph.inputs import input_specs
 from mha_onnx.parity import ValidateConfig, validate_model
 from mha_onnx.rewrite import fuse_file
 

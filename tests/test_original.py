@@ -1,4 +1,4 @@
-"""The original kept inside a fused or tuned model (mha_onnx.original): given back exactly,
+"""The original kept inside a fused or tuned model (mha_onnx.graph.original): given back exactly,
 its weights found in the written model (by content, or as a slice of a packed one), not
 stored twice; ``mha-onnx tune`` of a fused model tunes it again from it."""
 
@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 from onnx import numpy_helper
 
-from mha_onnx import metadata
 from mha_onnx.cli import main
-from mha_onnx.original import record, restore
+from mha_onnx.graph import metadata
+from mha_onnx.graph.original import record, restore
 from tests.conftest import SMALL
 
 FIXTURES = Path(__file__).parent / "fixtures" / "optimum"

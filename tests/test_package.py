@@ -86,7 +86,7 @@ def test_repository_for_three_targets(export_cache, tmp_path, model_config_pb2):
 
 def test_a_model_that_needs_an_optimisation_level_says_so(export_cache, tmp_path,
                                                           model_config_pb2):
-    from mha_onnx import metadata
+    from mha_onnx.graph import metadata
 
     model = onnx.load(export_cache(CFG))
     metadata.write(model, {"session": {"optimization": "extended"}})

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import EXIT_MISMATCH, EXIT_OK, EXIT_PROVIDER, InputSpecError
-from mha_onnx.inputs import input_specs, parse_shapes
+from mha_onnx.graph.inputs import input_specs, parse_shapes
 from mha_onnx.parity import ValidateConfig, parse_tolerances, validate_model
 from mha_onnx.rewrite import fuse_file
 from mha_onnx.runtime.ort import cuda_available

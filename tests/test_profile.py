@@ -9,9 +9,9 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError, ResourceError
-from mha_onnx.memory import estimate_bytes
 from mha_onnx.profile import ProfileConfig, attention_flops, check_memory, profile_models
 from mha_onnx.rewrite import fuse_model
+from mha_onnx.runtime.memory import estimate_bytes
 
 CFG = MhaConfig(d_model=32, num_heads=4, name="p")
 

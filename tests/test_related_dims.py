@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from mha_onnx.cli import main
-from mha_onnx.inputs import input_specs
+from mha_onnx.graph.inputs import input_specs
 from tests.irgraphs import F, model, node, tensor
 
 
@@ -101,7 +101,7 @@ def _samples_encoder(kernels=(10, 3), strides=(5, 2)):
 def test_lengths_below_a_convolution_stacks_receptive_field_are_lifted():
     """Kernels 10, 3 with strides 5, 2 need 20 samples: found by trial, and every generated
     length is lifted above it (distinct lengths stay distinct)."""
-    from mha_onnx.inputs import default_cases
+    from mha_onnx.graph.inputs import default_cases
 
     specs = input_specs(_samples_encoder())
     assert [s.floors for s in specs] == [(("samples", 20),)]
@@ -112,7 +112,7 @@ def test_lengths_below_a_convolution_stacks_receptive_field_are_lifted():
 
 def test_shapes_below_the_floor_are_refused_in_one_line():
     from mha_onnx.errors import InputSpecError
-    from mha_onnx.inputs import parse_shapes
+    from mha_onnx.graph.inputs import parse_shapes
 
     specs = input_specs(_samples_encoder())
     assert parse_shapes("2:20", specs)[0].dims == {"batch": 2, "samples": 20}

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
-from mha_onnx.inputs import input_specs
+from mha_onnx.graph.inputs import input_specs
 from mha_onnx.runtime.preflight import preflight
 from tests.irgraphs import Graph, model, node, tensor
 
@@ -117,7 +117,7 @@ def test_outputs_honour_the_umask(export_cache, tmp_path):
 
 
 def test_external_data_honours_the_umask(export_cache, tmp_path, monkeypatch):
-    import mha_onnx.graphio as graphio
+    import mha_onnx.graph.files as graphio
 
     monkeypatch.setattr(graphio, "EXTERNAL_DATA_THRESHOLD", 1)
     old = os.umask(0o027)

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.errors import FusionError, ModelFileError
-from mha_onnx.inputs import ShapeCase, input_specs, make_inputs
+from mha_onnx.graph.inputs import ShapeCase, input_specs, make_inputs
 from mha_onnx.rewrite import fuse_file, fuse_model
 from mha_onnx.rewrite.verify import verify
 from mha_onnx.runtime.ort import OrtRunner

@@ -250,7 +250,7 @@ def test_a_real_short_tune(export_cache, tmp_path):
         n.startswith("the dispatch ran") for n in report["notes"])
     assert set(report["tuning"]["dispatch_ratio"]) == ({"1x16"} if probed else set())
     assert report["tuning"]["machine"]["onnxruntime"]
-    from mha_onnx import metadata
+    from mha_onnx.graph import metadata
     from mha_onnx.parity import ValidateConfig, validate_model
 
     tuned = onnx.load(out)
@@ -372,7 +372,7 @@ def test_validate_finds_the_weights_of_a_tuned_model_in_its_branches(export_cach
     rules = [Rule(16 * 4 ** i, n) for i, n in enumerate(names[:-1])] + [Rule(None, names[-1])]
     tuned = assemble(original, models, TuneResult(rules, {}, _dims(original)[0]),
                      results)
-    from mha_onnx.graphio import all_initializers
+    from mha_onnx.graph.files import all_initializers
 
     deep = [n for n in all_initializers(tuned.graph) if n.startswith("tune/w1/")]
     assert deep  # (the last two candidates' weights are held by the else graph above them)
@@ -468,7 +468,7 @@ def test_the_grid_stops_at_the_position_table_a_length_indexes(family, rows):
     (GPT-2, rotary models, RoBERTa's from the ids) bound nothing here."""
     from pathlib import Path
 
-    from mha_onnx.input_roles import length_limit
+    from mha_onnx.graph.roles import length_limit
 
     path = Path(__file__).parent / "fixtures" / "optimum" / family / "model.onnx"
     assert length_limit(onnx.load(path)) == rows
@@ -479,7 +479,7 @@ def test_ort_fused_embedding_bounds_the_length_by_its_position_table(tmp_path):
 
     from onnxruntime.transformers.optimizer import optimize_model
 
-    from mha_onnx.input_roles import length_limit
+    from mha_onnx.graph.roles import length_limit
 
     source = Path(__file__).parent / "fixtures" / "optimum" / "bert" / "model.onnx"
     optimized = optimize_model(str(source), model_type="bert").model

@@ -106,8 +106,8 @@ def build_graphs(cfg: MhaConfig, folder: Path) -> dict[str, str]:
     import onnx_ir as ir
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
-    from mha_onnx.export import export_model
-    from mha_onnx.graphio import write_model
+    from mha_onnx.export.mha import export_model
+    from mha_onnx.graph.files import write_model
     from mha_onnx.rewrite import fuse_model
 
     base = folder / "unfused.onnx"

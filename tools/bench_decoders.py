@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from mha_onnx.config import load_preset
-from mha_onnx.export import export_model
-from mha_onnx.graphio import write_model
+from mha_onnx.export.mha import export_model
+from mha_onnx.graph.files import write_model
 from mha_onnx.profile import ProfileConfig, profile_models
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.lower.ort import Forms
@@ -138,7 +138,7 @@ def _dense(label: str) -> bool:
 
 def _fits(label: str, n: int) -> bool:
     """Skip O(L^2) graphs whose scores (a few copies) would not fit in half the free memory."""
-    from mha_onnx.memory import available_memory
+    from mha_onnx.runtime.memory import available_memory
 
     return not _dense(label) or 8 * H * n * n * 4 < 0.5 * available_memory()
 

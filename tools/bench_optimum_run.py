@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_onnx.cache import LENGTH_INPUT
+from mha_onnx.graph.cache import LENGTH_INPUT
 from mha_onnx.runtime.ort import OrtRunner
 from tools import suite
 
@@ -43,7 +43,7 @@ def _graphs(folder: Path, reuse: bool = False) -> dict[str, Path]:
     for form, name in (("appended", "export.onnx"), ("shared", "export.shared.onnx")):
         path = folder / name  # the same folder exported by mha-onnx itself (transformers 5)
         if not path.exists():
-            from mha_onnx.hf_export import HfExportConfig, export_hf
+            from mha_onnx.export.hf import HfExportConfig, export_hf
 
             print(export_hf(folder / "hf", path, HfExportConfig(kv_cache=form)).render(),
                   flush=True)
@@ -82,7 +82,7 @@ def _feeds(kind: str, names: list[str], batch: int, new: int, past: int,
     positions, rows left-padded by up to ``left_pad`` of their length. kinds: appended |
     shared (ours) | genai; the last two hold each row's kept positions first (per-row
     lengths, seqlens_k = kept - 1), the appended cache holds them where the mask has them."""
-    from mha_onnx.cache import kept_first
+    from mha_onnx.graph.cache import kept_first
 
     total = past + new
     mask = left_padding(batch, total, left_pad)

@@ -54,7 +54,7 @@ def graphs(folder: Path, levels: tuple[int, ...] = ()) -> dict[str, Path]:
 
 def accuracy_rows(models: dict[str, Path]) -> list[tuple]:
     from mha_onnx.generate import GenerationConfig, Generator
-    from mha_onnx.graphio import read_model
+    from mha_onnx.graph.files import read_model
     from mha_onnx.quantize import accuracy
     from mha_onnx.quantize.run import _decoder_feeds, _session_outputs
 

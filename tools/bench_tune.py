@@ -32,7 +32,7 @@ def _models(folder: Path, names: list[str]) -> dict[str, Path]:
     import onnx
 
     from mha_onnx.config import load_preset
-    from mha_onnx.export import export_model
+    from mha_onnx.export.mha import export_model
 
     out = {}
     for name in names:

@@ -33,7 +33,7 @@ from tests.models import ZOO
 
 
 def own_exports() -> dict[str, callable]:
-    from mha_onnx.export import export_model
+    from mha_onnx.export.mha import export_model
 
     def make(attention: str, mask: str):
         def build() -> onnx.ModelProto:

@@ -21,8 +21,8 @@ from pathlib import Path
 import onnx
 
 from mha_onnx.config import load_preset
-from mha_onnx.export import export_model
-from mha_onnx.graphio import write_model
+from mha_onnx.export.mha import export_model
+from mha_onnx.graph.files import write_model
 from mha_onnx.profile import ProfileConfig, profile_models
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.lower.ort import Forms

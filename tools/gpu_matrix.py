@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mha_onnx.config import load_preset
 from mha_onnx.errors import MhaOnnxError
-from mha_onnx.export import export_model
+from mha_onnx.export.mha import export_model
 from mha_onnx.parity import ValidateConfig, validate_model
 from mha_onnx.rewrite import fuse_file
 

@@ -83,7 +83,7 @@ def reference_of(fused: Path) -> Path:
 
 def check(folder: Path, providers: tuple[str, ...], md: str | None, out: str | None) -> int:
     from mha_onnx.errors import MhaOnnxError
-    from mha_onnx.graphio import read_model
+    from mha_onnx.graph.files import read_model
     from mha_onnx.parity import ValidateConfig, validate_model
 
     rows, ok = [], True
@@ -137,8 +137,8 @@ def check(folder: Path, providers: tuple[str, ...], md: str | None, out: str | N
 
 
 def kernels(folder: Path, provider: str) -> int:
-    from mha_onnx.graphio import read_model
-    from mha_onnx.inputs import case_for, input_specs, make_inputs
+    from mha_onnx.graph.files import read_model
+    from mha_onnx.graph.inputs import case_for, input_specs, make_inputs
     from mha_onnx.runtime.ort import OrtRunner
 
     for path in sorted(folder.glob("*.fused.onnx")):

@@ -44,7 +44,7 @@ def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weigh
     dynamic batch and sequence axes."""
     from mha_onnx.config import load_config_file, load_preset
     from mha_onnx.errors import ConfigError
-    from mha_onnx.export import export_model
+    from mha_onnx.export.mha import export_model
 
     if model_dir:
         given = [n for n, v in (("--preset", preset), ("--config", config_file),
@@ -53,7 +53,7 @@ def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weigh
         if given:
             raise ConfigError(f"--model excludes {', '.join(given)}",
                               hint="the folder's config says what the model is")
-        from mha_onnx.hf_export import HfExportConfig, export_hf
+        from mha_onnx.export.hf import HfExportConfig, export_hf
 
         cfg = HfExportConfig(task=task, dtype=dtype or "float32", opset=opset or 18,
                              fuse=not no_fuse, kv_cache=kv_cache or "appended", force=force,

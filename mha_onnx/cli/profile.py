@@ -43,7 +43,7 @@ def profile(ctx, models, providers, batches, seq_lens, warmup, iters, min_time, 
             interleave, keep_going, io_binding, pad_fraction, inputs_npz, decode, context, no_ops,
             no_memory_check, as_json, csv_path, plot_path, trace_dir, force):
     """Latency percentiles, throughput, GFLOP/s vs roofline, memory and per-op time."""
-    from mha_onnx.graphio import prepare_folder, prepare_output
+    from mha_onnx.graph.files import prepare_folder, prepare_output
     from mha_onnx.profile import (
         DEFAULT_ITERS,
         DEFAULT_MIN_TIME,

@@ -48,8 +48,8 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
     """Parity of MODEL across PyTorch, ORT CPU, CUDA and TensorRT (a quantized model: its
     accuracy against its float original). Exit 0 when everything passed, 1 when outputs
     differ, 3 when a requested provider could not run."""
-    from mha_onnx.graphio import read_model
-    from mha_onnx.inputs import input_specs, parse_shapes
+    from mha_onnx.graph.files import read_model
+    from mha_onnx.graph.inputs import input_specs, parse_shapes
     from mha_onnx.parity import ValidateConfig, parse_tolerances, validate_model
     from mha_onnx.quantize.accuracy import Thresholds
     from mha_onnx.runtime.ort import parse_providers

@@ -115,7 +115,7 @@ def write_genai_folder(model: str | Path, source: str | Path | None,
     """``genai_config.json`` beside ``model`` and the tokenizer files of the HF folder
     ``source`` copied there (those the model's folder does not have yet)."""
     from mha_onnx.generate.interface import hf_config, read_interface
-    from mha_onnx.graphio import read_model, write_bytes
+    from mha_onnx.graph.files import read_model, write_bytes
 
     model = Path(model)
     proto = read_model(model, load_external_data=False)
@@ -151,8 +151,8 @@ def folder_generation(source: str | Path, model) -> dict[str, Any] | None:
     """The HF config beside a token decoder with a KV cache (Optimum's folder), recorded in
     ``model``'s metadata (what generate and GenAI read); None where the model is no such
     decoder, already records one or its folder has no config.json."""
-    from mha_onnx import metadata
     from mha_onnx.generate.interface import generation_record, read_hf_json
+    from mha_onnx.graph import metadata
 
     names = {i.name for i in model.graph.input}
     if metadata.read(model).get("generation") or IDS not in names \

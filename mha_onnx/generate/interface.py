@@ -23,10 +23,10 @@ from typing import Any
 
 import onnx
 
-from mha_onnx import metadata
-from mha_onnx.cache import LENGTH_INPUT, cache_pairs
 from mha_onnx.errors import ConfigError
-from mha_onnx.inputs import NP_TYPES, input_specs
+from mha_onnx.graph import metadata
+from mha_onnx.graph.cache import LENGTH_INPUT, cache_pairs
+from mha_onnx.graph.inputs import NP_TYPES, input_specs
 
 IDS, MASK, POSITIONS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 

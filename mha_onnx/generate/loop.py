@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from mha_onnx.cache import LENGTH_INPUT, device_of
 from mha_onnx.errors import ConfigError, ModelFileError
 from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 from mha_onnx.generate.sampling import Sampling, next_tokens
+from mha_onnx.graph.cache import LENGTH_INPUT, device_of
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,8 @@ class Generator:
     def __init__(self, model: str | Path, *, provider: str = "cpu", threads: int | None = None,
                  interface: DecoderInterface | None = None) -> None:
         from mha_onnx.generate.interface import read_interface
-        from mha_onnx.graphio import read_model
-        from mha_onnx.metadata import session_options
+        from mha_onnx.graph.files import read_model
+        from mha_onnx.graph.metadata import session_options
         from mha_onnx.runtime.ort import OrtRunner
 
         proto = read_model(model, load_external_data=False)

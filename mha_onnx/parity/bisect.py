@@ -297,7 +297,7 @@ def bisect(a: Side, b: Side, feeds_a: Mapping[str, np.ndarray],
            feeds_b: Mapping[str, np.ndarray], case: str, tolerance: Tolerance, *,
            chunk: int = 256, threads: int | None = None) -> BisectReport:
     """The first node of ``a``'s graph whose output differs from ``b``'s beyond tolerance."""
-    from mha_onnx.graphio import read_model
+    from mha_onnx.graph.files import read_model
 
     model_a = read_model(a.path)
     model_b = None if b.path == a.path else read_model(b.path)

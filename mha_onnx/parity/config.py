@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mha_onnx.errors import InputSpecError
-from mha_onnx.inputs import ShapeCase
+from mha_onnx.graph.inputs import ShapeCase
 from mha_onnx.runtime.openvino import reduced_precision
 from mha_onnx.stats import default_tolerance
 

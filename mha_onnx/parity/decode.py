@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from mha_onnx.inputs import InputSpec, ShapeCase, case_for, make_inputs
+from mha_onnx.graph.inputs import InputSpec, ShapeCase, case_for, make_inputs
 
 PROMPT = 7
 

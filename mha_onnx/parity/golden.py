@@ -16,7 +16,7 @@ import numpy as np
 
 from mha_onnx import __version__
 from mha_onnx.errors import InputSpecError
-from mha_onnx.graphio import atomic_path
+from mha_onnx.graph.files import atomic_path
 
 FORMAT = "mha-onnx golden outputs 1"
 

@@ -21,7 +21,7 @@ def attention_kernels(model: str, feeds: Mapping[str, np.ndarray], specs: Sequen
                       pairs: Mapping[str, str], shared: bool, rows: Any) -> Counter:
     """op type -> how many times it ran in one run of ``model`` on ``feeds`` (appended
     interface; a shared-buffer model runs behind its adapter)."""
-    from mha_onnx.cache import SharedCache
+    from mha_onnx.graph.cache import SharedCache
     from mha_onnx.runtime.ort import OrtRunner, read_profile
 
     with tempfile.TemporaryDirectory(prefix="mha_onnx_kernels_") as folder:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mha_onnx.errors import EXIT_MISMATCH, EXIT_OK, EXIT_PROVIDER
-from mha_onnx.metadata import CheckResult
+from mha_onnx.graph.metadata import CheckResult
 from mha_onnx.stats import ErrorStats
 from mha_onnx.table import table
 

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_onnx import metadata
-from mha_onnx.cache import SharedCache, is_shared, row_layout, shared_view, takes_length, to_shared
-from mha_onnx.graphio import prepare_output, read_model
-from mha_onnx.inputs import (
+from mha_onnx.graph import cache, metadata
+from mha_onnx.graph.files import prepare_output, read_model
+from mha_onnx.graph.inputs import (
     InputSpec,
     ShapeCase,
     case_for,
@@ -28,8 +27,7 @@ from mha_onnx.inputs import (
     load_inputs,
     make_inputs,
 )
-from mha_onnx.memory import ensure_fits
-from mha_onnx.metadata import CheckResult, session_options
+from mha_onnx.graph.metadata import CheckResult, session_options
 from mha_onnx.parity.bisect import after_failure
 from mha_onnx.parity.config import ValidateConfig
 from mha_onnx.parity.decode import PROMPT, decode_chains, has_padding_mask
@@ -45,6 +43,7 @@ from mha_onnx.parity.references import references_for
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
 from mha_onnx.profile.roofline import machine_info
 from mha_onnx.runtime import capabilities, make_runner
+from mha_onnx.runtime.memory import ensure_fits
 from mha_onnx.runtime.ort import OrtRunner, ProviderError, node_placement
 from mha_onnx.runtime.preflight import preflight
 from mha_onnx.stats import compare
@@ -123,8 +122,8 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         from mha_onnx.quantize.validate import validate_quantized
 
         return validate_quantized(path, config)
-    shared = is_shared(model)  # then fed and compared through the appended interface
-    specs, pairs = shared_view(model)
+    shared = cache.is_shared(model)  # then fed and compared through the appended interface
+    specs, pairs = cache.shared_view(model)
     hf = metadata.loaded(model, "hf_model") or {}  # export --model: its position table
     runs, golden = _runs(specs, config, hf.get("positions"))
     if config.memory_check:  # the model, PyTorch and the reference run at once
@@ -137,13 +136,13 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         labels.append(golden.label)
         checks += golden_provenance(golden, path, config.strict)
     level = session_options(model).get("optimization", "all")
-    rows = row_layout(model)  # per-row lengths: buffers hold each row's kept keys first
-    probe = to_shared(runs[0][1], specs, pairs, rows=rows, length_input=takes_length(model)) \
-        if shared else runs[0][1]
+    rows = cache.row_layout(model)  # per-row lengths: buffers hold each row's kept keys first
+    probe = cache.to_shared(runs[0][1], specs, pairs, rows=rows,
+                            length_input=cache.takes_length(model)) if shared else runs[0][1]
     runners, statuses = _start_providers(str(path), config, probe, level)
     if shared:
         steps = PROMPT + config.decode_steps + 1
-        runners = {p: SharedCache(r, specs, pairs, steps, rows=rows)
+        runners = {p: cache.SharedCache(r, specs, pairs, steps, rows=rows)
                    for p, r in runners.items()}
     try:
         comparisons, masked, saved = _compare_runs(model, specs, runs, references, ref_specs,
@@ -258,7 +257,7 @@ def _decode(path, model, specs, pairs, references, runners, config: ValidateConf
             gots = {k: v for k, v in results.items() if not k.startswith("reference:")}
             case = ShapeCase(f"{prefix}{label}", {}, "given")
             comparisons += _compare_case(case, gots, wants, None, out_dims, config)
-    rows, shared = row_layout(model), is_shared(model)
+    rows, shared = cache.row_layout(model), cache.is_shared(model)
     said = [f"{step}: {describe(attention_kernels(path, feeds, specs, pairs, shared, rows))}"
             for step, feeds in probes]
     return comparisons, said

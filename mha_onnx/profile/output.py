@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from mha_onnx.graphio import atomic_path
+from mha_onnx.graph.files import atomic_path
 from mha_onnx.profile.report import Point, ProfileReport
 
 

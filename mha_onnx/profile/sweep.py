@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from mha_onnx.graphio import check_readable, read_model
-from mha_onnx.inputs import case_for, input_specs
-from mha_onnx.memory import ensure_fits
-from mha_onnx.metadata import config_of
+from mha_onnx.graph.files import check_readable, read_model
+from mha_onnx.graph.inputs import case_for, input_specs
+from mha_onnx.graph.metadata import config_of
 from mha_onnx.profile.flops import attention_flops
 from mha_onnx.profile.report import OpTime, Point, ProfileConfig, ProfileReport
 from mha_onnx.profile.roofline import machine_info
 from mha_onnx.profile.worker import PointSpec, in_child
+from mha_onnx.runtime.memory import ensure_fits
 
 
 def check_memory(paths: Sequence[str], config: ProfileConfig) -> None:
@@ -53,7 +53,7 @@ def _check_sessions(paths: Sequence[str], config: ProfileConfig) -> None:
     """Each model on each provider: a crash (seen in a child process) is refused with what
     still works; a provider that cannot run is an error, never a CPU run."""
     from mha_onnx.errors import RuntimeCrash
-    from mha_onnx.metadata import session_options
+    from mha_onnx.graph.metadata import session_options
     from mha_onnx.runtime import capabilities, make_runner
     from mha_onnx.runtime.preflight import preflight
 
@@ -142,7 +142,7 @@ def model_axes(model, config: ProfileConfig) -> tuple[tuple[int, ...], tuple[int
     """The batches and lengths a sweep can vary on this model: only the axes it has (a ViT
     with a fixed image size has no length: 0 stands for none), and with ``--inputs`` the
     one shape those inputs have."""
-    from mha_onnx.inputs import case_of_feeds, input_specs, load_inputs, split_dims
+    from mha_onnx.graph.inputs import case_of_feeds, input_specs, load_inputs, split_dims
 
     specs = input_specs(model)
     batch_names, seq_names = split_dims(specs)

@@ -128,13 +128,13 @@ def timed_loop(runs: list[Callable[[], Any]], *, warmup: int, iters: int | None,
 
 
 def _proto(model: str):
-    from mha_onnx.graphio import read_model
+    from mha_onnx.graph.files import read_model
 
     return read_model(model, load_external_data=False)
 
 
 def _feeds(spec: PointSpec, proto) -> dict[str, np.ndarray]:
-    from mha_onnx.inputs import case_for, input_specs, load_inputs, make_inputs
+    from mha_onnx.graph.inputs import case_for, input_specs, load_inputs, make_inputs
 
     specs = input_specs(proto)
     if spec.inputs:
@@ -153,7 +153,7 @@ def _feeds(spec: PointSpec, proto) -> dict[str, np.ndarray]:
 
 
 def _cached(proto) -> bool:
-    from mha_onnx.cache import cache_pairs
+    from mha_onnx.graph.cache import cache_pairs
 
     return bool(cache_pairs(proto))
 
@@ -163,8 +163,8 @@ def decode_feeds(proto, batch: int, context: int, *, new: int = 1, padding: str 
     """``new`` tokens (one: a decode step) after ``context`` cached positions (every cache
     input's length dim; a shared buffer: as many positions longer as the run writes,
     ``context`` of them cached). ``context`` 0: a prompt."""
-    from mha_onnx.cache import is_shared, row_layout, shared_view, to_shared
-    from mha_onnx.inputs import ShapeCase, case_for, make_inputs
+    from mha_onnx.graph.cache import is_shared, row_layout, shared_view, to_shared
+    from mha_onnx.graph.inputs import ShapeCase, case_for, make_inputs
 
     specs, pairs = shared_view(proto)  # a shared buffer's as the appended interface has them
     shared = is_shared(proto)
@@ -181,7 +181,7 @@ def decode_feeds(proto, batch: int, context: int, *, new: int = 1, padding: str 
 def cache_bytes(feeds: dict[str, np.ndarray], proto) -> int:
     """Bytes of cache one step reads: every past input (of a shared buffer, the cached
     positions)."""
-    from mha_onnx.cache import LENGTH_INPUT, cache_pairs
+    from mha_onnx.graph.cache import LENGTH_INPUT, cache_pairs
 
     pasts = [feeds[name] for name in cache_pairs(proto)]
     if LENGTH_INPUT in feeds:
@@ -193,8 +193,8 @@ def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
     """A session as the model needs it (session options recorded in its metadata). Models
     timed in turn in one process get thread pools that sleep when idle: a spinning pool of
     one session would steal the cores of the next one's run."""
-    from mha_onnx.graphio import read_model
-    from mha_onnx.metadata import session_options
+    from mha_onnx.graph.files import read_model
+    from mha_onnx.graph.metadata import session_options
     from mha_onnx.runtime import make_runner
 
     needs = session_options(read_model(model, load_external_data=False))
@@ -207,7 +207,7 @@ def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
 def _bound_run(runner, feeds: dict[str, np.ndarray], proto) -> Callable[[], Any]:
     """One run: inputs on the device once (IO binding) or plain host feeds; a shared KV
     cache bound as past and present (every run writes the same next position in place)."""
-    from mha_onnx.cache import bound_step, cache_pairs, device_of, is_shared
+    from mha_onnx.graph.cache import bound_step, cache_pairs, device_of, is_shared
     from mha_onnx.runtime.ort import import_ort
 
     if is_shared(proto) and hasattr(runner.session, "io_binding"):  # ORT: in place

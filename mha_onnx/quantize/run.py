@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mha_onnx import metadata
 from mha_onnx.errors import ConfigError
+from mha_onnx.graph import metadata
 from mha_onnx.quantize import accuracy
 from mha_onnx.quantize.weights import QuantizeConfig, QuantizedWeights, quantize_weights
 
@@ -97,7 +97,7 @@ def _decoder_feeds(model: onnx.ModelProto, path: str, batch: int, length: int, s
 
 
 def _generic_feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
-    from mha_onnx.inputs import case_for, input_specs, make_inputs
+    from mha_onnx.graph.inputs import case_for, input_specs, make_inputs
 
     specs = input_specs(model)
     return make_inputs(specs, case_for(specs, "accuracy", 2, [64], "none"), seed=seed)
@@ -180,7 +180,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     """Quantize ``source`` into ``output``: written only when its accuracy passes (or
     ``check`` is False); ``int8_most_sensitive``: that many of the most sensitive MatMuls in
     8 bits (sensitivity measured first)."""
-    from mha_onnx.graphio import prepare_output, read_model, write_model
+    from mha_onnx.graph.files import prepare_output, read_model, write_model
 
     started = time.perf_counter()
     output = prepare_output(output, force=force)
@@ -217,7 +217,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
 
 def _bytes(path: Path) -> int:
     """A model file's bytes with its external data files."""
-    from mha_onnx.graphio import external_files, read_model
+    from mha_onnx.graph.files import external_files, read_model
 
     files = external_files(read_model(path, load_external_data=False), path)
     return path.stat().st_size + sum(f.stat().st_size for f in files if f.is_file())

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mha_onnx import metadata
 from mha_onnx.errors import EXIT_MISMATCH, EXIT_OK, EXIT_PROVIDER, ConfigError
+from mha_onnx.graph import metadata
 from mha_onnx.quantize import accuracy
 
 
@@ -102,7 +102,7 @@ def float_original(model: onnx.ModelProto, reference: str | None) -> str:
 def validate_quantized(path: str | Path, config) -> QuantizedValidation:
     """``config``: validate's (providers, reference, allow_missing, the accuracy
     thresholds)."""
-    from mha_onnx.graphio import read_model
+    from mha_onnx.graph.files import read_model
     from mha_onnx.quantize.run import measure
 
     started = time.perf_counter()
@@ -124,7 +124,7 @@ def validate_quantized(path: str | Path, config) -> QuantizedValidation:
 def _against_torch(model: onnx.ModelProto, path: str, thresholds: accuracy.Thresholds):
     """A quantized `export --model` whose float export is gone: its logits against the
     folder's PyTorch model's (float32), on the accuracy run's prompts (no greedy run)."""
-    from mha_onnx.hf_model import HfReference
+    from mha_onnx.export.hf_model import HfReference
     from mha_onnx.quantize.run import _decoder_feeds, _session_outputs
     from mha_onnx.rewrite.last_logits import at_last
 
@@ -178,7 +178,7 @@ def _relative_tolerance(model: onnx.ModelProto) -> float:
     multiplies them in float (OpenVINO beside ORT on the Llama fixture's int4 export: max abs
     0.0052 on an AMD EPYC, past 1e-3 of the scale; within it on the Intel Xeon of earlier
     sessions)."""
-    from mha_onnx.input_roles import all_nodes
+    from mha_onnx.graph.roles import all_nodes
 
     levels = {a.i for n in all_nodes(model.graph) if n.op_type == "MatMulNBits"
               for a in n.attribute if a.name == "accuracy_level"}

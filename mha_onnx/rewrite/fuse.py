@@ -15,12 +15,13 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from mha_onnx import __version__, metadata
+from mha_onnx import __version__
 from mha_onnx.errors import BlocksLeft, ConfigError, RuntimeCrash
-from mha_onnx.graphdims import dim_floors, with_related_dims
-from mha_onnx.graphio import prepare_output, read_model, to_ir, write_model
-from mha_onnx.inputs import input_specs, load_inputs
-from mha_onnx.original import record as record_original
+from mha_onnx.graph import metadata
+from mha_onnx.graph.dims import dim_floors, with_related_dims
+from mha_onnx.graph.files import prepare_output, read_model, to_ir, write_model
+from mha_onnx.graph.inputs import input_specs, load_inputs
+from mha_onnx.graph.original import record as record_original
 from mha_onnx.rewrite.blocks import why_left
 from mha_onnx.rewrite.core import (
     BlockLog,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import onnx
 
-from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import ConfigError
+from mha_onnx.graph.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.rewrite.forms import ONE_TOKEN, SHARED, Form
 
 

@@ -126,8 +126,8 @@ def with_last_logits(original: onnx.ModelProto) -> onnx.ModelProto:
     """``original`` with :func:`last_position_logits` applied, recorded in its metadata and
     checked against it (its logits at each row's kept position, every other output equal)
     on ORT CPU over validate's default cases; a mismatch is a FusionError (exit 1)."""
-    from mha_onnx import metadata
-    from mha_onnx.graphio import to_ir
+    from mha_onnx.graph import metadata
+    from mha_onnx.graph.files import to_ir
 
     model = to_ir(original)
     last_position_logits(model)
@@ -139,7 +139,7 @@ def with_last_logits(original: onnx.ModelProto) -> onnx.ModelProto:
 
 def _check(original: onnx.ModelProto, changed: onnx.ModelProto) -> None:
     from mha_onnx.errors import FusionError
-    from mha_onnx.inputs import case_for, input_specs, iter_feeds
+    from mha_onnx.graph.inputs import case_for, input_specs, iter_feeds
     from mha_onnx.runtime.ort import OrtRunner
 
     specs = input_specs(original)

@@ -36,7 +36,7 @@ import onnx_ir.passes.common as common_passes
 from onnxscript.optimizer import remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
-from mha_onnx.cache import LENGTH_INPUT
+from mha_onnx.graph.cache import LENGTH_INPUT
 from mha_onnx.rewrite.blocks import all_graphs, find_blocks
 from mha_onnx.rewrite.core import BlockLog, OnnxAttention, SoftmaxAttention
 from mha_onnx.rewrite.faithful import optimize_faithfully

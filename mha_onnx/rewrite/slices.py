@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.graphdims import lifted
-from mha_onnx.inputs import resolve_dim
+from mha_onnx.graph.dims import lifted
+from mha_onnx.graph.inputs import resolve_dim
 from mha_onnx.rewrite.irutil import Dim, const_array, dims
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 

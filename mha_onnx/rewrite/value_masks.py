@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.inputs import ShapeCase, padding_pattern
+from mha_onnx.graph.inputs import ShapeCase, padding_pattern
 from mha_onnx.rewrite.irutil import dims
 from mha_onnx.rewrite.masks import REMOVES_KEY, Padding, ScoreDims, Term
 from mha_onnx.rewrite.slices import Refused, SliceRunner, assignments, resolve

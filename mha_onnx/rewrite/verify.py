@@ -13,10 +13,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mha_onnx.cache import SharedCache, cache_pairs, is_shared, row_layout
 from mha_onnx.errors import FusionError, MhaOnnxError, ModelFileError, VerifyError
-from mha_onnx.input_roles import length_limit
-from mha_onnx.inputs import (
+from mha_onnx.graph.cache import SharedCache, cache_pairs, is_shared, row_layout
+from mha_onnx.graph.inputs import (
     ShapeCase,
     case_for,
     case_of_feeds,
@@ -26,6 +25,7 @@ from mha_onnx.inputs import (
     resolve_dim,
     split_dims,
 )
+from mha_onnx.graph.roles import length_limit
 from mha_onnx.rewrite.forms import COUNTED, LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED
 from mha_onnx.runtime.ort import OrtRunner
 from mha_onnx.stats import ErrorStats, compare

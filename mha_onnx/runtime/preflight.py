@@ -81,10 +81,10 @@ def _child(request: dict) -> dict:
 
 
 def _main() -> None:
-    from mha_onnx.cache import is_shared, row_layout, shared_view, takes_length, to_shared
     from mha_onnx.errors import MhaOnnxError
-    from mha_onnx.graphio import read_model
-    from mha_onnx.inputs import case_for, make_inputs
+    from mha_onnx.graph.cache import is_shared, row_layout, shared_view, takes_length, to_shared
+    from mha_onnx.graph.files import read_model
+    from mha_onnx.graph.inputs import case_for, make_inputs
     from mha_onnx.runtime.ort import OrtRunner
 
     request = json.loads(sys.stdin.read())

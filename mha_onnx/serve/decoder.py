@@ -47,8 +47,8 @@ class DecoderServing:
 
 def decoder_serving(model, max_length: int) -> DecoderServing | None:
     """The serving plan of a token decoder with a KV cache (None for any other model)."""
-    from mha_onnx.cache import cache_pairs
     from mha_onnx.generate.interface import read_interface
+    from mha_onnx.graph.cache import cache_pairs
 
     names = {i.name for i in model.graph.input}
     if IDS not in names or not cache_pairs(model) \

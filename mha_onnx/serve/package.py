@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from mha_onnx.errors import ConfigError
-from mha_onnx.graphio import external_files, prepare_folder, read_model
-from mha_onnx.input_roles import all_nodes
-from mha_onnx.inputs import InputSpec, input_specs, split_dims
-from mha_onnx.metadata import session_options
+from mha_onnx.graph.files import external_files, prepare_folder, read_model
+from mha_onnx.graph.inputs import InputSpec, input_specs, split_dims
+from mha_onnx.graph.metadata import session_options
+from mha_onnx.graph.roles import all_nodes
 from mha_onnx.serve.pbtxt import TRITON_TYPES, to_pbtxt
 from mha_onnx.serve.readme import serving_readme
 from mha_onnx.table import table
@@ -108,7 +108,7 @@ def _tensor(spec: InputSpec, batched: bool) -> dict[str, Any]:
 
 
 def _outputs(model) -> list[InputSpec]:
-    from mha_onnx.inputs import NP_TYPES
+    from mha_onnx.graph.inputs import NP_TYPES
 
     specs = []
     for value in model.graph.output:
@@ -318,7 +318,7 @@ def _same_interface(model, path: str, target: str):
 
 def _tuned_where(model) -> str:
     """Where a target's model was tuned, from its tuning record."""
-    from mha_onnx import metadata
+    from mha_onnx.graph import metadata
 
     tuning = metadata.loaded(model, "tuning")
     if not tuning:
@@ -343,14 +343,14 @@ def _copy_data(source: str | Path, version: Path, taken: set[str]) -> list[Path]
 
 
 def _copy(src: str | Path, dst: Path) -> Path:
-    from mha_onnx.graphio import write_bytes
+    from mha_onnx.graph.files import write_bytes
 
     write_bytes(Path(src).read_bytes(), dst, force=True)
     return dst
 
 
 def _write(path: Path, text: str) -> Path:
-    from mha_onnx.graphio import write_bytes
+    from mha_onnx.graph.files import write_bytes
 
     write_bytes(text.encode(), path, force=True)
     return path

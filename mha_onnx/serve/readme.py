@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mha_onnx.inputs import InputSpec, input_specs, split_dims
+from mha_onnx.graph.inputs import InputSpec, input_specs, split_dims
 from mha_onnx.serve.pbtxt import TRITON_TYPES
 
 
@@ -66,7 +66,7 @@ def serving_readme(model, cfg, batching: dict[str, Any], outputs: list[InputSpec
 def _request_line(spec: InputSpec, batch_dims: set, names: set) -> str:
     """One input of the sample request: batch 2, every other named dim 16, and a dim that
     is an expression of them its value (a mask over past + new keys: 32)."""
-    from mha_onnx.inputs import resolve_dim
+    from mha_onnx.graph.inputs import resolve_dim
 
     sizes = {n: 2 if n in batch_dims else 16 for n in names}
     shape = [d if isinstance(d, int) else sizes.get(d) or resolve_dim(d, sizes) or 16

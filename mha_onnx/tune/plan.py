@@ -58,7 +58,7 @@ def gains_over_default(ratios: Mapping, rules: Sequence[Rule], margin: float) ->
 
 def weight_keys(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
     """Each initializer of every graph: name -> (content digest, bytes)."""
-    from mha_onnx.input_roles import all_nodes
+    from mha_onnx.graph.roles import all_nodes
 
     graphs = [model.graph] + [a.g for n in all_nodes(model.graph) for a in n.attribute
                               if a.type == onnx.AttributeProto.GRAPH]

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import onnx
 
-from mha_onnx import metadata
 from mha_onnx.config import FORM_CHOICES
 from mha_onnx.errors import ConfigError, InputSpecError
-from mha_onnx.graphio import prepare_output, read_model, write_model
-from mha_onnx.inputs import case_for, input_specs, split_dims
+from mha_onnx.graph import metadata
+from mha_onnx.graph.files import prepare_output, read_model, write_model
+from mha_onnx.graph.inputs import case_for, input_specs, split_dims
 from mha_onnx.tune.dispatch import dispatch
 from mha_onnx.tune.plan import (
     AGAIN,
@@ -172,7 +172,7 @@ def _within_positions(original: onnx.ModelProto, cfg: TuneConfig) -> tuple[TuneC
     """The grid's lengths within the model's position table (input_roles.length_limit):
     those past it dropped, the longest that fits timed instead (a multiple of 64 within the
     table: BART's table holds two rows more than its positions)."""
-    from mha_onnx.input_roles import length_limit
+    from mha_onnx.graph.roles import length_limit
 
     limit = length_limit(original)
     if limit is None or max(cfg.seq_lens) <= limit:
@@ -200,8 +200,8 @@ def assemble(original: onnx.ModelProto, models: dict[str, onnx.ModelProto],
     """The dispatching model of ``result``'s rules over ``models``, with the original's
     metadata, the fusion's (each fused block labelled with the rules), the tuning table,
     where the PyTorch reference finds each weight, and the original kept (so that ``tune``
-    can tune it again elsewhere: mha_onnx.original)."""
-    from mha_onnx.original import record
+    can tune it again elsewhere: mha_onnx.graph.original)."""
+    from mha_onnx.graph.original import record
     from mha_onnx.rewrite.fuse import carry_metadata
 
     stored: dict[str, dict[str, str]] = {}
@@ -250,7 +250,7 @@ def _weights_at(original: onnx.ModelProto, stored: dict[str, dict[str, str]]) ->
 def _the_original(source: str | Path, progress: Callable[[str], None]) -> onnx.ModelProto:
     """``source``, or the original a fused or tuned ``source`` keeps (tuned again from it:
     the forms are chosen among fusions of the original)."""
-    from mha_onnx.original import restore
+    from mha_onnx.graph.original import restore
 
     model = read_model(source)
     done = [k for k in ("tuning", "fusion") if k in metadata.read(model)]

@@ -26,7 +26,7 @@ SHAPES = ((1, 128), (8, 128), (1, 512))  # (batch, length): the third rule's len
 
 def main() -> None:
     from mha_onnx.config import load_preset
-    from mha_onnx.export import export_model
+    from mha_onnx.export.mha import export_model
     from mha_onnx.runtime.ort import OrtRunner
     from mha_onnx.tune import rules as tune
     from mha_onnx.tune.dispatch import dispatch

@@ -29,7 +29,7 @@ import numpy as np
 from onnx import TensorProto as TP
 from onnx import helper
 
-from mha_onnx.cache import bound_step, shared_buffers
+from mha_onnx.graph.cache import bound_step, shared_buffers
 from mha_onnx.runtime.ort import OrtRunner
 
 HEADS, DK = 8, 64
@@ -91,7 +91,7 @@ def _session(form: str, batch: int, kv_heads: int, threads: int):
 
 class _Shared:
     """One step on a max-length cache buffer that is both past and present (IO binding,
-    as ``mha_onnx.cache`` binds a ``--kv-cache shared`` model)."""
+    as ``mha_onnx.graph.cache`` binds a ``--kv-cache shared`` model)."""
 
     def __init__(self, session, feeds: dict, context: int, max_length: int):
         batch = feeds["past_key"].shape[0]

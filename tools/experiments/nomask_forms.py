@@ -118,7 +118,7 @@ def _session(model: onnx.ModelProto):
 
 def main(argv: list[str] | None = None) -> None:
     from mha_onnx.config import load_preset
-    from mha_onnx.export import export_model
+    from mha_onnx.export.mha import export_model
     from mha_onnx.rewrite import fuse_file
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

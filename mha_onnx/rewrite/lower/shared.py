@@ -28,8 +28,8 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.errors import ConfigError
+from mha_onnx.graph.cache import LENGTH_INPUT, MAX_LENGTH
 from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, UNPADDED, either
 from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
 from mha_onnx.rewrite.irutil import insert_first, onehot_dim, replace_shape

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mha_onnx.inputs import InputSpec
+from mha_onnx.graph.inputs import InputSpec
 
 LENGTH_INPUT = "past_sequence_length"  # shared buffers: the cached positions (int64 scalar)
 MAX_LENGTH = "max_sequence_length"  # shared buffers: their length dim
@@ -27,7 +27,7 @@ def cache_pairs(model: onnx.ModelProto) -> dict[str, str]:
     """past input -> present output: as fuse recorded them; else by structure (an output
     that is a past input with new positions concatenated) and by name (our
     ``past_key``/``present_key`` and Optimum's ``past_key_values.0.key``/``present.0.key``)."""
-    from mha_onnx import metadata
+    from mha_onnx.graph import metadata
 
     recorded = metadata.loaded(model, "kv_cache")
     if recorded is not None and isinstance(recorded.get("pairs"), dict):
@@ -59,7 +59,7 @@ def _appended_outputs(model: onnx.ModelProto) -> dict[str, str]:
 def is_shared(model: onnx.ModelProto) -> bool:
     """A model whose caches are max-length buffers (``fuse --kv-cache shared``): as fuse
     recorded it, or by its ``past_sequence_length`` input."""
-    from mha_onnx import metadata
+    from mha_onnx.graph import metadata
 
     recorded = metadata.loaded(model, "kv_cache") or {}
     return bool(cache_pairs(model)) and (recorded.get("form") == "shared" or takes_length(model))
@@ -76,8 +76,8 @@ def shared_view(model: onnx.ModelProto) -> tuple[list[InputSpec], dict[str, str]
     """(input specs, cache pairs); for a shared-buffer model, its inputs as the appended
     interface has them: no length input, pasts of the original's length dim (``past_seq``,
     so that a mask over ``past_seq + seq_q`` keys stays consistent with them)."""
-    from mha_onnx import metadata
-    from mha_onnx.inputs import input_specs
+    from mha_onnx.graph import metadata
+    from mha_onnx.graph.inputs import input_specs
 
     specs, pairs = input_specs(model), cache_pairs(model)
     if not is_shared(model):
@@ -108,7 +108,7 @@ def new_tokens(specs: Sequence[InputSpec], pairs: Mapping[str, str],
 def row_layout(model: onnx.ModelProto) -> dict | None:
     """A shared-buffer model whose buffer rows hold each row's kept keys first (per-row
     lengths, rewrite/lower/rows.py): {"input": the padding mask, "zero_is_padded": its polarity}."""
-    from mha_onnx import metadata
+    from mha_onnx.graph import metadata
 
     recorded = metadata.loaded(model, "kv_cache") or {}
     rows = recorded.get("rows")

@@ -1,7 +1,7 @@
 """``mha-onnx export --model DIR``: a Hugging Face folder to a fused, verified ONNX model.
 
 torch.export (dynamic batch, sequence and past axes) writes the interface of
-:mod:`mha_onnx.hf_model`; the graph is fused (unless ``fuse=False``), then validated against
+:mod:`mha_onnx.export.hf_model`; the graph is fused (unless ``fuse=False``), then validated against
 the folder's PyTorch model in float32 (shapes other than the tracing example, and for
 decoders a prompt plus 16 decode steps) before anything is written. The metadata records the
 folder, task, dtype and the sha256 of its config and weights, so that ``validate OUT.onnx``
@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mha_onnx import __version__, metadata
+from mha_onnx import __version__
 from mha_onnx.errors import ConfigError, ExportError, VerifyError
-from mha_onnx.graphio import prepare_output, write_model
-from mha_onnx.hf_model import (
+from mha_onnx.export.hf_model import (
     TASKS,
     DecoderWithPast,
     Seq2SeqParts,
@@ -41,6 +40,8 @@ from mha_onnx.hf_model import (
     min_samples,
     read_config,
 )
+from mha_onnx.graph import metadata
+from mha_onnx.graph.files import prepare_output, write_model
 from mha_onnx.rewrite.faithful import optimize_faithfully
 
 PAST, NEW = "past_sequence_length", "sequence_length"

@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 
 from mha_onnx.errors import ResourceError
-from mha_onnx.inputs import ShapeCase, input_specs, split_dims
+from mha_onnx.graph.inputs import ShapeCase, input_specs, split_dims
 from mha_onnx.table import human_bytes
 
 
@@ -29,7 +29,7 @@ def available_memory() -> int:
 def estimate_bytes(model: onnx.ModelProto, batch: int, seq_q: int, seq_kv: int | None = None) -> int:
     """Working set of one run of an mha-onnx export: activations, plus the [B, H, S, T]
     scores twice (scores and weights) when its attention is not fused. 0 for other models."""
-    from mha_onnx.metadata import config_of
+    from mha_onnx.graph.metadata import config_of
 
     cfg = config_of(model)
     if cfg is None:
@@ -42,7 +42,7 @@ def estimate_bytes(model: onnx.ModelProto, batch: int, seq_q: int, seq_kv: int |
 
 
 def _unfused(model: onnx.ModelProto) -> bool:
-    from mha_onnx.graphio import to_ir
+    from mha_onnx.graph.files import to_ir
     from mha_onnx.rewrite.blocks import find_blocks
 
     return any(b.kind == "unfused" for b in find_blocks(to_ir(model).graph))

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.errors import InputSpecError
-from mha_onnx.input_roles import consumers
+from mha_onnx.graph.roles import consumers
 
 log = logging.getLogger(__name__)
 

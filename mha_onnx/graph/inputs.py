@@ -19,8 +19,8 @@ import numpy as np
 import onnx
 
 from mha_onnx.errors import InputSpecError
-from mha_onnx.graphdims import dim_floors, floor_dims, lifted, pin_dims, relate_dims
-from mha_onnx.input_roles import all_nodes, integer_roles
+from mha_onnx.graph.dims import dim_floors, floor_dims, lifted, pin_dims, relate_dims
+from mha_onnx.graph.roles import all_nodes, integer_roles
 
 NP_TYPES = {
     onnx.TensorProto.FLOAT: np.float32,

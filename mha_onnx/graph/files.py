@@ -19,7 +19,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from mha_onnx.errors import ModelFileError, OutputExistsError
-from mha_onnx.input_roles import all_nodes
+from mha_onnx.graph.roles import all_nodes
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ weight fuse packed into a joined tensor (``packed``: Q, K and V side by side) by
 of it; only what neither holds (a mask buffer, a weight fuse rewrote) is kept as bytes.
 A weight is taken as held only where its bytes, dtype and shape match (by digest, or a
 packed slice compared element by element), so a restore gives the original back exactly.
-The record is one metadata value (``mha_onnx.original``, base64 of the graph's protobuf,
+The record is one metadata value (``mha_onnx.graph.original``, base64 of the graph's protobuf,
 compressed), which ``inspect`` shows by size.
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from mha_onnx import metadata
-from mha_onnx.graphio import all_initializers
+from mha_onnx.graph import metadata
+from mha_onnx.graph.files import all_initializers
 
 KEY = "original"
 # Past this many bytes of weights the written model does not hold, the original is not kept
