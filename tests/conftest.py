@@ -96,6 +96,14 @@ def _folders():
                                                                **text)),
         "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
             num_key_value_heads=2, head_dim=8, sliding_window=64, **text)),
+        # attention sinks on its sliding-window layers, which cache every head (its full
+        # layers two), routed experts
+        "mimo": lambda: tf.MiMoV2FlashForCausalLM(tf.MiMoV2FlashConfig(
+            vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=4, head_dim=16,
+            v_head_dim=16, sliding_window=16, eos_token_id=2, pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention"])),
         "bert": lambda: tf.BertModel(tf.BertConfig(**text)),
         "vit": lambda: tf.ViTModel(tf.ViTConfig(image_size=32, patch_size=8, **HF_SMALL)),
         # a learned position table per patch, and no max_position_embeddings

@@ -53,6 +53,26 @@ def test_decoders_export_fused_on_gqa_with_optimums_interface(hf_folder, tmp_pat
     assert [c.passed for c in again.checks if c.name == "weights"] == [True]
 
 
+def test_sinks_and_a_cache_shaped_per_layer(hf_folder, tmp_path):
+    """MiMo-V2-Flash (issue 42, class 2): its sliding-window layers cache all four heads and
+    carry sinks, its full-attention layers cache two (the config's num_key_value_heads was
+    taken for every layer: torch.export failed on the cache's Concat); its experts routed
+    (transformers' grouped_mm is a custom op torch.export cannot lower: batched_mm)."""
+    out = tmp_path / "mimo.onnx"
+    result = _export(hf_folder("mimo"), out)
+    assert result.exit_code == 0, result.output
+    model = onnx.load(out)
+    heads = [i.type.tensor_type.shape.dim[1].dim_value for i in model.graph.input[3:]]
+    assert heads == [4, 4, 2, 2]
+    from mha_onnx.graph.roles import all_nodes
+
+    sinks = [n for n in all_nodes(model.graph) if n.op_type == "GroupQueryAttention"
+             and len(n.input) > 11 and n.input[11]]
+    assert sinks  # head_sink on ORT's kernel
+    report = json.loads(result.output[result.output.index("{"):])
+    assert any(c["case"].startswith("decode step") for c in report["validation"]["comparisons"])
+
+
 def test_a_changed_folder_is_said(hf_folder, tmp_path):
     import shutil
 

@@ -36,6 +36,7 @@ from mha_onnx.export.hf_model import (
     fingerprint,
     infer_task,
     is_audio,
+    layer_cache_shapes,
     load_module,
     min_samples,
     read_config,
@@ -121,9 +122,10 @@ def _examples(task: str, config: Any, module: Any, dtype: str):
         return (tuple(args), tuple({0: batch, 1: seq} for _ in args), names,
                 encoder_outputs(module))
     past, total = torch.export.Dim("past", min=1), torch.export.Dim("total", min=2)
-    kv, head = cache_shape(config)
     layers = int(config.num_hidden_layers)
-    pasts = [torch.randn(2, kv, 5, head, dtype=getattr(torch, dtype)) for _ in range(2 * layers)]
+    pasts = [torch.randn(2, heads, 5, size, dtype=getattr(torch, dtype))
+             for shape in layer_cache_shapes(module, config)
+             for heads, size in (shape[:2], shape[2:])]
     positions = torch.arange(5, 8).expand(2, 3).contiguous()
     args = (ids, torch.ones(2, 8, dtype=torch.int64), positions, *pasts)
     dynamic = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},

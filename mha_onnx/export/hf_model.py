@@ -149,6 +149,8 @@ def load_module(folder: str | Path, task: str, dtype: str = "float32") -> Any:
     for attn in order:
         try:
             extra = {"attn_implementation": attn} if attn else {}
+            if _has_experts(folder):  # transformers' grouped_mm is a custom op torch.export
+                extra["experts_implementation"] = "batched_mm"  # cannot lower; bmm it can
             model = classes[task].from_pretrained(folder, local_files_only=True, **extra)
             break
         except Exception as exc:  # noqa: BLE001 - the folder's files: truncated, mismatched
@@ -272,6 +274,33 @@ def cache_shape(config: Any) -> tuple[int, int]:
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     head = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     return kv, head
+
+
+def _has_experts(folder: str | Path) -> bool:
+    """Is the folder's model a mixture of experts (by its config's expert count)?"""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return any(config.get(k) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
+def layer_cache_shapes(model: Any, config: Any) -> list[tuple[int, int, int, int]]:
+    """Each decoder layer's cache as the model itself makes it: (key heads, key head size,
+    value heads, value head size), read off one short run with a cache. The config's
+    ``num_key_value_heads`` is not every layer's: MiMo-V2-Flash's sliding-window layers
+    keep all heads, its full-attention layers two; MLA's values are narrower than its keys.
+    Where that run fails, the config's shape for every layer."""
+    import torch
+
+    kv, head = cache_shape(config)
+    fallback = [(kv, head, kv, head)] * int(config.num_hidden_layers)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.ones(1, 2, dtype=torch.int64), use_cache=True)
+        cache = _returned_cache(out)
+        shapes = [(int(k.shape[1]), int(k.shape[3]), int(v.shape[1]), int(v.shape[3]))
+                  for k, v in zip(_presents(cache)[::2], _presents(cache)[1::2], strict=True)]
+    except Exception:  # noqa: BLE001 - the config's shape, as before
+        return fallback
+    return shapes if len(shapes) == len(fallback) else fallback
 
 
 class HfReference:
