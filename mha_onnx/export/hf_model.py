@@ -146,11 +146,11 @@ def load_module(folder: str | Path, task: str, dtype: str = "float32") -> Any:
     # SDPA where the architecture has it, else its default; T5's SDPA path views a transposed
     # tensor that torch.export cannot decompose, so encoder-decoders load eager
     order = ("eager", None) if task == "text2text-generation-with-past" else ("sdpa", None)
+    # transformers' grouped_mm experts are a custom op torch.export cannot lower; bmm it can
+    experts = {"experts_implementation": "batched_mm"} if _has_experts(folder) else {}
     for attn in order:
         try:
-            extra = {"attn_implementation": attn} if attn else {}
-            if _has_experts(folder):  # transformers' grouped_mm is a custom op torch.export
-                extra["experts_implementation"] = "batched_mm"  # cannot lower; bmm it can
+            extra = {"attn_implementation": attn, **experts} if attn else dict(experts)
             model = classes[task].from_pretrained(folder, local_files_only=True, **extra)
             break
         except Exception as exc:  # noqa: BLE001 - the folder's files: truncated, mismatched
@@ -295,9 +295,9 @@ def layer_cache_shapes(model: Any, config: Any) -> list[tuple[int, int, int, int
     try:
         with torch.no_grad():
             out = model(input_ids=torch.ones(1, 2, dtype=torch.int64), use_cache=True)
-        cache = _returned_cache(out)
+        presents = _presents(_returned_cache(out))
         shapes = [(int(k.shape[1]), int(k.shape[3]), int(v.shape[1]), int(v.shape[3]))
-                  for k, v in zip(_presents(cache)[::2], _presents(cache)[1::2], strict=True)]
+                  for k, v in zip(presents[::2], presents[1::2], strict=True)]
     except Exception:  # noqa: BLE001 - the config's shape, as before
         return fallback
     return shapes if len(shapes) == len(fallback) else fallback

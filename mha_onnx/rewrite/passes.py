@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
@@ -81,9 +82,11 @@ class FuseRun:
     blog: BlockLog = field(default_factory=BlockLog)
     chosen: dict[str, Form] = field(default_factory=dict)
     packed: dict[str, tuple[str, int, int]] = field(default_factory=dict)
-    cache: dict | None = None
+    cache: dict | None = None  # the record written into the fused model (RecordCache)
     rotating: Folded = field(default_factory=lambda: Folded({}))
-    layers: list = field(default_factory=list)
+    pairs: dict[str, str] = field(default_factory=dict)  # past -> present (LowerToOrt)
+    rows: Any = None  # a shared cache's per-row layout (lower/shared.py), or None
+    shared: int = 0  # how many layers share their cache buffers
 
 
 class FusionPass(ir.passes.InPlacePass):
@@ -231,13 +234,11 @@ class LowerToOrt(FusionPass):
         run = self.run
         stage = lower_to_ort(model, run.policy)
         run.chosen.update(stage.forms)
-        run.layers = stage.layers
-        pairs = stage.pairs(model.graph)
-        rows = shared_rows(stage.layers)
-        shared = share_interface(model.graph, stage.layers)
-        run.cache = {"pairs": pairs, "rows": rows, "shared": shared}
+        run.pairs = stage.pairs(model.graph)
+        run.rows = shared_rows(stage.layers)
+        run.shared = share_interface(model.graph, stage.layers)
         model.opset_imports.setdefault(MS_DOMAIN, 1)
-        return {"lowered": len(stage.forms), "cache_pairs": len(pairs)}
+        return {"lowered": len(stage.forms), "cache_pairs": len(run.pairs)}
 
 
 class LowerToOnnx(FusionPass):
@@ -342,17 +343,16 @@ class RecordCache(FusionPass):
     and the note on sharing where ``kv_cache="shared"`` was asked for."""
 
     TARGETS = ("ort",)
+    _note: str | None = None
 
     def apply(self, model: ir.Model) -> dict[str, int]:
         run = self.run
-        found = run.cache or {"pairs": {}, "rows": None, "shared": 0}
-        pairs, rows, shared = found["pairs"], found["rows"], found["shared"]
+        pairs, rows, shared = run.pairs, run.rows, run.shared
         from_shapes = bool(shared) and rows is not None \
             and length_from_shapes(model.graph, rows, set(pairs))
         self._note = shared_note(shared, run.chosen, rows, from_shapes) \
             if run.policy.kv_cache == "shared" else None
         if not pairs:
-            run.cache = None
             return {"pairs": 0}
         cache: dict = {"form": "shared" if shared else "appended", "pairs": pairs}
         if shared and rows is not None:  # each buffer row holds that row's kept keys first
@@ -363,7 +363,7 @@ class RecordCache(FusionPass):
         return {"pairs": len(pairs), "shared": int(shared)}
 
     def notes(self) -> list[str]:
-        return [self._note] if getattr(self, "_note", None) else []
+        return [self._note] if self._note else []
 
 
 class Tidy(FusionPass):
