@@ -19,23 +19,6 @@ from mha_onnx.errors import ConfigError
 ATTENTION_KINDS = ("self", "cross")
 MASK_KINDS = ("none", "key-padding", "causal")
 DTYPES = ("float32", "float16")
-# Kernel forms per mask kind (fuse --form KIND=FORM, target ort): the one table the parser,
-# its error message and the option's help are made from.
-FORM_CHOICES: dict[str, tuple[str, ...]] = {
-    "causal": ("gqa", "unidirectional", "bias"),
-    "key_padding": ("auto", "loop", "mask", "bias", "gqa"),
-    "kv_cache": ("appended", "shared"),
-}
-
-
-# Execution providers fuse has measured forms for (fuse --ep).
-EP_CHOICES = ("cpu", "cuda", "tensorrt")
-
-
-def form_help() -> str:
-    return "; ".join(f"{kind}={'|'.join(forms)}" for kind, forms in FORM_CHOICES.items())
-
-
 def models_dir() -> Path:
     """The folder holding the preset TOML files (``models/`` beside the package)."""
     override = os.environ.get("MHA_ONNX_MODELS")

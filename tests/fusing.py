@@ -10,6 +10,7 @@ from mha_onnx.graph.files import for_checker
 from mha_onnx.inspect import summarize
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.blocks import all_graphs
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.verify import verification_cases, verify
 
 
@@ -19,7 +20,7 @@ def ops(model: onnx.ModelProto) -> list[str]:
 
 
 def fused_and_checked(model: onnx.ModelProto, target: str = "ort"):
-    fused, results, _ = fuse_model(model, target=target)
+    fused, results, _ = fuse_model(model, FormPolicy(target=target))
     # types declared, subgraphs included; ORT's own default-domain ops (the norm kernels) as
     # ORT registers them, not refused for being outside ONNX's registry
     onnx.checker.check_model(for_checker(fused), full_check=True)

@@ -16,9 +16,9 @@ from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.irutil import MS_DOMAIN
-from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.lower.rules import Stage2, lower_to_ort
 from mha_onnx.rewrite.masks import ABSORBING
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 
 
@@ -92,7 +92,7 @@ def sdpa_model(m: Meaning, *, dense: bool = True, keys: str = "T") -> ir.Model:
     return ir.Model(graph, ir_version=10)
 
 
-def lower_for_ort(model: ir.Model, forms: Forms) -> Stage2:
+def lower_for_ort(model: ir.Model, forms: FormPolicy) -> Stage2:
     """Stage 2 for ONNX Runtime (every rule, as fuse runs it); what it made."""
     stage = lower_to_ort(model, forms)
     assert stage.forms, "the lowering did not apply"

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
+from mha_onnx.rewrite.policy import FormPolicy
 
 CFG = MhaConfig(d_model=32, num_heads=4, mask="causal", name="c")
 
@@ -121,10 +122,10 @@ def test_forms_are_said_plainly(export_cache, tmp_path):
     """--form's help lists what the parser takes; a --form that matches no block is said;
     a form behind guards is one row per branch; inspect reads a fused model's blocks and
     metadata as lines, not one JSON line."""
-    from mha_onnx.config import FORM_CHOICES
+    from mha_onnx.rewrite.policy import FORMS, KV_CACHES
 
     help_text = " ".join(cli("fuse", "--help").output.split())
-    for kind, forms in FORM_CHOICES.items():
+    for kind, forms in {**FORMS, "kv_cache": KV_CACHES}.items():
         assert f"{kind}={'|'.join(forms)}" in help_text
     source = export_cache(MhaConfig(d_model=32, num_heads=4, mask="key-padding", name="kp"))
     fused = tmp_path / "fused.onnx"
@@ -190,7 +191,7 @@ def test_target_onnx_of_a_grouped_padded_decoder_loads_and_verifies(name, tmp_pa
     from mha_onnx.runtime.ort import OrtRunner
 
     source = Path(__file__).parent / "fixtures" / "optimum" / name / "model.onnx"
-    report = fuse_file(source, tmp_path / "onnx.onnx", target="onnx")
+    report = fuse_file(source, tmp_path / "onnx.onnx", policy=FormPolicy(target="onnx"))
     assert report.fused == len(report.blocks) and report.verification.passed
     with OrtRunner(tmp_path / "onnx.onnx") as runner:
         assert runner.input_names

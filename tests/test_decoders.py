@@ -154,11 +154,11 @@ def test_causal_with_a_position_bias_in_both_forms(zoo, forms, form):
     """GQA with attention_bias, or (--form causal=bias) MHA with causal + bias summed: the
     terms have different ranks ([S, T] mask, [1, H, S, T] bias) and add up to rank 4."""
     from mha_onnx.rewrite import fuse_model
-    from mha_onnx.rewrite.lower.ort import Forms
+    from mha_onnx.rewrite.policy import FormPolicy
     from mha_onnx.rewrite.verify import verify
 
     model = zoo("relative_bias_causal")
-    fused, results, _ = fuse_model(model, forms=Forms.parse([forms] if forms else []))
+    fused, results, _ = fuse_model(model, FormPolicy.parse([forms] if forms else []))
     assert [r.form for r in results] == [form] and results[0].meaning == "causal + position bias"
     assert verify(model, fused).passed
 

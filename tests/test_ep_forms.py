@@ -1,5 +1,5 @@
-"""Forms per execution provider (`fuse --ep`), CUDA session options and validate's placement
-warnings: the choices measured on CUDA (docs/gpu/2026-11-30-h200.md), checked here on the
+"""The form policy per execution provider (`fuse --ep`), CUDA session options and
+validate's placement warnings: the choices measured on CUDA (docs/gpu/2026-11-30-h200.md), checked here on the
 CPU, where every form is verified against the original before it is written."""
 
 from __future__ import annotations
@@ -15,23 +15,23 @@ from mha_onnx.errors import ConfigError
 from mha_onnx.graph import metadata
 from mha_onnx.parity.report import ProviderStatus
 from mha_onnx.parity.run import placement_notes
-from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.runtime.ort import OrtRunner
 from tests.conftest import SMALL
 from tests.fusing import fused_and_checked, ops
 
 
 def test_forms_per_provider():
-    assert Forms.parse([]) == Forms()
-    cuda = Forms.parse([], "cuda")
+    assert FormPolicy.parse([]) == FormPolicy()
+    cuda = FormPolicy.parse([], "cuda")
     assert (cuda.causal, cuda.key_padding, cuda.ep) == ("unidirectional", "bias", "cuda")
-    assert Forms.parse(["causal=gqa"], "cuda").causal == "gqa"  # --form still overrides
-    assert Forms.parse([], "tensorrt").causal == "unidirectional"
+    assert FormPolicy.parse(["causal=gqa"], "cuda").causal == "gqa"  # --form still overrides
+    assert FormPolicy.parse([], "tensorrt").causal == "unidirectional"
     # GQA elsewhere than the CPU only for what no other kernel does exactly
     assert not cuda.gqa_for() and cuda.gqa_for(softcap=True) and cuda.gqa_for(window=True)
-    assert Forms().gqa_for()
+    assert FormPolicy().gqa_for()
     with pytest.raises(ConfigError, match="execution provider"):
-        Forms.parse([], "rocm")
+        FormPolicy.parse([], "rocm")
 
 
 def test_cuda_sessions_pin_float32_matmuls():
@@ -77,7 +77,7 @@ def test_causal_padding_on_cuda_takes_no_right_padded_gqa(zoo):
     assert "GroupQueryAttention" in ops(cpu)
     from mha_onnx.rewrite import fuse_model
 
-    cuda, results, _ = fuse_model(model, forms=Forms.for_ep("cuda"))
+    cuda, results, _ = fuse_model(model, FormPolicy.for_ep("cuda"))
     assert "GroupQueryAttention" not in ops(cuda) and "MultiHeadAttention" in ops(cuda)
     assert [r.form for r in results] == ["MultiHeadAttention + attention_bias"]
 

@@ -18,6 +18,7 @@ from mha_onnx.cli import main
 from mha_onnx.errors import ConfigError
 from mha_onnx.generate import GenerationConfig, Generator, Sampling, prompt_feeds, read_interface
 from mha_onnx.generate.sampling import next_tokens
+from mha_onnx.rewrite.policy import FormPolicy
 from tests.genai import genai_generate, without_eos
 
 FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
@@ -228,7 +229,7 @@ def test_optimum_exports_fused_generate_what_transformers_generated(tmp_path, fa
     for form in ("appended", "shared"):
         out = tmp_path / form / "model.onnx"
         out.parent.mkdir()
-        report = fuse_file(source / "model.onnx", out, kv_cache=form)
+        report = fuse_file(source / "model.onnx", out, policy=FormPolicy(kv_cache=form))
         written = (out.parent / "genai_config.json").exists()
         assert written == bool(want["eos_token_id"]), report.notes
         assert ours(out, prompts[:1]) == want["batch1"], form
@@ -257,7 +258,8 @@ def test_deepseeks_latent_attention_generates_what_transformers_generated(tmp_pa
                for b in report.blocks), report.render()
     assert ours(out, want["prompts"]) == want["batch3"]
     with pytest.raises(ConfigError, match="V's head size is not K's"):
-        fuse_file(source / "model.onnx", tmp_path / "shared.onnx", kv_cache="shared")
+        fuse_file(source / "model.onnx", tmp_path / "shared.onnx",
+                  policy=FormPolicy(kv_cache="shared"))
 
 
 # -- the command line ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mha_onnx.generate import GenerationConfig, Generator
+from mha_onnx.rewrite.policy import FormPolicy
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
@@ -37,7 +38,7 @@ def test_the_readme_loop_generates_what_generate_does(greedy, tmp_path, family, 
     model = FIXTURES / family / "model.onnx"
     if form != "export":
         fused = tmp_path / "model.onnx"
-        fuse_file(model, fused, kv_cache=form, genai=False)
+        fuse_file(model, fused, policy=FormPolicy(kv_cache=form), genai=False)
         model = fused
     got = greedy(str(model), PROMPTS, 12, shared=form == "shared")
     with Generator(model) as generator:

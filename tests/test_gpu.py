@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mha_onnx.config import MhaConfig
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.runtime.ort import OrtRunner, cuda_available, node_placement
 
 _OK, _WHY = cuda_available()
@@ -81,7 +82,7 @@ def test_shared_kv_cache_decodes_in_place_on_cuda(export_cache, tmp_path, dtype)
 
     src = export_cache(CFG.replace(mask="causal", kv_cache=True, dtype=dtype))
     dst = tmp_path / "shared.onnx"
-    fuse_file(src, dst, kv_cache="shared")
+    fuse_file(src, dst, policy=FormPolicy(kv_cache="shared"))
     report = validate_model(dst, ValidateConfig(providers=("cpu", "cuda"), reference=str(src)))
     assert report, report.render()
     assert any(c.provider == "cuda" and c.case.startswith("decode step 16")
@@ -95,11 +96,11 @@ def test_forms_for_cuda_run_every_attention_kernel_on_the_gpu(export_cache, tmp_
     GroupQueryAttention has no CUDA kernel; the CPU forms' would run there)."""
     from mha_onnx.parity import ValidateConfig, validate_model
     from mha_onnx.rewrite import fuse_file
-    from mha_onnx.rewrite.lower.ort import Forms
+    from mha_onnx.rewrite.policy import FormPolicy
 
     src = export_cache(CFG.replace(mask=mask, dtype=dtype))
     dst = tmp_path / "cuda.onnx"
-    fuse_file(src, dst, forms=Forms.for_ep("cuda"))
+    fuse_file(src, dst, policy=FormPolicy.for_ep("cuda"))
     report = validate_model(dst, ValidateConfig(providers=("cpu", "cuda"), reference=str(src)))
     assert report, report.render()
     assert not report.notes, report.notes

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.policy import FormPolicy
 from tests.sdpa_graphs import (
     Meaning,
     assert_matches,
@@ -25,7 +25,7 @@ RUNS = {"prompt": (0, 5), "decode step": (6, 1), "chunk after a past": (4, 3)}
 
 def _lowered(meaning: Meaning):
     model = cached_model(meaning)
-    stage = lower_for_ort(model, Forms())
+    stage = lower_for_ort(model, FormPolicy())
     return model, stage.forms["block0"], stage.pairs(model.graph)
 
 

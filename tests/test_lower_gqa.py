@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 
 from mha_onnx.rewrite.lower.gqa import gqa_ok
-from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.sdpa import SdpaInfo
 from tests.sdpa_graphs import (
     Meaning,
@@ -25,7 +25,7 @@ from tests.sdpa_graphs import (
 
 def _lowered(meaning: Meaning):
     model = sdpa_model(meaning)
-    form = lower_for_ort(model, Forms()).forms["block0"]
+    form = lower_for_ort(model, FormPolicy()).forms["block0"]
     return model, form
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.policy import FormPolicy
 from tests.sdpa_graphs import (
     Meaning,
     assert_matches,
@@ -36,7 +36,7 @@ def _padding(t: int) -> np.ndarray:
 def test_every_entry_as_the_original(fill, nan_to_zero, kv_heads):
     meaning = Meaning(padded=True, fill=fill, nan_to_zero=nan_to_zero, kv_heads=kv_heads)
     model = sdpa_model(meaning)
-    form = lower_for_ort(model, Forms(key_padding="loop")).forms["block0"]
+    form = lower_for_ort(model, FormPolicy(key_padding="loop")).forms["block0"]
     assert form.kernel == "Loop(Compress keys) + MultiHeadAttention"
     assert {"Loop", "Compress", "MultiHeadAttention"} <= ops(model)
     for s, t in ((3, 8), (8, 8), (1, 9)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.policy import FormPolicy
 from tests.sdpa_graphs import (
     Meaning,
     assert_matches,
@@ -31,7 +31,7 @@ def _padding(batch: int, t: int) -> np.ndarray:
     return padded
 
 
-def _check(meaning: Meaning, forms: Forms, s: int, t: int, padded=None):
+def _check(meaning: Meaning, forms: FormPolicy, s: int, t: int, padded=None):
     model = sdpa_model(meaning)
     chosen = lower_for_ort(model, forms).forms
     f = feeds(meaning, 4, s, t, padded)
@@ -40,7 +40,7 @@ def _check(meaning: Meaning, forms: Forms, s: int, t: int, padded=None):
 
 
 def test_no_mask_is_one_multihead_attention():
-    model, form = _check(Meaning(), Forms(), 5, 7)
+    model, form = _check(Meaning(), FormPolicy(), 5, 7)
     assert form.kernel == "MultiHeadAttention" and not form.guard
     assert "MultiHeadAttention" in ops(model) and "If" not in ops(model)
 
@@ -53,7 +53,7 @@ def test_each_key_padding_form(form, kernel, fill):
     """Every row pattern in one batch (the GQA form's check sends it to its other branch);
     a fully padded row gets NaN (-inf fill) or the mean of V (the lowest float)."""
     meaning = Meaning(padded=True, fill=fill)
-    model, chosen = _check(meaning, Forms(key_padding=form), 3, 8, _padding(4, 8))
+    model, chosen = _check(meaning, FormPolicy(key_padding=form), 3, 8, _padding(4, 8))
     assert kernel in ops(model)
     assert (chosen.guard == "right padding") == (form == "gqa")
 
@@ -62,7 +62,7 @@ def test_key_padding_gqa_branch_when_every_row_is_right_padded():
     meaning = Meaning(padded=True)
     padded = np.zeros((4, 8), bool)
     padded[1, 5:] = True
-    model, chosen = _check(meaning, Forms(key_padding="gqa"), 8, 8, padded)
+    model, chosen = _check(meaning, FormPolicy(key_padding="gqa"), 8, 8, padded)
     assert chosen.kernel == "GroupQueryAttention (bidirectional)"
 
 
@@ -70,28 +70,28 @@ def test_key_padding_gqa_branch_when_every_row_is_right_padded():
 def test_auto_switches_by_length_and_padding(t):
     """auto: GQA when right-padded (T <= 1024), else MHA key_padding_mask below 128 keys
     and the Loop from there; every branch computes the same numbers."""
-    model, chosen = _check(Meaning(padded=True), Forms(), 4, t, _padding(4, t))
+    model, chosen = _check(Meaning(padded=True), FormPolicy(), 4, t, _padding(4, t))
     assert {"GroupQueryAttention", "MultiHeadAttention", "Loop", "If"} <= ops(model)
     assert chosen.switch_at and chosen.otherwise is not None
 
 
 def test_grouped_kv_heads_are_repeated_for_mha():
     meaning = Meaning(padded=True, kv_heads=2)
-    model, _ = _check(meaning, Forms(key_padding="mask"), 3, 6, _padding(4, 6))
+    model, _ = _check(meaning, FormPolicy(key_padding="mask"), 3, 6, _padding(4, 6))
     assert "MultiHeadAttention" in ops(model)
 
 
 @pytest.mark.parametrize("form, label", [("unidirectional", "unidirectional"),
                                          ("bias", "causal bias")])
 def test_causal_without_gqa(form, label):
-    model, chosen = _check(Meaning(causal=True), Forms(causal=form), 6, 6)
+    model, chosen = _check(Meaning(causal=True), FormPolicy(causal=form), 6, 6)
     assert label in chosen.kernel and "GroupQueryAttention" not in ops(model)
 
 
 def test_the_dense_general_form_for_a_window_off_gqa():
     """A sliding window that GQA may not take (forms say no GQA): the mask as a bias."""
     meaning = Meaning(causal=True, window=3)
-    model, chosen = _check(meaning, Forms(causal="bias"), 6, 6)
+    model, chosen = _check(meaning, FormPolicy(causal="bias"), 6, 6)
     assert chosen.kernel == "MultiHeadAttention + attention_bias"
 
 
@@ -99,7 +99,7 @@ def test_a_form_switching_on_computed_keys_says_how_they_are_computed():
     """Keys that are an expression of input dims (a speech encoder's frames): the form
     carries it, so verification can run the input lengths that cross each switch."""
     model = sdpa_model(Meaning(padded=True), keys="samples // 10 - 1")
-    form = lower_for_ort(model, Forms()).forms["block0"]
+    form = lower_for_ort(model, FormPolicy()).forms["block0"]
     assert form.switches() and form.keys == "samples // 10 - 1"
-    plain = lower_for_ort(sdpa_model(Meaning(padded=True)), Forms()).forms["block0"]
+    plain = lower_for_ort(sdpa_model(Meaning(padded=True)), FormPolicy()).forms["block0"]
     assert plain.keys == ""  # keys that are an input dim need nothing more

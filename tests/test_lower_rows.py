@@ -15,6 +15,7 @@ import pytest
 from mha_onnx.graph import cache as kv
 from mha_onnx.rewrite.lower import rows as rows
 from mha_onnx.rewrite.lower.common import TapeOps
+from mha_onnx.rewrite.policy import FormPolicy
 from tests.irgraphs import B64, BOOL, Graph, model, node, tensor
 
 F32 = onnx.TensorProto.FLOAT
@@ -170,7 +171,7 @@ def test_genai_right_padded_batch_stays_on_gqa(tmp_path, form):
     from tests.test_optimum import FIXTURES
 
     out = tmp_path / "model.onnx"
-    fuse_file(FIXTURES / "llama" / "model.onnx", out, kv_cache=form, genai=False)
+    fuse_file(FIXTURES / "llama" / "model.onnx", out, policy=FormPolicy(kv_cache=form), genai=False)
     iface = Generator(out).interface
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], np.int64)  # right-padded prompt
     feeds = {"input_ids": np.array([[5, 6, 7, 8, 9], [10, 11, 0, 0, 0]], np.int64),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.policy import FormPolicy
 from tests.sdpa_graphs import (
     Meaning,
     assert_matches,
@@ -49,7 +49,7 @@ def _check(model: ir.Model, extra=None) -> dict[str, np.ndarray]:
 
 def test_the_presents_come_from_the_kernel_and_no_concat_is_left():
     model = cached_model(MEANING)
-    stage = lower_for_ort(model, Forms())
+    stage = lower_for_ort(model, FormPolicy())
     assert len(stage.layers) == 1 and stage.layers[0].kernel.op_type == "If"
     assert stage.pairs(model.graph) == {"past_k": "present_k", "past_v": "present_v"}
     assert _output(model, "present_k").producer() is stage.layers[0].kernel
@@ -61,7 +61,7 @@ def test_a_cache_something_else_reads_stays_a_concat_and_the_plain_rule_applies(
     model = cached_model(MEANING)
     present = _output(model, "present_k")
     _add_output(model, ir.Node("", "Identity", [present]), "k_copy")
-    stage = lower_for_ort(model, Forms())
+    stage = lower_for_ort(model, FormPolicy())
     assert stage.layers == [] and stage.pairs(model.graph) == {}
     assert stage.forms["block0"].kernel == "MultiHeadAttention over the cache"
     assert _output(model, "present_k").producer().op_type == "Concat"
@@ -71,7 +71,7 @@ def test_a_cache_something_else_reads_stays_a_concat_and_the_plain_rule_applies(
 def test_a_shape_of_the_cache_reads_its_parts():
     model = cached_model(MEANING)
     _add_output(model, ir.Node("", "Shape", [_output(model, "present_k")]), "k_shape")
-    stage = lower_for_ort(model, Forms())
+    stage = lower_for_ort(model, FormPolicy())
     assert len(stage.layers) == 1  # the Shape did not keep the Concat
     _check(model, lambda got, f: np.testing.assert_array_equal(got["k_shape"], f["k"].shape))
 
@@ -86,7 +86,7 @@ def test_keys_transposed_twice_are_read_through():
     back.outputs[0].shape, back.outputs[0].dtype = sdpa.inputs[1].shape, MEANING.dtype
     model.graph.insert_before(sdpa, [there, back])
     sdpa.replace_input_with(1, back.outputs[0])
-    stage = lower_for_ort(model, Forms())
+    stage = lower_for_ort(model, FormPolicy())
     assert len(stage.layers) == 1
     assert there.graph is None and back.graph is None  # removed: nothing reads them
     _check(model)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mha_onnx.graph.cache import LENGTH_INPUT
-from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.lower.shared import share_interface
+from mha_onnx.rewrite.policy import FormPolicy
 from tests.sdpa_graphs import (
     Meaning,
     assert_matches,
@@ -28,7 +28,7 @@ MAX = 16
 
 def _shared(meaning: Meaning):
     model = cached_model(meaning)
-    stage = lower_for_ort(model, Forms(kv_cache="shared"))
+    stage = lower_for_ort(model, FormPolicy(kv_cache="shared"))
     assert share_interface(model.graph, stage.layers) == 1
     return model, stage.forms["block0"]
 

@@ -13,6 +13,7 @@ import pytest
 from mha_onnx.graph.inputs import input_specs
 from mha_onnx.parity import ValidateConfig, validate_model
 from mha_onnx.rewrite import fuse_file
+from mha_onnx.rewrite.policy import FormPolicy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
 FILES = sorted(FIXTURES.glob("*/*.onnx"))
@@ -101,7 +102,7 @@ def test_optimum_decoders_share_their_cache_with_per_row_lengths(path, tmp_path)
     left-padded prompts and steps: grouped K/V, K^T with a shape-computed scale, one K/V head,
     fused QKV (every Optimum decoder fixture but BLOOM, whose cache is [B*H, D, T], passed this
     on 2026-12-01; four kept here for the suite's time)."""
-    report = fuse_file(path, tmp_path / "shared.onnx", kv_cache="shared")
+    report = fuse_file(path, tmp_path / "shared.onnx", policy=FormPolicy(kv_cache="shared"))
     assert report.verification is not None and report.verification.passed
     assert all("(per-row lengths)" in b.form for b in report.blocks), report.render()
     cases = {r.case for r in report.verification.results}

@@ -10,7 +10,6 @@ import pytest
 from onnx import helper
 
 from mha_onnx.rewrite.irutil import MS_DOMAIN
-from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.passes import (
     ONNX_PASSES,
     ORT_PASSES,
@@ -30,6 +29,7 @@ from mha_onnx.rewrite.passes import (
     pipeline,
     run_pipeline,
 )
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from tests.irgraphs import F, const, model, node, qkv_inputs
 from tests.sdpa_graphs import Meaning, cached_model
@@ -48,9 +48,9 @@ def _ops(m: ir.Model) -> list[str]:
 
 
 def test_each_target_and_provider_has_its_list():
-    cpu = [type(p) for p in pipeline(FuseRun("ort", Forms.for_ep("cpu")))]
-    cuda = [type(p) for p in pipeline(FuseRun("ort", Forms.for_ep("cuda")))]
-    onnx_list = [type(p) for p in pipeline(FuseRun("onnx"))]
+    cpu = [type(p) for p in pipeline(FuseRun(FormPolicy.for_ep("cpu")))]
+    cuda = [type(p) for p in pipeline(FuseRun(FormPolicy.for_ep("cuda")))]
+    onnx_list = [type(p) for p in pipeline(FuseRun(FormPolicy(target="onnx")))]
     assert cpu == list(ORT_PASSES) and onnx_list == list(ONNX_PASSES)
     # measured on the CPU kernels only: not on a GPU's list
     assert cuda == [k for k in ORT_PASSES if k not in (ResidualSums, FoldRotary,
@@ -59,9 +59,9 @@ def test_each_target_and_provider_has_its_list():
 
 
 @pytest.mark.parametrize("kind, run", [
-    (LowerToOrt, FuseRun("onnx")), (LowerToOnnx, FuseRun("ort")),
-    (ResidualSums, FuseRun("ort", Forms.for_ep("cuda"))),
-    (FoldRotary, FuseRun("ort", Forms.for_ep("cuda")))])
+    (LowerToOrt, FuseRun(FormPolicy(target="onnx"))), (LowerToOnnx, FuseRun()),
+    (ResidualSums, FuseRun(FormPolicy.for_ep("cuda"))),
+    (FoldRotary, FuseRun(FormPolicy.for_ep("cuda")))])
 def test_a_pass_off_its_list_refuses_to_run(kind, run):
     with pytest.raises(ir.passes.PreconditionError, match=kind.__name__):
         kind(run)(ir.from_proto(_attention()))
@@ -73,7 +73,7 @@ def test_prepare_names_nodes_once_and_raises_the_opset_for_onnx():
         n.name = "same"
     for target, upgraded in (("ort", 0), ("onnx", 18)):
         m = ir.from_proto(proto)
-        prepare = Prepare(FuseRun(target))
+        prepare = Prepare(FuseRun(FormPolicy(target=target)))
         prepare(m)
         assert prepare.counts["renamed"] == len(proto.graph.node) - 1
         assert len({n.name for n in m.graph}) == len(list(m.graph))
@@ -86,7 +86,7 @@ def test_normalise_counts_masks_on_a_view_of_the_scores():
 
     m = ir.from_proto(_view([-1, H, N, N]))
     ir.passes.common.ShapeInferencePass()(m)  # (Prepare's, before it in the list)
-    normalise = Normalise(FuseRun("ort"))
+    normalise = Normalise(FuseRun())
     result = normalise(m)
     assert result.modified and normalise.counts["views"] == 1
     assert normalise.notes() == [Normalise.NOTES["views"].format(n=1)]
@@ -95,7 +95,7 @@ def test_normalise_counts_masks_on_a_view_of_the_scores():
 @pytest.mark.parametrize("target, kernel", [("ort", "MultiHeadAttention"),
                                             ("onnx", "Attention")])
 def test_recognise_then_lower_then_tidy(target, kernel):
-    run = FuseRun(target)
+    run = FuseRun(FormPolicy(target=target))
     m = ir.from_proto(_attention())
     for kind in (Prepare, Recognise):
         kind(run)(m)
@@ -108,7 +108,7 @@ def test_recognise_then_lower_then_tidy(target, kernel):
 
 
 def test_the_whole_list_gives_forms_and_notes():
-    run = FuseRun("ort")
+    run = FuseRun()
     m = ir.from_proto(_attention())
     notes = run_pipeline(m, run)
     assert list(run.chosen) == [b.node for b in run.before]
@@ -119,7 +119,7 @@ def test_norms_and_residual_sums():
     from tests.test_norms import _model as rms_model
 
     m = ir.from_proto(rms_model())
-    norms = FuseNorms(FuseRun("ort"))
+    norms = FuseNorms(FuseRun())
     norms(m)
     assert norms.counts["norms"] > 0 and "SimplifiedLayerNormalization" in " ".join(_ops(m))
     x = [helper.make_tensor_value_info(n, F, ["B", 8]) for n in "ab"]
@@ -130,7 +130,7 @@ def test_norms_and_residual_sums():
         initializer=[onnx.numpy_helper.from_array(np.ones(8, np.float32), "g"),
                      onnx.numpy_helper.from_array(np.zeros(8, np.float32), "beta")])
     m = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
-    sums = ResidualSums(FuseRun("ort"))
+    sums = ResidualSums(FuseRun())
     sums(m)
     assert sums.counts == {"sums": 1} and "Sum" in _ops(m) and sums.notes()
 
@@ -138,7 +138,7 @@ def test_norms_and_residual_sums():
 def test_rotary_guards_and_packing_on_a_lowered_model():
     from tests.test_rotary import _model as rotary_model
 
-    run = FuseRun("ort")
+    run = FuseRun()
     m = ir.from_proto(rotary_model())
     fold, guards, pack = FoldRotary(run), Guards(run), PackKernelInputs(run)
     for each in (fold, guards, pack):
@@ -150,7 +150,7 @@ def test_rotary_guards_and_packing_on_a_lowered_model():
 
 
 def test_the_cache_record_after_lowering():
-    run = FuseRun("ort")
+    run = FuseRun()
     m = cached_model(Meaning(causal=True, alignment="bottom-right", kv_heads=2))
     LowerToOrt(run)(m)
     assert MS_DOMAIN in m.opset_imports

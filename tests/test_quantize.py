@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from mha_onnx.cli import main
 from mha_onnx.generate import GenerationConfig, Generator
+from mha_onnx.rewrite.policy import FormPolicy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
 LOOSE = ("--min-top1", "0")  # random test models: near-tied logits make top-1 agreement noise
@@ -58,7 +59,7 @@ def fused_llama(tmp_path_factory):
     for form in ("appended", "shared"):
         out = root / form / "model.onnx"
         out.parent.mkdir()
-        fuse_file(FIXTURES / "llama" / "model.onnx", out, kv_cache=form)
+        fuse_file(FIXTURES / "llama" / "model.onnx", out, policy=FormPolicy(kv_cache=form))
         made[form] = out
     return made
 

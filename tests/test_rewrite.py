@@ -15,6 +15,7 @@ from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.errors import FusionError, ModelFileError
 from mha_onnx.graph.inputs import ShapeCase, input_specs, make_inputs
 from mha_onnx.rewrite import fuse_file, fuse_model
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.verify import verify
 from mha_onnx.runtime.ort import OrtRunner
 from tests.fusing import fused_and_checked, ops
@@ -30,7 +31,7 @@ EXPECTED_ORT = {
     ("self", "causal"): "GroupQueryAttention",
     # top-left causal with S != T: GQA on the first S keys when S <= T, else the general form
     ("cross", "causal"): "If(S <= T): GroupQueryAttention (causal)",
-    # right-padded self-attention: bidirectional GQA; otherwise by length (see Forms)
+    # right-padded self-attention: bidirectional GQA; otherwise by length (see FormPolicy)
     ("self", "key-padding"): "If(right padding, T <= 1024): GroupQueryAttention",
     ("cross", "key-padding"): "If(T < 128): MHA key_padding_mask | Loop(Compress keys)",
 }
@@ -144,7 +145,7 @@ def _all_padded_feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("target", ["ort", "onnx"])
 def test_fully_padded_rows_stay_nan(export_cache, target):
     model = onnx.load(export_cache(SMALL.replace(mask="key-padding")))
-    fused, _, _ = fuse_model(model, target=target)
+    fused, _, _ = fuse_model(model, FormPolicy(target=target))
     feeds = _all_padded_feeds(model)
     want = OrtRunner(model.SerializeToString()).infer(feeds)["output"]
     got = OrtRunner(fused.SerializeToString()).infer(feeds)["output"]

@@ -355,10 +355,10 @@ def test_a_step_whose_total_passes_the_tables_takes_the_exporters_rotation(past,
 def test_the_fold_is_only_for_the_cpu_kernel_it_was_measured_on(ep):
     """fuse --ep cuda (and tensorrt): how the GPU kernel reads position_ids was never
     measured (issue 14: no GPU run of it), so the fold is not on a GPU's list of passes."""
-    from mha_onnx.rewrite.lower.ort import Forms
     from mha_onnx.rewrite.passes import FoldRotary, FuseRun, Guards, pipeline
+    from mha_onnx.rewrite.policy import FormPolicy
 
-    run = FuseRun("ort", Forms.for_ep(ep))
+    run = FuseRun(FormPolicy.for_ep(ep))
     kinds = [type(p) for p in pipeline(run)]
     assert (FoldRotary in kinds) is (ep == "cpu")
     model = ir.from_proto(_model())
@@ -372,10 +372,10 @@ def test_the_fold_is_only_for_the_cpu_kernel_it_was_measured_on(ep):
 
 def test_fuse_for_a_gpu_does_not_fold():
     from mha_onnx.rewrite import fuse
-    from mha_onnx.rewrite.lower.ort import Forms
+    from mha_onnx.rewrite.policy import FormPolicy
 
     for ep, rotated in (("cpu", True), ("cuda", False)):
-        fused, _, notes = fuse.fuse_model(_model(), forms=Forms.for_ep(ep))
+        fused, _, notes = fuse.fuse_model(_model(), FormPolicy.for_ep(ep))
         assert any("rotate Q and K inside GroupQueryAttention" in n for n in notes) is rotated
         assert any(a.name == "do_rotary" and a.i for n in all_nodes(fused.graph)
                    for a in n.attribute) is rotated, notes

@@ -16,6 +16,7 @@ import torch
 
 from mha_onnx.graph.roles import all_nodes
 from mha_onnx.rewrite import fuse_model
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.runtime.ort import OrtRunner
 from tests.fusing import fused_and_checked
 
@@ -98,7 +99,7 @@ def test_sinks_run_on_gqa_head_sink_and_the_general_form_keeps_them(window):
 @pytest.mark.slow
 def test_sinks_are_left_for_a_target_without_a_kernel_for_them():
     torch.manual_seed(0)
-    _, results, _ = fuse_model(_export(SinkAttention()), target="onnx")
+    _, results, _ = fuse_model(_export(SinkAttention()), FormPolicy(target="onnx"))
     assert results[0].status == "left"
     assert "attention sinks are fused for --target ort only" in results[0].reason
 
@@ -126,4 +127,5 @@ def test_optimum_gpt_oss_runs_its_sinks_on_gqa_and_generates_transformers_tokens
     assert ours(out, want["prompts"][:1]) == want["batch1"]
     assert ours(out, want["prompts"]) == want["batch3"]
     with pytest.raises(ConfigError, match="attention sinks"):
-        fuse_file(source / "model.onnx", tmp_path / "shared.onnx", kv_cache="shared")
+        fuse_file(source / "model.onnx", tmp_path / "shared.onnx",
+                  policy=FormPolicy(kv_cache="shared"))

@@ -25,6 +25,7 @@ import numpy as np
 
 from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.profile import ProfileConfig, attention_flops, profile_models
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.table import human_bytes
 from tools import suite
 
@@ -115,7 +116,7 @@ def build_graphs(cfg: MhaConfig, folder: Path) -> dict[str, str]:
     original = onnx.load(base)
     paths = {"unfused export": str(base)}
     for label, target in ((FUSED, "ort"), ("ONNX Attention (opset 23)", "onnx")):
-        fused, _, _ = fuse_model(original, target=target)
+        fused, _, _ = fuse_model(original, FormPolicy(target=target))
         path = folder / f"{target}.onnx"
         write_model(fused, path, force=True)
         paths[label] = str(path)

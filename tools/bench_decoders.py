@@ -30,7 +30,7 @@ from mha_onnx.export.mha import export_model
 from mha_onnx.graph.files import write_model
 from mha_onnx.profile import ProfileConfig, profile_models
 from mha_onnx.rewrite import fuse_model
-from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.table import human_bytes
 from tests.models import RelativeBiasCausal
 from tools import suite
@@ -98,11 +98,12 @@ def build(folder: Path, only: tuple[str, ...] = ()) -> dict[str, str]:
     paths: dict[str, str] = {}
     groups = [g for g in GROUPS if not only or any(p.startswith(only) for p in g)]
 
-    def save(label: str, model: onnx.ModelProto, forms: Forms | None = None, fuse: bool = True):
+    def save(label: str, model: onnx.ModelProto, forms: FormPolicy | None = None,
+             fuse: bool = True):
         if not any(label.startswith(prefixes) for prefixes in groups):
             return
         path = folder / f"{len(paths)}.onnx"
-        write_model(fuse_model(model, forms=forms)[0] if fuse else model, path, force=True)
+        write_model(fuse_model(model, forms)[0] if fuse else model, path, force=True)
         paths[label] = str(path)
 
     own = folder / "own.onnx"
@@ -118,11 +119,11 @@ def build(folder: Path, only: tuple[str, ...] = ()) -> dict[str, str]:
     t5 = _t5()
     save("T5-like causal + position bias, unfused", t5, fuse=False)
     save("T5-like, fused: GQA + attention_bias", t5)
-    save("T5-like, fused: MHA + dense bias", t5, Forms(causal="bias"))
+    save("T5-like, fused: MHA + dense bias", t5, FormPolicy(causal="bias"))
     bloom = _hf("bloom")
     save("HF bloom layer, unfused", bloom, fuse=False)
     save("HF bloom layer, fused: GQA + attention_bias", bloom)
-    save("HF bloom layer, fused: MHA + dense bias", bloom, Forms(causal="bias"))
+    save("HF bloom layer, fused: MHA + dense bias", bloom, FormPolicy(causal="bias"))
     return paths
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mha_onnx.rewrite.policy import FormPolicy
 from tools import suite
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +48,8 @@ def fused(folder: Path, logits: str = "all") -> Path:
     out = folder / f"fused-shared{'-last' if logits == 'last' else ''}" / "model.onnx"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        fuse_file(folder / "optimum" / "model.onnx", out, kv_cache="shared", logits=logits,
-                  force=True)
+        fuse_file(folder / "optimum" / "model.onnx", out, logits=logits,
+                  policy=FormPolicy(kv_cache="shared"), force=True)
     return out
 
 

@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 
 from mha_onnx.graph.cache import LENGTH_INPUT
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.runtime.ort import OrtRunner
 from tools import suite
 
 KV, D = 4, 64
+SHARED = FormPolicy(kv_cache="shared")
 HEADROOM = 8
 
 
@@ -34,9 +36,9 @@ def _graphs(folder: Path, reuse: bool = False) -> dict[str, Path]:
     if not fused.exists():
         print(fuse_file(original, fused).render(), flush=True)
     if not shared.exists():
-        print(fuse_file(original, shared, kv_cache="shared").render(), flush=True)
+        print(fuse_file(original, shared, policy=SHARED).render(), flush=True)
     if not last.exists():
-        print(fuse_file(original, last, kv_cache="shared", logits="last").render(), flush=True)
+        print(fuse_file(original, last, policy=SHARED, logits="last").render(), flush=True)
     out["mha-onnx fuse (appended cache)"] = fused
     out["mha-onnx fuse --kv-cache shared"] = shared
     out["mha-onnx fuse --kv-cache shared --logits last"] = last

@@ -25,25 +25,26 @@ from mha_onnx.export.mha import export_model
 from mha_onnx.graph.files import write_model
 from mha_onnx.profile import ProfileConfig, profile_models
 from mha_onnx.rewrite import fuse_model
-from mha_onnx.rewrite.lower.ort import Forms
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.table import human_bytes
 from tools import suite
 
 VARIANTS = {
-    "self-none": [("MultiHeadAttention", Forms())],
-    "cross-none": [("MultiHeadAttention", Forms())],
-    "self-key-padding": [("auto (default)", Forms()),
-                         ("GQA bidirectional (right padding) | Loop", Forms(key_padding="gqa")),
-                         ("Loop(Compress) + MHA", Forms(key_padding="loop")),
-                         ("MHA key_padding_mask", Forms(key_padding="mask")),
-                         ("MHA dense bias", Forms(key_padding="bias"))],
-    "cross-key-padding": [("auto (default)", Forms()),
-                          ("Loop(Compress) + MHA", Forms(key_padding="loop")),
-                          ("MHA key_padding_mask", Forms(key_padding="mask")),
-                          ("MHA dense bias", Forms(key_padding="bias"))],
-    "self-causal": [("GroupQueryAttention", Forms(causal="gqa")),
-                    ("MHA unidirectional", Forms(causal="unidirectional")),
-                    ("MHA causal bias", Forms(causal="bias"))],
+    "self-none": [("MultiHeadAttention", FormPolicy())],
+    "cross-none": [("MultiHeadAttention", FormPolicy())],
+    "self-key-padding": [("auto (default)", FormPolicy()),
+                         ("GQA bidirectional (right padding) | Loop",
+                          FormPolicy(key_padding="gqa")),
+                         ("Loop(Compress) + MHA", FormPolicy(key_padding="loop")),
+                         ("MHA key_padding_mask", FormPolicy(key_padding="mask")),
+                         ("MHA dense bias", FormPolicy(key_padding="bias"))],
+    "cross-key-padding": [("auto (default)", FormPolicy()),
+                          ("Loop(Compress) + MHA", FormPolicy(key_padding="loop")),
+                          ("MHA key_padding_mask", FormPolicy(key_padding="mask")),
+                          ("MHA dense bias", FormPolicy(key_padding="bias"))],
+    "self-causal": [("GroupQueryAttention", FormPolicy(causal="gqa")),
+                    ("MHA unidirectional", FormPolicy(causal="unidirectional")),
+                    ("MHA causal bias", FormPolicy(causal="bias"))],
 }
 
 
@@ -56,10 +57,10 @@ def _models(variant: str, folder: Path, dtype: str = "float32") -> dict[str, str
     models = {"unfused export": str(base)}
     for n, (label, policy) in enumerate(VARIANTS[variant]):
         path = folder / f"{variant}-{dtype}-{n}.onnx"
-        write_model(fuse_model(original, forms=policy)[0], path, force=True)
+        write_model(fuse_model(original, policy)[0], path, force=True)
         models[label] = str(path)
     path = folder / f"{variant}-{dtype}-onnx.onnx"
-    write_model(fuse_model(original, target="onnx")[0], path, force=True)
+    write_model(fuse_model(original, FormPolicy(target="onnx"))[0], path, force=True)
     models["ONNX Attention (opset 23)"] = str(path)
     return models
 

@@ -50,7 +50,7 @@ def build(folder: Path, only: list[str] | None) -> int:
     import onnx
 
     from mha_onnx.rewrite import fuse_file
-    from mha_onnx.rewrite.lower.ort import Forms
+    from mha_onnx.rewrite.policy import FormPolicy
     from tools import zoo
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -63,14 +63,14 @@ def build(folder: Path, only: list[str] | None) -> int:
             model = zoo.hf_decoder(spec[1], spec[2], spec[3], spec[4])
         else:
             model = zoo.hf_cached_decoder(spec[1])
-        kv_cache = spec[2] if spec[0] == "cached" and len(spec) > 2 else None
+        kv_cache = spec[2] if spec[0] == "cached" and len(spec) > 2 else "appended"
         onnx.save(model, folder / f"{name}.onnx")
         report = fuse_file(folder / f"{name}.onnx", folder / f"{name}.fused.onnx", force=True,
-                           kv_cache=kv_cache)
+                           policy=FormPolicy(kv_cache=kv_cache))
         print(name, "|", "; ".join(b.form for b in report.blocks), flush=True)
         # the forms `fuse --ep cuda` picks, checked on CUDA beside the CPU ones
         report = fuse_file(folder / f"{name}.onnx", folder / f"{name}{EP_CUDA}.fused.onnx",
-                           force=True, kv_cache=kv_cache, forms=Forms.for_ep("cuda"))
+                           force=True, policy=FormPolicy.parse([], "cuda", kv_cache=kv_cache))
         print(name, "--ep cuda |", "; ".join(b.form for b in report.blocks), flush=True)
     return 0
 

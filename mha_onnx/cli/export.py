@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from mha_onnx.cli.options import emit
+from mha_onnx.rewrite.policy import KV_CACHES
 
 
 @click.command("export")
@@ -25,7 +26,7 @@ from mha_onnx.cli.options import emit
                    "--model: int4 or int8, the weights quantized (as `mha-onnx quantize`).")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default 20; 18 with --model).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=None)
-@click.option("--kv-cache", type=click.Choice(["appended", "shared"]), is_flag=False,
+@click.option("--kv-cache", type=click.Choice(KV_CACHES), is_flag=False,
               flag_value="appended", default=None,
               help="Export with a KV cache (past_key/past_value in, present_* out); with --model, "
                    "the fused cache's form: appended (default) or shared (one buffer, in place).")

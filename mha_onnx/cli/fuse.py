@@ -6,17 +6,17 @@ import click
 
 from mha_onnx.cli.options import emit
 from mha_onnx.cli.tune import run_tune, tune_options
-from mha_onnx.config import EP_CHOICES, form_help
+from mha_onnx.rewrite.policy import EPS, KV_CACHES, TARGETS, form_help
 
 
 @click.command("fuse")
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Where to write the fused model.")
-@click.option("--target", type=click.Choice(["ort", "onnx", "openvino"]), default="ort",
+@click.option("--target", type=click.Choice(TARGETS), default="ort",
               show_default=True,
               help="ort: ONNX Runtime contrib kernels; onnx: the standard Attention op (opset 23); "
                    "openvino: onnx's standard ops, verified on OpenVINO as well.")
-@click.option("--ep", type=click.Choice(EP_CHOICES), default="cpu",
+@click.option("--ep", type=click.Choice(EPS), default="cpu",
               show_default=True,
               help="Execution provider the model will run on (target ort): the forms measured "
                    "fastest there (docs/fusion-forms.md for cpu, docs/gpu/ for cuda; tensorrt "
@@ -24,7 +24,7 @@ from mha_onnx.config import EP_CHOICES, form_help
 @click.option("--form", "forms", multiple=True,
               help=f"Override a kernel form (target ort): {form_help()}. Defaults: those of "
                    "--ep.")
-@click.option("--kv-cache", "kv_cache", type=click.Choice(["appended", "shared"]),
+@click.option("--kv-cache", "kv_cache", type=click.Choice(KV_CACHES),
               default=None,
               help="KV-cache models: appended (the default) keeps the interface (presents = "
                    "pasts + new); shared makes each past a max-length buffer updated in place "
@@ -49,21 +49,16 @@ def fuse(model, output, target, ep, forms, kv_cache, logits, no_verify, atol, rt
     """Rewrite every attention block onto the fastest fused kernel, verified against the
     original on ORT CPU before anything is written."""
     from mha_onnx.errors import ConfigError
-    from mha_onnx.rewrite import fuse_file
-    from mha_onnx.rewrite.lower.ort import Forms
+    from mha_onnx.rewrite import FormPolicy, fuse_file
 
-    policy = Forms.parse(forms, ep)
-    if kv_cache is not None and "kv_cache" in policy.given and policy.kv_cache != kv_cache:
-        raise ConfigError(f"--kv-cache {kv_cache} and --form kv_cache={policy.kv_cache} "
-                          "disagree", hint="give one of them")
-    if tune and (target != "ort" or ep != "cpu" or forms or kv_cache or logits != "all"):
+    policy = FormPolicy.parse(forms, ep, target=target, kv_cache=kv_cache)
+    if tune and (not policy.is_default() or logits != "all"):
         raise ConfigError("--tune chooses the forms itself, on this machine's CPU",
                           hint="drop --target/--ep/--form/--kv-cache/--logits, or drop --tune")
     if tune:
         return emit(run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force,
                              tune_max_size, tune_budget), as_json)
 
-    report = fuse_file(model, output, target=target, verify_result=not no_verify, force=force,
-                       atol=atol, rtol=rtol, forms=policy, inputs=inputs_npz,
-                       kv_cache=kv_cache, strict=strict, logits=logits)
+    report = fuse_file(model, output, policy=policy, verify_result=not no_verify, force=force,
+                       atol=atol, rtol=rtol, inputs=inputs_npz, strict=strict, logits=logits)
     emit(report, as_json)

@@ -44,6 +44,7 @@ from mha_onnx.export.hf_model import (
 from mha_onnx.graph import metadata
 from mha_onnx.graph.files import prepare_output, write_model
 from mha_onnx.rewrite.faithful import optimize_faithfully
+from mha_onnx.rewrite.policy import KV_CACHES, FormPolicy
 
 PAST, NEW = "past_sequence_length", "sequence_length"
 TOTAL = f"{PAST} + {NEW}"
@@ -66,8 +67,9 @@ class HfExportConfig:
             raise ConfigError(f"unknown task {self.task!r}", hint=f"tasks: {', '.join(TASKS)}")
         if self.dtype not in ("float32", "float16"):
             raise ConfigError(f"unsupported dtype {self.dtype!r}", hint="float32 | float16")
-        if self.kv_cache not in ("appended", "shared"):
-            raise ConfigError(f"unknown --kv-cache {self.kv_cache!r}", hint="appended | shared")
+        if self.kv_cache not in KV_CACHES:
+            raise ConfigError(f"unknown --kv-cache {self.kv_cache!r}",
+                              hint=" | ".join(KV_CACHES))
         if self.logits not in ("all", "last"):
             raise ConfigError(f"unknown --logits {self.logits!r}", hint="all | last")
         if self.weights not in ("float", "int4", "int8"):
@@ -342,9 +344,9 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
     if cfg.fuse:
         progress("fuse (verified against the export on ORT CPU)")
         final = tmp / f"{name}.fused.onnx"
+        shared = cfg.kv_cache == "shared" and part != "encoder"
         report = fuse_file(exported, final, force=True,
-                           kv_cache="shared" if cfg.kv_cache == "shared" and part != "encoder"
-                           else None)
+                           policy=FormPolicy(kv_cache="shared" if shared else "appended"))
         fused = "; ".join(f"{b.form}" for b in report.blocks) or "no attention block"
     cached = "with-past" in task and part != "encoder"
     progress("validate against PyTorch" + (" (16 decode steps)" if cached else ""))

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 
 from mha_onnx import __version__
-from mha_onnx.errors import BlocksLeft, ConfigError, RuntimeCrash
+from mha_onnx.errors import BlocksLeft, RuntimeCrash
 from mha_onnx.graph import metadata
 from mha_onnx.graph.dims import dim_floors, with_related_dims
 from mha_onnx.graph.files import prepare_output, read_model, to_ir, write_model
@@ -32,10 +31,10 @@ from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import opset
 from mha_onnx.rewrite.kv_interface import past_dim
-from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.norms import unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.passes import FuseRun, Prepare, run_pipeline
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.shapes import with_symbolic_shapes
 from mha_onnx.rewrite.verify import (
@@ -48,31 +47,16 @@ from mha_onnx.runtime.preflight import Preflight, preflight
 
 log = logging.getLogger(__name__)
 
-# openvino: the standard ops of ``onnx`` (OpenVINO fuses them into its own attention; measured
-# as fast as any contrib form there, docs/bench.md), verified on OpenVINO itself as well.
-TARGETS = ("ort", "onnx", "openvino")
-
-
-def fuse_model(
-    model_proto: onnx.ModelProto, *, target: str = "ort", forms: Forms | None = None,
-    kv_cache: str | None = None,
-) -> tuple[onnx.ModelProto, list[BlockResult], list[str]]:
+def fuse_model(model_proto: onnx.ModelProto, policy: FormPolicy | None = None,
+               ) -> tuple[onnx.ModelProto, list[BlockResult], list[str]]:
     """Rewrite a model in memory; returns (fused model, per-block results, notes).
-    ``forms`` overrides the kernel form per mask kind (ORT target; for measurements);
-    ``kv_cache="shared"`` turns the KV cache into max-length buffers (lower/shared.py)."""
-    if target not in TARGETS:
-        raise ConfigError(f"unknown target {target!r}", hint=f"use {' | '.join(TARGETS)}")
-    ungroup = target == "openvino"  # OpenVINO's Attention import takes no grouped K/V
-    target = "onnx" if target == "openvino" else target  # the same standard-op lowering
-    policy = forms or Forms()
-    if kv_cache is not None:
-        policy = replace(policy, kv_cache=kv_cache)
-    if policy.kv_cache == "shared" and target != "ort":
-        raise ConfigError("--kv-cache shared is an ONNX Runtime form", hint="use --target ort")
+    ``policy``: the target, execution provider and forms (policy.py; default: ONNX Runtime
+    on the CPU, its fastest measured forms, the cache appended)."""
+    policy = policy or FormPolicy()
     specs = input_specs(model_proto)
     related = with_related_dims(model_proto, specs)  # one name per axis
     model = to_ir(with_symbolic_shapes(related))
-    run = FuseRun(target, policy, ungroup=ungroup, floors=dim_floors(specs))
+    run = FuseRun(policy, floors=dim_floors(specs))
     notes = run_pipeline(model, run)
     results = _results(run.before, run.blog, run.chosen)
     fused = ir.to_proto(model)
@@ -92,7 +76,7 @@ def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
     specs = input_specs(model_proto)
     related = with_related_dims(model_proto, specs)  # one name per axis
     model = to_ir(with_symbolic_shapes(related))
-    Prepare(FuseRun("ort"))(model)
+    Prepare(FuseRun())(model)
     oracle = Oracle(model, floors=dim_floors(specs))
     out: dict[str, str] = {}
     for node in model.graph:
@@ -140,20 +124,19 @@ def fuse_file(
     source: str | Path,
     output: str | Path,
     *,
-    target: str = "ort",
+    policy: FormPolicy | None = None,
     verify_result: bool = True,
     force: bool = False,
     atol: float | None = None,
     rtol: float | None = None,
-    forms: Forms | None = None,
     inputs: str | Path | None = None,
-    kv_cache: str | None = None,
     strict: bool = False,
     genai: bool = True,
     logits: str = "all",
 ) -> FuseReport:
     """Fuse ``source`` into ``output``; refuses to write when the fused graph's outputs differ
-    from the original's beyond tolerance (unless ``verify_result`` is False). ``inputs``: an
+    from the original's beyond tolerance (unless ``verify_result`` is False). ``policy``: the
+    target, execution provider and forms (policy.py). ``inputs``: an
     .npz of real inputs to verify with instead of generated ones. ONNX Runtime first meets
     each model in a child process, so a crash in it cannot take this process down. A
     decoder whose folder holds a HF config.json (Optimum's output) records it and, with
@@ -165,11 +148,13 @@ def fuse_file(
     original = read_model(source)
     given = load_inputs(inputs, input_specs(original)) if inputs is not None else None
     level = _safe_level(preflight(source), "the original model") if verify_result else "all"
+    policy = policy or FormPolicy()
+    target = policy.target
     original, notes = _logits(original, logits)
-    fused, results, more = fuse_model(original, target=target, forms=forms, kv_cache=kv_cache)
+    fused, results, more = fuse_model(original, policy)
     notes += more
-    carry_metadata(original, fused, results, target, (forms or Forms()).ep)
-    notes += _unused_overrides(forms, results)
+    carry_metadata(original, fused, results, target, policy.ep)
+    notes += policy.unmatched({r.mask for r in results if r.status == "fused"})
     unguarded = unguarded_norms(original)
     if unguarded:
         notes.append(_UNGUARDED.format(len(unguarded), unguarded[0]))
@@ -234,14 +219,6 @@ def _logits(original: onnx.ModelProto, logits: str) -> tuple[onnx.ModelProto, li
 
     return with_last_logits(original), ["logits of each row's last kept position only "
                                         "([batch, 1, vocab]), checked against the original's"]
-
-
-def _unused_overrides(forms: Forms | None, results: list[BlockResult]) -> list[str]:
-    """A --form for a mask kind no block has is said, not silently accepted."""
-    kinds = {r.mask for r in results if r.status == "fused"}
-    return [f"--form {kind}=... matched no block (the model has no {kind.replace('_', ' ')} "
-            "block)" for kind in (forms.given if forms else ()) if kind != "kv_cache"
-            and kind not in kinds]
 
 
 def _safe_level(checked: Preflight, what: str) -> str:

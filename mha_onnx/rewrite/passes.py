@@ -2,8 +2,8 @@
 
 Each stage is an onnx-ir ``InPlacePass`` (``requires`` checks that it is on the list of its
 target, ``call`` returns a ``PassResult``) that counts what it did; the fuse report's notes
-are rendered from those counts. The passes share one ``FuseRun``: the target and its form
-policy going in, the blocks and forms found coming out.
+are rendered from those counts. The passes share one ``FuseRun``: the policy (policy.py)
+going in, the blocks and forms found coming out.
 
     prepare -> normalise -> recognise -> lower (ORT | ONNX) -> tighten -> cache record -> tidy
 
@@ -22,8 +22,7 @@ condition (sink.py); every layer's guard computed once (tidy.py); what only a gu
 reads moved into it, and what only every layer's general branch reads computed behind one
 If (sink.py); last, any other GroupQueryAttention's projections packed too (packing.py,
 after the sinking: a branch's own copies are what its kernel alone reads). A decode
-step of the Optimum Llama in docs/bench.md runs 48 kernels (the export: 269; ORT GenAI's
-hand-built graph: 29).
+step of the Optimum Llama in docs/bench.md runs 48 kernels (export: 269; GenAI's: 29).
 """
 
 from __future__ import annotations
@@ -45,12 +44,12 @@ from mha_onnx.rewrite.forms import Form, rotating_kernels
 from mha_onnx.rewrite.irutil import MS_DOMAIN, opset
 from mha_onnx.rewrite.kv_interface import shared_note
 from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
-from mha_onnx.rewrite.lower.ort import Forms
 from mha_onnx.rewrite.lower.rules import lower_to_ort
 from mha_onnx.rewrite.lower.shared import length_from_shapes, share_interface, shared_rows
 from mha_onnx.rewrite.norms import fuse_norms, omit_unread_outputs, residual_sums
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.packing import pack_kernel_inputs
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
 from mha_onnx.rewrite.rotary import Folded, fold_rotary
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
@@ -70,13 +69,11 @@ ROTATING_NOTE = ("{} block(s) rotate Q and K inside GroupQueryAttention (do_rota
 
 @dataclass
 class FuseRun:
-    """What the passes of one fuse share: the target ("ort" or "onnx"), its form policy and
-    floors (in); the blocks found before recognition, the log of each block, the form each
+    """What the passes of one fuse share: the policy (target, ep, forms) and floors (in); the
+    blocks found before recognition, the log of each block, the form each
     fused block got, where packed weights went and the KV-cache record (out)."""
 
-    target: str
-    policy: Forms = field(default_factory=Forms)
-    ungroup: bool = False  # OpenVINO's Attention import takes no grouped K/V
+    policy: FormPolicy = field(default_factory=FormPolicy)
     floors: dict = field(default_factory=dict)
     before: list = field(default_factory=list)
     blog: BlockLog = field(default_factory=BlockLog)
@@ -87,6 +84,10 @@ class FuseRun:
     pairs: dict[str, str] = field(default_factory=dict)  # past -> present (LowerToOrt)
     rows: Any = None  # a shared cache's per-row layout (lower/shared.py), or None
     shared: int = 0  # how many layers share their cache buffers
+
+    @property
+    def target(self) -> str:  # the lowering: "ort" or "onnx" (OpenVINO's is onnx's)
+        return self.policy.lowering
 
 
 class FusionPass(ir.passes.InPlacePass):
@@ -248,7 +249,7 @@ class LowerToOnnx(FusionPass):
 
     def apply(self, model: ir.Model) -> dict[str, int]:
         before = len(self.run.chosen)
-        RewriteRuleSet([LowerToOnnxAttention.rule(self.run.chosen, self.run.ungroup)]
+        RewriteRuleSet([LowerToOnnxAttention.rule(self.run.chosen, self.run.policy.ungroup)]
                        ).apply_to_model(model)
         return {"lowered": len(self.run.chosen) - before}
 

@@ -1,10 +1,10 @@
 """``fuse --tune`` and ``mha-onnx tune``: forms chosen on the machine that runs them.
 
 The candidates are the original graph and the model fused with each kernel form of its mask
-kind (``Forms``). Each candidate is timed on this machine over a grid of batch x length,
-interleaved in one process with sleeping thread pools (the profile machinery), and for each
-batch and length the candidate whose ratio to the original is lowest wins (the original is a
-candidate: where it wins, it runs). Lengths with the same winner form intervals, batches
+kind (``FormPolicy.candidates``). Each candidate is timed on this machine over a grid of
+batch x length, interleaved in one process with sleeping thread pools (the profile
+machinery), and for each batch and length the candidate whose ratio to the original is
+lowest wins (the original is a candidate: where it wins, it runs). Lengths with the same winner form intervals, batches
 with the same intervals form groups; the boundaries lie at the geometric mean of the grid
 values on either side. The tuned model dispatches at run time on the batch and length: the
 rules are a table in the graph, the first that applies names the candidate, and each

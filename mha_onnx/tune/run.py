@@ -12,7 +12,6 @@ from pathlib import Path
 
 import onnx
 
-from mha_onnx.config import FORM_CHOICES
 from mha_onnx.errors import ConfigError, InputSpecError
 from mha_onnx.graph import metadata
 from mha_onnx.graph.files import prepare_output, read_model, write_model
@@ -43,22 +42,16 @@ from mha_onnx.tune.timing import confirmed, settled, two_passes
 def candidates(original: onnx.ModelProto
                ) -> tuple[dict[str, onnx.ModelProto], list[str], list]:
     """{name: model}: the original, the default fusion and one fusion per other form of
-    each mask kind the model's blocks have, each verified against the original (a form
-    that fails verification is left out, said in the notes)."""
-    from mha_onnx.rewrite import fuse_model
-    from mha_onnx.rewrite.lower.ort import Forms
+    each mask kind the model's blocks have (FormPolicy.candidates), each verified against
+    the original (a form that fails verification is left out, said in the notes)."""
+    from mha_onnx.rewrite import FormPolicy, fuse_model
     from mha_onnx.rewrite.verify import verification_cases, verify
 
     fused, results, _ = fuse_model(original)
-    kinds = sorted({r.mask for r in results if r.status == "fused"} & set(FORM_CHOICES))
+    kinds = {r.mask for r in results if r.status == "fused"}
     out, notes = {ORIGINAL: original, "fused": fused}, []
-    default = Forms()
-    for kind in kinds:
-        for form in FORM_CHOICES[kind]:
-            if kind == "kv_cache" or form == getattr(default, kind):
-                continue
-            model, res, _ = fuse_model(original, forms=Forms.parse([f"{kind}={form}"]))
-            out[f"{kind}={form}"] = model
+    for name, policy in FormPolicy().candidates(kinds).items():
+        out[name] = fuse_model(original, policy)[0]
     for name in [n for n in out if n != ORIGINAL]:
         check = verify(original, out[name], cases=verification_cases(original, results))
         if not check.passed:

@@ -1,5 +1,7 @@
 """Stage 2 for ``--target ort``: each Sdpa becomes the ONNX Runtime contrib kernel that runs
-it fastest, in a form that keeps ORT's fast path (measured, see docs/fusion-forms.md):
+it fastest, in a form that keeps ORT's fast path (measured, see docs/fusion-forms.md). The
+kernels are the rows of ``LOWERINGS`` (the first that takes a block lowers it); the forms the
+user may pick are the policy's (policy.py). By default:
 
 - no mask: MultiHeadAttention on [B, S, H*D] inputs (ORT's CPU flash path);
 - causal (with grouped K/V, a window, soft-capping, key padding or a position bias):
@@ -15,15 +17,12 @@ it fastest, in a form that keeps ORT's fast path (measured, see docs/fusion-form
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.config import EP_CHOICES, FORM_CHOICES, form_help
-from mha_onnx.errors import ConfigError
 from mha_onnx.rewrite.forms import Form, either
 from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower.cached import cached_ok, lower_cached
@@ -43,74 +42,12 @@ from mha_onnx.rewrite.lower.gqa import (
 )
 from mha_onnx.rewrite.lower.loop import padding_loop
 from mha_onnx.rewrite.lower.lowered import Caches, Lowered
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.sdpa import (
     SdpaInfo,
     seq_dim,
     to_bsd,
 )
-
-
-@dataclass(frozen=True)
-class Forms:
-    """Which kernel form each mask kind is lowered to (defaults: fastest measured on CPU,
-    docs/fusion-forms.md). causal: gqa | unidirectional | bias; key_padding: auto | loop |
-    mask | bias | gqa (auto: gqa up to GQA_MAX_KEYS keys when right-padded, else loop)."""
-
-    causal: str = "gqa"
-    key_padding: str = "auto"
-    kv_cache: str = "appended"  # or shared: max-length cache buffers (lower/shared.py)
-    # The execution provider the forms are for. On CUDA (docs/gpu/2026-11-30-h200.md) GQA is
-    # kept only where no other kernel is exact (soft-capping, sliding windows): ORT's CUDA GQA
-    # has no float32 kernel (the node runs on the CPU) and its float16 right-padded branch
-    # disagreed with the original there; KV-cache layers keep their forms.
-    ep: str = "cpu"
-
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        **FORM_CHOICES, "ep": EP_CHOICES}
-    given: tuple[str, ...] = field(default=(), compare=False)  # kinds set by --form
-    # Bidirectional GQA holds the [B, H, S, T] probabilities: fastest up to ~1k keys, then
-    # slower than the Loop form and O(L^2) in memory (docs/fusion-forms.md, key padding).
-    GQA_MAX_KEYS: ClassVar[int] = 1024
-    # Below this many keys the Loop's per-row cost shows; MHA's key_padding_mask is as fast
-    # as the original there (docs/fusion-forms.md, key padding by shape).
-    LOOP_MIN_KEYS: ClassVar[int] = 128
-
-    def __post_init__(self) -> None:
-        for kind, choices in self.CHOICES.items():
-            if getattr(self, kind) not in choices:
-                raise ConfigError(f"unknown {kind} form {getattr(self, kind)!r}",
-                                  hint=f"{kind} forms: {', '.join(choices)}")
-
-    @classmethod
-    def for_ep(cls, ep: str = "cpu") -> Forms:
-        """The forms measured fastest on an execution provider: CPU, docs/fusion-forms.md;
-        CUDA (and TensorRT, whose sessions run ORT's contrib ops on CUDA), docs/gpu/: MHA
-        unidirectional for causal blocks (0.08-0.62x of the unfused graph in float16, faster
-        than GQA at every shape measured) and MHA with the padding as a dense bias (no If:
-        the run-time checks cost more than they save on a GPU at short lengths)."""
-        if ep == "cpu":
-            return cls()
-        return cls(causal="unidirectional", key_padding="bias", ep=ep)
-
-    def gqa_for(self, *, softcap: bool = False, window: bool = False) -> bool:
-        """Whether causal blocks go onto GroupQueryAttention: the CPU default; elsewhere
-        only blocks no other kernel computes exactly in linear memory."""
-        return self.causal == "gqa" or (self.ep != "cpu" and (softcap or window))
-
-    @classmethod
-    def parse(cls, items: Sequence[str], ep: str = "cpu") -> Forms:
-        """``["causal=bias", "key_padding=mask"]`` over the forms of ``ep`` -> Forms."""
-        values = {}
-        for item in items:
-            kind, _, form = item.partition("=")
-            kind = kind.strip().replace("-", "_")
-            if kind not in FORM_CHOICES or not form:
-                raise ConfigError(f"malformed --form {item!r}", hint=f"use {form_help()}")
-            values[kind] = form.strip()
-        if ep not in cls.CHOICES["ep"]:
-            raise ConfigError(f"unknown execution provider {ep!r} for --ep",
-                              hint=f"use {' | '.join(cls.CHOICES['ep'])}")
-        return replace(cls.for_ep(ep), **values, given=tuple(values))
 
 
 def _mha(op, q3, k, v, info: SdpaInfo, bias: ir.Value | None = None) -> ir.Value:
@@ -119,56 +56,83 @@ def _mha(op, q3, k, v, info: SdpaInfo, bias: ir.Value | None = None) -> ir.Value
                                  _domain=MS_DOMAIN)
 
 
-def lower_ort(op, node: ir.Node, forms: Forms = Forms(), cache: Caches | None = None
+@dataclass(frozen=True)
+class Lowering:
+    """A kernel a block can be lowered onto: ``takes`` says which blocks under a policy,
+    ``lower(op, info, q3, policy, cache)`` builds it and returns what it made (lowered.py)."""
+
+    kernel: str
+    takes: Callable[[SdpaInfo, FormPolicy], bool]
+    lower: Callable[..., Lowered]
+
+
+def lower_ort(op, node: ir.Node, policy: FormPolicy = FormPolicy(), cache: Caches | None = None
               ) -> Lowered:
-    """One Sdpa node onto its kernel: the fused [B, S, H*Dv] output and the form used;
-    ``cache``: the layer's appended caches, whose presents the rule returns (lowered.py)."""
+    """One Sdpa node onto its kernel, the first of LOWERINGS that takes it: the fused
+    [B, S, H*Dv] output and the form used; ``cache``: the layer's appended caches, whose
+    presents the lowering returns (lowered.py)."""
     info = SdpaInfo.of(node)
     q3 = to_bsd(op, info.query, info.heads)
-    if _on_gqa(info, forms):
-        return Lowered(*lower_gqa(op, info, q3, right_padded=forms.ep == "cpu"))
-    if takes_presents(info, forms):
-        return lower_cached(op, info, q3, cache, forms.kv_cache)
-    if info.sink is not None:  # (no other MultiHeadAttention form takes them)
-        return Lowered(dense_mha(op, info, q3, lazy=False),
-                       Form("MultiHeadAttention + attention_bias, sinks as a key of zeros"))
-    kind = info.mask_kind
-    if kind == "none":
-        k, v, _ = kv_operands(op, info)
-        return Lowered(_mha(op, q3, k, v, info), Form("MultiHeadAttention"))
-    if kind == "causal" and info.padded is None and info.bias is None and not info.window:
-        return Lowered(*_causal_mha(op, info, q3, forms))
-    if kind == "key_padding":
-        return Lowered(*_key_padding(op, info, q3, forms))
-    return Lowered(dense_mha(op, info, q3, lazy=False), Form("MultiHeadAttention + attention_bias"))
+    return lowering_for(info, policy).lower(op, info, q3, policy, cache)
 
 
-def _on_gqa(info: SdpaInfo, forms: Forms) -> bool:
+def lowering_for(info: SdpaInfo, policy: FormPolicy) -> Lowering:
+    return next(each for each in LOWERINGS if each.takes(info, policy))
+
+
+def _on_gqa(info: SdpaInfo, policy: FormPolicy) -> bool:
     return info.causal and gqa_ok(info) \
-        and forms.gqa_for(softcap=bool(info.softcap) or info.sink is not None,
-                          window=bool(info.window))
+        and policy.gqa_for(softcap=bool(info.softcap) or info.sink is not None,
+                           window=bool(info.window))
 
 
-def takes_presents(info: SdpaInfo, forms: Forms) -> bool:
+def takes_presents(info: SdpaInfo, policy: FormPolicy) -> bool:
     """Whether the block runs on a kernel with past and present (lower/cached.py), so that
     given its appended caches it returns the presents."""
-    return not _on_gqa(info, forms) and (forms.causal == "gqa" or forms.ep != "cpu") \
+    return not _on_gqa(info, policy) and (policy.causal == "gqa" or policy.ep != "cpu") \
         and cached_ok(info)
 
 
-def _causal_mha(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, Form]:
+def _plain_causal(info: SdpaInfo, policy: FormPolicy) -> bool:
+    return info.mask_kind == "causal" and info.padded is None and info.bias is None \
+        and not info.window
+
+
+def _gqa(op, info: SdpaInfo, q3: ir.Value, policy: FormPolicy, cache) -> Lowered:
+    return Lowered(*lower_gqa(op, info, q3, right_padded=policy.ep == "cpu"))
+
+
+def _cached(op, info: SdpaInfo, q3: ir.Value, policy: FormPolicy, cache) -> Lowered:
+    return lower_cached(op, info, q3, cache, policy.kv_cache)
+
+
+def _sinks(op, info: SdpaInfo, q3: ir.Value, policy: FormPolicy, cache) -> Lowered:
+    return Lowered(dense_mha(op, info, q3, lazy=False),
+                   Form("MultiHeadAttention + attention_bias, sinks as a key of zeros"))
+
+
+def _plain(op, info: SdpaInfo, q3: ir.Value, policy: FormPolicy, cache) -> Lowered:
+    k, v, _ = kv_operands(op, info)
+    return Lowered(_mha(op, q3, k, v, info), Form("MultiHeadAttention"))
+
+
+def _dense(op, info: SdpaInfo, q3: ir.Value, policy: FormPolicy, cache) -> Lowered:
+    return Lowered(dense_mha(op, info, q3, lazy=False), Form("MultiHeadAttention + attention_bias"))
+
+
+def _causal_mha(op, info: SdpaInfo, q3: ir.Value, forms: FormPolicy, cache=None) -> Lowered:
     k, v, k3d = kv_operands(op, info)
     if forms.causal == "unidirectional" and info.alignment == "square":
         out = op.MultiHeadAttention(q3, k, v, num_heads=info.heads, scale=info.scale,
                                     unidirectional=1, _domain=MS_DOMAIN)
-        return out, Form("MultiHeadAttention (unidirectional)")
+        return Lowered(out, Form("MultiHeadAttention (unidirectional)"))
     if info.alignment == "bottom-right":
-        return dense_mha(op, info, q3, lazy=False), Form("MultiHeadAttention + attention_bias")
+        return _dense(op, info, q3, forms, cache)
     bias = causal_bias(op, info, seq_dim(op, q3, 1), seq_dim(op, k, 1 if k3d else 2))
-    return _mha(op, q3, k, v, info, bias), Form("MultiHeadAttention + causal bias")
+    return Lowered(_mha(op, q3, k, v, info, bias), Form("MultiHeadAttention + causal bias"))
 
 
-def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Value, Form]:
+def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: FormPolicy, cache=None) -> Lowered:
     """The key padding form: fixed by ``forms``, or (auto) chosen at run time by shape and
     padding, from measurements (docs/fusion-forms.md): bidirectional GQA for right-padded
     self-attention up to GQA_MAX_KEYS keys; otherwise MHA's key_padding_mask below
@@ -181,22 +145,22 @@ def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> tuple[ir.Val
         if gqa_able and not half_precision(info):
             out = key_padding_gqa(op, info, q3, lambda ops: _by_length(ops, info, q3, forms),
                                   forms.GQA_MAX_KEYS)
-            return out, either(f"right padding, T <= {forms.GQA_MAX_KEYS}",
-                               "GroupQueryAttention (bidirectional)", general,
-                               switch_at=(forms.GQA_MAX_KEYS + 1,))
-        return _by_length(op, info, q3, forms), general
+            return Lowered(out, either(f"right padding, T <= {forms.GQA_MAX_KEYS}",
+                                       "GroupQueryAttention (bidirectional)", general,
+                                       switch_at=(forms.GQA_MAX_KEYS + 1,)))
+        return Lowered(_by_length(op, info, q3, forms), general)
     if form == "gqa" and gqa_able:
         out = key_padding_gqa(op, info, q3, lambda ops: _padding_form(ops, info, q3, "loop"))
-        return out, either("right padding", "GroupQueryAttention (bidirectional)",
-                           "Loop(Compress keys)")
+        return Lowered(out, either("right padding", "GroupQueryAttention (bidirectional)",
+                                   "Loop(Compress keys)"))
     form = "loop" if form == "gqa" else form
     labels = {"loop": "Loop(Compress keys) + MultiHeadAttention",
               "mask": "MultiHeadAttention + key_padding_mask",
               "bias": "MultiHeadAttention + key padding bias"}
-    return _padding_form(op, info, q3, form), Form(labels[form])
+    return Lowered(_padding_form(op, info, q3, form), Form(labels[form]))
 
 
-def _by_length(op, info: SdpaInfo, q3: ir.Value, forms: Forms) -> ir.Value:
+def _by_length(op, info: SdpaInfo, q3: ir.Value, forms: FormPolicy) -> ir.Value:
     """If(T < LOOP_MIN_KEYS): MHA with key_padding_mask, else the Loop form."""
     from mha_onnx.rewrite.lower.gqa import if_forms
 
@@ -224,3 +188,21 @@ def _padding_form(op, info: SdpaInfo, q3: ir.Value, form: str) -> ir.Value:
                          op.Constant(value_ints=[1]), axis=0)
         out = _mha(op, q3, k, v, info, op.Expand(bias, full))
     return fix_all_padded(op, info, out, v, k3d)
+
+
+# In order, the first that takes a block lowers it (a new kernel form: a row here, its
+# predicate saying which blocks, and its choices in policy.py when users pick it).
+LOWERINGS = (
+    # causal blocks GQA takes, where the policy puts them on it (sinks and soft-capping:
+    # GQA's alone, on every execution provider)
+    Lowering("GroupQueryAttention", _on_gqa, _gqa),
+    # a KV cache appended to, causal aligned to the keys' end (lower/cached.py)
+    Lowering("cached: MultiHeadAttention past/present", takes_presents, _cached),
+    # sinks on a block GQA does not take (bidirectional: no other kernel takes them)
+    Lowering("MultiHeadAttention + sinks", lambda info, _: info.sink is not None, _sinks),
+    Lowering("MultiHeadAttention", lambda info, _: info.mask_kind == "none", _plain),
+    Lowering("MultiHeadAttention causal", _plain_causal, _causal_mha),
+    Lowering("key padding", lambda info, _: info.mask_kind == "key_padding", _key_padding),
+    # any other mask: the original's mask as an additive attention_bias
+    Lowering("MultiHeadAttention + attention_bias", lambda info, _: True, _dense),
+)

@@ -24,7 +24,8 @@ from mha_onnx.rewrite.blocks import all_graphs
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.irutil import dims, same_dim
 from mha_onnx.rewrite.lower.lowered import Lowered, prepare_caches, present_caches
-from mha_onnx.rewrite.lower.ort import Forms, lower_ort, takes_presents
+from mha_onnx.rewrite.lower.ort import lower_ort, takes_presents
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN, SdpaInfo, from_bsd
 
 
@@ -50,7 +51,7 @@ class Stage2:
         return pairs
 
 
-def lower_to_ort(model: ir.Model, policy: Forms) -> Stage2:
+def lower_to_ort(model: ir.Model, policy: FormPolicy) -> Stage2:
     """Every Sdpa of the model (subgraphs included) onto ONNX Runtime's kernels."""
     for graph in all_graphs(model.graph):
         for node in list(graph):
@@ -69,7 +70,7 @@ def lower_to_ort(model: ir.Model, policy: Forms) -> Stage2:
 class LowerSdpa(pattern.RewriteRuleClassBase):
     """Sdpa -> kernel (see the module's docstring for ``merged`` and ``cached``)."""
 
-    def __init__(self, stage: Stage2, policy: Forms, *, merged: bool, cached: bool) -> None:
+    def __init__(self, stage: Stage2, policy: FormPolicy, *, merged: bool, cached: bool) -> None:
         super().__init__("LowerSdpa" + ("Merged" if merged else "") + ("Cached" if cached else ""))
         self.stage, self.policy, self.merged, self.cached = stage, policy, merged, cached
 
