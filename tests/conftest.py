@@ -53,30 +53,38 @@ def zoo():
     return get
 
 
-SLOW_FIXTURES = {"zoo", "export_cache", "hf_folder"}  # torch.export behind them: seconds per model
+SLOW_FIXTURES = {"zoo", "export_cache", "hf_folder", "crashing"}  # torch.export behind them
+# What else makes a test take seconds (pyproject.toml's markers): what `make test-fast` leaves
+# out, by what the test runs rather than by how long it took once.
+SLOW_MARKS = ("timing", "models", "transformers")
 
 
-@pytest.fixture(autouse=True)
-def _no_torch_export_in_the_fast_suite(request, monkeypatch):
-    """`make test-fast` (MHA_ONNX_FORBID_TORCH_EXPORT=1): a test not marked slow that
-    reaches torch.export fails, so the fast suite stays fast and the marks stay true."""
-    if not os.environ.get("MHA_ONNX_FORBID_TORCH_EXPORT") \
-            or request.node.get_closest_marker("slow"):
+@pytest.fixture(autouse=True, scope="session")
+def _no_torch_export_in_the_fast_suite():
+    """`make test-fast` (MHA_ONNX_FORBID_TORCH_EXPORT=1, slow tests deselected): anything
+    that reaches torch.export fails, fixtures of any scope included, so the fast suite stays
+    fast and the marks stay true."""
+    if not os.environ.get("MHA_ONNX_FORBID_TORCH_EXPORT"):
+        yield
         return
     import torch
 
     def refuse(*_, **__):
         raise AssertionError("torch.export in a test not marked slow")
 
-    monkeypatch.setattr(torch.export, "export", refuse)
-    monkeypatch.setattr(torch.onnx, "export", refuse)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.export, "export", refuse)
+        patch.setattr(torch.onnx, "export", refuse)
+        yield
 
 
 def pytest_collection_modifyitems(config, items):
-    """A fast suite (STYLE.md rule 21): what needs torch.export is ``slow``, so that
-    ``pytest -m "not slow"`` runs in about a minute; ``make test`` runs everything."""
+    """A fast suite (STYLE.md rule 21): what needs torch.export, times models, runs whole
+    models end to end or runs transformers is ``slow``, so that ``pytest -m "not slow"``
+    runs in under two minutes; ``make test`` runs everything."""
     for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) \
+                or any(item.get_closest_marker(mark) for mark in SLOW_MARKS):
             item.add_marker(pytest.mark.slow)
 
 

@@ -70,6 +70,7 @@ def test_a_perturbed_initializer_is_named_through_its_consumer(tmp_path):
     assert "initializer" in errors["w2"]["note"]
 
 
+@pytest.mark.models
 def test_chunks_bound_each_run_and_find_the_same_node(tmp_path):
     orig, copy = tmp_path / "orig.onnx", tmp_path / "copy.onnx"
     onnx.save(_chain(), orig)

@@ -80,6 +80,7 @@ def _probs_returned() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
 
 
+@pytest.mark.models
 def test_fuse_strict_exits_1_and_writes_nothing_when_a_block_is_left(tmp_path):
     source = tmp_path / "left.onnx"
     onnx.save(_probs_returned(), source)
@@ -181,6 +182,7 @@ def test_a_failure_while_reading_a_block_leaves_the_block_not_the_run(export_cac
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.models
 def test_target_onnx_of_a_grouped_padded_decoder_loads_and_verifies(name, tmp_path):
     """--target onnx on causal + padding + grouped K/V (an Optimum Llama/Qwen2 with its KV
     cache): the fully-masked-row fix-up used V's G heads against the output's H heads, and

@@ -10,6 +10,7 @@ import json
 import shutil
 
 import onnx
+import pytest
 from click.testing import CliRunner
 
 from mha_onnx.cli import main
@@ -68,6 +69,7 @@ def test_an_encoders_pooler_output_is_named_and_validated(hf_folder, tmp_path):
         "last_hidden_state", "pooler_output"}
 
 
+@pytest.mark.models
 def test_validate_summarises_and_v_after_the_command_lists_every_comparison(tmp_path):
     from mha_onnx.rewrite import fuse_file
     from tests.test_optimum import FIXTURES
@@ -85,6 +87,7 @@ def test_validate_summarises_and_v_after_the_command_lists_every_comparison(tmp_
     assert "decode (no key padded) step 16" in detail.output
 
 
+@pytest.mark.timing
 def test_profile_shows_the_top_ops_of_models_timed_in_turn(tmp_path):
     from mha_onnx.rewrite import fuse_file
     from tests.test_optimum import FIXTURES
@@ -117,6 +120,7 @@ def test_form_kv_cache_shared_is_not_overridden_by_the_default(export_cache, tmp
     assert clash.exit_code == 2 and "disagree" in clash.output
 
 
+@pytest.mark.timing
 def test_profile_gives_graph_gflops_for_a_model_exported_elsewhere(tmp_path):
     """A model without mha-onnx's config (an Optimum export): GFLOP/s from the work its
     matrix kernels did in the profiled runs (it was '-')."""
@@ -132,6 +136,7 @@ def test_profile_gives_graph_gflops_for_a_model_exported_elsewhere(tmp_path):
     assert point["roofline_fraction"] is not None
 
 
+@pytest.mark.transformers
 def test_an_object_detector_is_not_taken_for_a_text2text_model(tmp_path):
     """DETR's config says encoder-decoder; without a vocabulary it is not a T5 (it was
     loaded as one and failed in AutoModelForSeq2SeqLM with a page of class names)."""

@@ -214,6 +214,7 @@ def _genai_runs(folder: Path, want3, equal, eos: set) -> list | None:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "phi3", "gpt2", "gemma",
                                     "qwen3_moe"])
+@pytest.mark.transformers
 def test_optimum_exports_fused_generate_what_transformers_generated(tmp_path, family):
     """Optimum's export fused in both forms: our tokens equal those transformers generated
     from the same weights when the fixture was made (generate.json, tools/optimum_fixtures.py),
@@ -242,6 +243,7 @@ def test_optimum_exports_fused_generate_what_transformers_generated(tmp_path, fa
                 assert got == without_eos(want["batch3"], eos), (form, mode)
 
 
+@pytest.mark.transformers
 def test_deepseeks_latent_attention_generates_what_transformers_generated(tmp_path):
     """DeepSeek-V3's MLA (V's heads narrower than Q's and K's: no ORT kernel with past takes
     them) fused with its step over the concatenated cache and its prompt on GQA (V padded
@@ -337,6 +339,7 @@ def test_a_model_that_is_not_a_decoder_exits_2(tmp_path):
     assert result.exit_code == 2
 
 
+@pytest.mark.models
 def test_a_folder_without_an_eos_in_its_vocabulary_gets_no_genai_config(tmp_path):
     """GenAI needs an eos_token_id inside the vocabulary; a model without one is written
     without genai_config.json, and fuse says why."""

@@ -32,6 +32,7 @@ def greedy():
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])  # (Optimum's Gemma: no position_ids)
 @pytest.mark.parametrize("form", ["export", "appended", "shared"])
+@pytest.mark.models
 def test_the_readme_loop_generates_what_generate_does(greedy, tmp_path, family, form):
     from mha_onnx.rewrite import fuse_file
 

@@ -129,6 +129,7 @@ def _gqa_runs(path, feeds) -> int:
                and e["args"]["op_name"] == "GroupQueryAttention")
 
 
+@pytest.mark.models
 def test_an_optimum_llama_left_padded_batch_stays_on_gqa(tmp_path):
     """The Optimum Llama export with --kv-cache shared: a left-padded prompt and a step after
     it run GQA in both layers (a batch with holes takes the general form), and validate's
@@ -161,6 +162,7 @@ def test_an_optimum_llama_left_padded_batch_stays_on_gqa(tmp_path):
 
 
 @pytest.mark.parametrize("form", ["appended", "shared"])
+@pytest.mark.models
 def test_genai_right_padded_batch_stays_on_gqa(tmp_path, form):
     """What ONNX Runtime GenAI feeds a batch: prompts right-padded, then steps whose mask
     has the padding as holes between a row's prompt and its new tokens; every run on

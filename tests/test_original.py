@@ -52,6 +52,7 @@ def test_a_fused_export_keeps_its_original_without_its_weights_twice(export_cach
 
 
 @pytest.mark.parametrize("name", ["gpt2/model", "llama/model", "bert/model"])
+@pytest.mark.models
 def test_optimum_exports_fused_give_their_original_back(name, tmp_path):
     from mha_onnx.rewrite import fuse_file
 

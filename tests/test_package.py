@@ -182,6 +182,7 @@ def test_report_keeps_every_thread_count_of_one_machine(export_cache, tmp_path):
         assert all(row.get(t) for t in merged["targets"])
 
 
+@pytest.mark.models
 def test_package_says_what_a_deployment_must_know(tmp_path):
     """An Optimum GPT-2 (256 positions), fused and served stateless (the client sends the
     cache: a stateful decoder runs on the onnxruntime backend only): TensorRT gets a warning
@@ -265,6 +266,7 @@ def test_a_target_takes_a_model_of_its_own(export_cache, tmp_path, model_config_
 
 
 @pytest.mark.parametrize("form", ["export", "appended", "shared"])
+@pytest.mark.models
 def test_a_kv_decoder_is_served_statefully_and_its_readme_runs(tmp_path, model_config_pb2,
                                                                 form):
     """A decoder with a KV cache: sequence batching with one implicit state per past (the

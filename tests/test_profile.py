@@ -134,6 +134,7 @@ def test_speedups_read_as_faster_or_slower_and_broken_rooflines_are_flagged():
     assert _fraction(0.42) == "42%" and _fraction(1.31) == ">100%?" and _fraction(None) == "-"
 
 
+@pytest.mark.timing
 def test_a_failed_point_is_an_error_row_null_figures_and_exit_1(tmp_path):
     """A graph that adds a [1, 64] table to its [B, S] input runs at S = 64 only."""
     import json
@@ -166,6 +167,7 @@ def test_a_failed_point_is_an_error_row_null_figures_and_exit_1(tmp_path):
         == [64, 100, 64]
 
 
+@pytest.mark.timing
 def test_profile_sweeps_only_the_axes_a_model_has(tmp_path):
     """An Optimum ViT (fixed image size): batches only, no lengths or tokens/s; with
     --inputs, the one shape the inputs have (batch 2 x 40 tokens on BERT)."""
@@ -196,6 +198,7 @@ def test_profile_sweeps_only_the_axes_a_model_has(tmp_path):
     assert bert[0]["tokens_per_s"] > 0
 
 
+@pytest.mark.timing
 def test_comparisons_interleave_by_default(tmp_path):
     import json
     from pathlib import Path

@@ -12,6 +12,8 @@ from click.testing import CliRunner
 
 from mha_onnx.cli import main
 
+pytestmark = pytest.mark.timing  # every test here times models beside the anchors
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 

@@ -65,6 +65,7 @@ def fused_llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("form", ["appended", "shared"])
+@pytest.mark.models
 def test_every_matmul_of_a_fused_model_is_quantized_and_the_model_kept(fused_llama, tmp_path,
                                                                         form):
     source = fused_llama[form]
@@ -100,6 +101,7 @@ def test_every_matmul_of_a_fused_model_is_quantized_and_the_model_kept(fused_lla
     assert json.loads(checked.output)["accuracy"]["kl_mean"] is not None
 
 
+@pytest.mark.models
 def test_exclude_and_mixed_set_each_matmuls_bits(fused_llama, tmp_path):
     out = tmp_path / "model.onnx"
     result = _cli("quantize", fused_llama["shared"], "-o", out, "--exclude", "*lm_head*",
@@ -160,6 +162,7 @@ def test_the_report_has_its_figures_and_a_broken_quantization_is_flagged(tmp_pat
     assert "nothing was written" in broken.output and not (tmp_path / "broken.onnx").exists()
 
 
+@pytest.mark.models
 def test_validate_across_runtimes(tmp_path, fused_llama):
     """A quantized export runs on OpenVINO as on ORT's CPU; a model fused for ORT's
     kernels is refused there with the reason (exit 3)."""

@@ -104,6 +104,7 @@ def test_sinks_are_left_for_a_target_without_a_kernel_for_them():
     assert "attention sinks are fused for --target ort only" in results[0].reason
 
 
+@pytest.mark.transformers
 def test_optimum_gpt_oss_runs_its_sinks_on_gqa_and_generates_transformers_tokens(tmp_path):
     """Optimum's GPT-OSS export (sinks, window 16 on alternate layers, MoE): every block on
     GroupQueryAttention with past and head_sink, and the fused file generates the tokens

@@ -391,6 +391,7 @@ def test_a_model_without_a_length_dispatches_on_its_batch_alone():
             np.testing.assert_allclose(run.infer({"x": x})["y"], x * [1, 2, 3, 4] * factor)
 
 
+@pytest.mark.timing
 def test_an_optimum_vit_is_tuned_over_its_batch(tmp_path):
     """Its images have no length (every dim symbolic, sizes taken from the graph): one point
     a batch, rules bound by the batch only."""
@@ -487,6 +488,7 @@ def test_ort_fused_embedding_bounds_the_length_by_its_position_table(tmp_path):
     assert length_limit(optimized) == 256
 
 
+@pytest.mark.timing
 def test_lengths_past_the_position_table_are_not_timed_and_said(monkeypatch, tmp_path):
     """The BERT fixture's 256 positions: a grid to 1024 is timed up to 256, and said (a
     BERT-base grid to 2048 failed every point past 512 and spent the budget on it)."""
