@@ -424,7 +424,7 @@ def test_damaged_metadata_is_one_error_not_a_crash(small_bytes, tmp_path, key, d
 def test_dim_expressions_are_integer_arithmetic_and_nothing_else():
     """A KV-cache total (past_seq + seq_q), torch's symbolic leftovers ((seq**2)//seq); any
     other text (calls, attributes, huge powers, division by zero) has no value."""
-    from mha_onnx.graph.inputs import resolve_dim
+    from mha_onnx.graph.expressions import evaluate as resolve_dim
 
     values = {"seq": 7, "past_seq": 3, "seq_q": 2}
     assert resolve_dim("past_seq + seq_q", values) == 5

@@ -8,8 +8,6 @@ No torch here.
 
 from __future__ import annotations
 
-import ast
-import operator
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +18,7 @@ import onnx
 
 from mha_onnx.errors import InputSpecError
 from mha_onnx.graph.dims import dim_floors, floor_dims, lifted, pin_dims, relate_dims
+from mha_onnx.graph.expressions import evaluate, is_expression
 from mha_onnx.graph.roles import all_nodes, integer_roles
 
 NP_TYPES = {
@@ -112,52 +111,12 @@ def contract_specs(config) -> list[InputSpec]:
             for t in graph_inputs(config)]
 
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow, ast.Mod: operator.mod}
-
-
-def resolve_dim(dim: int | str | None, values: dict[str, int]) -> int | None:
-    """A dim's value: an int, a symbol, or integer arithmetic on symbols and ints such as
-    ``past_seq + seq_q`` (how a KV-cache model names its total length) or torch's
-    ``((seq**2)//seq)``; None when a symbol has no value or the text is anything else."""
-    if isinstance(dim, int):
-        return dim
-    if not isinstance(dim, str) or len(dim) > 200:
-        return None
-    try:
-        tree = ast.parse(dim.strip(), mode="eval")
-    except SyntaxError:
-        return None
-    return _evaluate(tree.body, values)
-
-
-def _evaluate(node: ast.AST, values: dict[str, int]) -> int | None:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.Name):
-        return values.get(node.id)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        inner = _evaluate(node.operand, values)
-        return None if inner is None else -inner
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, right = _evaluate(node.left, values), _evaluate(node.right, values)
-        if left is None or right is None or (isinstance(node.op, ast.Pow) and not 0 <= right <= 8) \
-                or (isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0):
-            return None
-        return _OPS[type(node.op)](left, right)
-    return None
-
-
-def _is_expression(dim: str) -> bool:
-    return bool(re.search(r"[-+*/ ]", dim))
-
-
 def symbolic_dims(specs: Sequence[InputSpec]) -> list[str]:
     """The free symbolic dims of the inputs (expressions of them, e.g. ``a + b``, left out)."""
     seen: dict[str, None] = {}
     for spec in specs:
         for dim in spec.dims:
-            if isinstance(dim, str) and not _is_expression(dim):
+            if isinstance(dim, str) and not is_expression(dim):
                 seen.setdefault(dim)
     return list(seen)
 
@@ -295,7 +254,7 @@ def _size(dim: int | str | None, values: dict[str, int]) -> int:
     """A concrete size for ``dim``: given, resolved from an expression, else 4."""
     if isinstance(dim, str) and dim in values:
         return values[dim]
-    resolved = resolve_dim(dim, values)
+    resolved = evaluate(dim, values)
     return 4 if resolved is None else resolved
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import ast
-import functools
-
 import numpy as np
 import onnx_ir as ir
+
+from mha_onnx.graph.expressions import provably_equal
 
 Dim = int | str | None
 MS_DOMAIN = "com.microsoft"
@@ -109,30 +108,8 @@ def same_dim(a: Dim, b: Dim) -> bool:
     if a == b:
         return True
     if isinstance(a, str) and isinstance(b, str) and any(c in "-+*/()" for c in a + b):
-        return _equal_expressions(a, b)
+        return provably_equal(a, b)
     return False
-
-
-def _names(text: str) -> set[str]:
-    """The identifiers of an arithmetic expression (``past + seq`` -> {past, seq})."""
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError:
-        return set()
-    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-
-
-@functools.lru_cache(maxsize=4096)
-def _equal_expressions(a: str, b: str) -> bool:
-    import sympy
-
-    try:
-        names = _names(a) | _names(b)
-        symbols = {n: sympy.Symbol(n, integer=True, positive=True) for n in names}
-        return sympy.simplify(sympy.sympify(a, locals=symbols)
-                              - sympy.sympify(b, locals=symbols)) == 0
-    except (sympy.SympifyError, TypeError, ValueError, SyntaxError):
-        return False
 
 
 def int_attr(node: ir.Node, name: str, default: int) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.graph.dims import lifted
-from mha_onnx.graph.inputs import resolve_dim
+from mha_onnx.graph.expressions import evaluate
 from mha_onnx.rewrite.irutil import Dim, const_array, dims
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 
@@ -50,7 +50,7 @@ def assignments(symbols: list[str], lengths: list[int], floors: dict[str, int] |
 
 def resolve(dim: Dim, assignment: dict[str, int]) -> int | None:
     """A dim's value: an int, a symbol, or a sum/difference of symbols and ints."""
-    return resolve_dim(dim, assignment)
+    return evaluate(dim, assignment)
 
 
 class SliceRunner:

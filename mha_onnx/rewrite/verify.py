@@ -4,7 +4,6 @@ padded batch entry), compared with a dtype-aware tolerance."""
 
 from __future__ import annotations
 
-import ast
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -15,6 +14,7 @@ import onnx
 
 from mha_onnx.errors import FusionError, MhaOnnxError, ModelFileError, VerifyError
 from mha_onnx.graph.cache import SharedCache, cache_pairs, is_shared, row_layout
+from mha_onnx.graph.expressions import evaluate, symbols
 from mha_onnx.graph.inputs import (
     ShapeCase,
     case_for,
@@ -22,7 +22,6 @@ from mha_onnx.graph.inputs import (
     default_cases,
     input_specs,
     iter_feeds,
-    resolve_dim,
     split_dims,
 )
 from mha_onnx.graph.roles import length_limit
@@ -180,17 +179,13 @@ def input_length(keys: str, n: int, limit: int = 1 << 24) -> tuple[str, int] | N
     """(input dim, its least value at which ``keys``, an expression of that one dim, is at
     least ``n``), or None where it has other symbols or never gets there (keys grow with
     the input: doubling, then bisecting)."""
-    try:
-        tree = ast.parse(keys, mode="eval") if len(keys) < 200 else None
-    except SyntaxError:
-        tree = None
-    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)} if tree else set()
+    names = symbols(keys)
     if len(names) != 1:
         return None
     name = names.pop()
 
     def reaches(length: int) -> bool:
-        value = resolve_dim(keys, {name: length})
+        value = evaluate(keys, {name: length})
         return value is not None and value >= n
 
     high = 1

@@ -66,10 +66,10 @@ def serving_readme(model, cfg, batching: dict[str, Any], outputs: list[InputSpec
 def _request_line(spec: InputSpec, batch_dims: set, names: set) -> str:
     """One input of the sample request: batch 2, every other named dim 16, and a dim that
     is an expression of them its value (a mask over past + new keys: 32)."""
-    from mha_onnx.graph.inputs import resolve_dim
+    from mha_onnx.graph.expressions import evaluate
 
     sizes = {n: 2 if n in batch_dims else 16 for n in names}
-    shape = [d if isinstance(d, int) else sizes.get(d) or resolve_dim(d, sizes) or 16
+    shape = [d if isinstance(d, int) else sizes.get(d) or evaluate(d, sizes) or 16
              for d in spec.dims]
     triton = TRITON_TYPES[spec.dtype.name].removeprefix("TYPE_")
     data = (f"np.zeros({shape}, dtype=np.{spec.dtype.name})" if spec.role != "data"
