@@ -15,7 +15,8 @@ import onnx_ir as ir
 
 from mha_onnx.graph import metadata
 from mha_onnx.graph.files import check_structure, external_files, load_external, read_model, to_ir
-from mha_onnx.rewrite.blocks import Block, all_graphs, find_blocks
+from mha_onnx.rewrite.blocks import Block, find_blocks
+from mha_onnx.rewrite.irutil import all_graphs
 from mha_onnx.table import human_bytes, table
 
 

@@ -21,7 +21,7 @@ def _export(folder, out, *extra):
 
 
 def _ops(model: onnx.ModelProto) -> set[str]:
-    from mha_onnx.graph.roles import all_nodes
+    from mha_onnx.graph.walk import all_nodes
 
     return {n.op_type for n in all_nodes(model.graph)}
 
@@ -64,7 +64,7 @@ def test_sinks_and_a_cache_shaped_per_layer(hf_folder, tmp_path):
     model = onnx.load(out)
     heads = [i.type.tensor_type.shape.dim[1].dim_value for i in model.graph.input[3:]]
     assert heads == [4, 4, 2, 2]
-    from mha_onnx.graph.roles import all_nodes
+    from mha_onnx.graph.walk import all_nodes
 
     sinks = [n for n in all_nodes(model.graph) if n.op_type == "GroupQueryAttention"
              and len(n.input) > 11 and n.input[11]]

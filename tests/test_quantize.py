@@ -26,7 +26,7 @@ def _cli(*args):
 
 
 def _nodes(model: onnx.ModelProto):
-    from mha_onnx.graph.roles import all_nodes
+    from mha_onnx.graph.walk import all_nodes
 
     return list(all_nodes(model.graph))
 

@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from mha_onnx.graph.roles import all_nodes
+from mha_onnx.graph.walk import all_nodes
 from mha_onnx.rewrite.forms import COUNTED, NO_PAST, ONE_TOKEN, either, rotating_kernels
 from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.norms import fuse_norms

@@ -14,7 +14,7 @@ import onnx
 import pytest
 import torch
 
-from mha_onnx.graph.roles import all_nodes
+from mha_onnx.graph.walk import all_nodes
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.runtime.ort import OrtRunner

@@ -19,7 +19,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from mha_onnx.errors import ModelFileError, OutputExistsError
-from mha_onnx.graph.roles import all_nodes
+from mha_onnx.graph.walk import all_graphs, all_nodes
 
 log = logging.getLogger(__name__)
 
@@ -338,10 +338,7 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
 def all_initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     """Every initializer of ``graph`` and of its subgraphs (a tuned model's branches hold
     some), by name."""
-    out = {t.name: t for t in graph.initializer}
-    for node in all_nodes(graph):
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else []) \
-                    + list(attr.graphs):
-                out.update({t.name: t for t in sub.initializer if t.name not in out})
+    out: dict[str, onnx.TensorProto] = {}
+    for sub in all_graphs(graph):
+        out.update({t.name: t for t in sub.initializer if t.name not in out})
     return out

@@ -19,7 +19,8 @@ import onnx
 from mha_onnx.errors import InputSpecError
 from mha_onnx.graph.dims import dim_floors, floor_dims, lifted, pin_dims, relate_dims
 from mha_onnx.graph.expressions import evaluate, is_expression
-from mha_onnx.graph.roles import all_nodes, integer_roles
+from mha_onnx.graph.roles import integer_roles
+from mha_onnx.graph.walk import all_nodes
 
 NP_TYPES = {
     onnx.TensorProto.FLOAT: np.float32,

@@ -4,10 +4,10 @@ through the ops that keep values and into If branches (Optimum's merged decoders
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import onnx
 import onnx.numpy_helper
+
+from mha_onnx.graph.walk import all_nodes
 
 _KEEPS_VALUES = {"Cast", "Unsqueeze", "Squeeze", "Reshape", "Expand", "Identity", "Slice",
                  "Flatten", "Transpose", "Tile"}
@@ -62,16 +62,6 @@ def consumers(graph: onnx.GraphProto) -> dict[str, list[tuple[onnx.NodeProto, in
         for index, name in enumerate(node.input):
             out.setdefault(name, []).append((node, index))
     return out
-
-
-def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from all_nodes(attr.g)
-            for sub in attr.graphs:
-                yield from all_nodes(sub)
 
 
 def length_limit(model: onnx.ModelProto) -> int | None:

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from mha_onnx.graph.walk import subgraphs
 from mha_onnx.runtime import make_runner
 from mha_onnx.stats import compare
 
@@ -239,9 +240,8 @@ def _outer_names(body: onnx.GraphProto) -> list[str]:
             for name in node.input:
                 if name and name not in local and name not in used:
                     used.append(name)
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    walk(attr.g, local)
+            for sub in subgraphs(node):
+                walk(sub, local)
             local |= set(node.output)
 
     walk(body, defined)

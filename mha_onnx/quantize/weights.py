@@ -27,6 +27,7 @@ import onnx
 from onnx import numpy_helper
 
 from mha_onnx.errors import ConfigError
+from mha_onnx.graph.walk import subgraphs
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,8 @@ def _graphs(graph: onnx.GraphProto, stack: list | None = None
     stack = [*(stack or []), graph]
     yield graph, stack
     for node in graph.node:
-        for attr in node.attribute:
-            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-            for sub in subs:
-                yield from _graphs(sub, stack)
+        for sub in subgraphs(node):
+            yield from _graphs(sub, stack)
 
 
 def _initializer(name: str, stack: list[onnx.GraphProto]):

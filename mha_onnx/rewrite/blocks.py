@@ -4,12 +4,11 @@ MatMul -> Softmax -> MatMul chains (subgraphs of Loop/If/Scan included)."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import MS_DOMAIN, WALK_LIMIT
+from mha_onnx.rewrite.irutil import MS_DOMAIN, WALK_LIMIT, subgraphs
 
 # (domain, op_type) of ops that are attention kernels in their own right.
 FUSED_OPS = {
@@ -47,18 +46,6 @@ class Block:
 
     def to_dict(self) -> dict[str, str]:
         return {"kind": self.kind, "op": self.op, "node": self.node, "graph": self.graph}
-
-
-def all_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
-    """The graph and every subgraph held in node attributes, depth first."""
-    yield graph
-    for node in graph:
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from all_graphs(attr.value)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for sub in attr.value:
-                    yield from all_graphs(sub)
 
 
 def op_label(node: ir.Node) -> str:
@@ -173,23 +160,13 @@ def _sink_column(softmax: ir.Node) -> bool:
     return False
 
 
-def _subgraphs(node: ir.Node) -> list[ir.Graph]:
-    out = []
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            out.append(attr.value)
-        elif attr.type == ir.AttributeType.GRAPHS:
-            out.extend(attr.value)
-    return out
-
-
 def find_blocks(graph: ir.Graph) -> list[Block]:
     """Every attention block in ``graph`` and its subgraphs. A control-flow node whose
     subgraphs hold fused attention ops (e.g. mha-onnx's Loop form for key padding, whose
     branches run the kernel on kept keys or on the all-padded rows) is one fused block."""
     blocks = []
     for node in graph:
-        inner = [b for sub in _subgraphs(node) for b in find_blocks(sub)]
+        inner = [b for sub in subgraphs(node) for b in find_blocks(sub)]
         fused_inner = sorted({b.op for b in inner if b.kind == "fused"})
         if fused_inner:
             blocks.append(Block("fused", f"{op_label(node)}[{', '.join(fused_inner)}]",

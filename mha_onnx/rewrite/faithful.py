@@ -85,7 +85,7 @@ def register_orphans(model: ir.Model) -> int:
     ``{input}/shape``, so two Flattens of one value - a mixture of experts' routing - left
     the second Reshape reading a value nothing produces, and ORT refused the graph; its issue
     2945). Each gets a name of its own; returns how many."""
-    from mha_onnx.rewrite.blocks import all_graphs
+    from mha_onnx.rewrite.irutil import all_graphs
 
     fixed = 0
     for graph in all_graphs(model.graph):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import onnx_ir as ir
 
@@ -180,3 +182,23 @@ def take_output(graph: ir.Graph, old: ir.Value, new: ir.Value, suffix: str) -> N
             name, old.name = old.name, f"{old.name}_{suffix}"
             new.name = name
             graph.outputs[index] = new
+
+
+def subgraphs(node: ir.Node) -> list[ir.Graph]:
+    """The graphs a node holds as attributes (If branches, Loop and Scan bodies), in order."""
+    out: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            out.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            out.extend(attr.value)
+    return out
+
+
+def all_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
+    """The graph and every subgraph held in node attributes, depth first (the ONNX-file
+    counterpart is graph/walk.py)."""
+    yield graph
+    for node in graph:
+        for sub in subgraphs(node):
+            yield from all_graphs(sub)

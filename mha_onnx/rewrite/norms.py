@@ -19,6 +19,7 @@ import onnx.numpy_helper
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet, pattern
 
+from mha_onnx.graph.walk import all_graphs
 from mha_onnx.rewrite.irutil import MS_DOMAIN, const_array, const_scalar, dims
 
 
@@ -158,7 +159,7 @@ def unguarded_norms(model: onnx.ModelProto) -> list[str]:
     an RMS normalisation whose epsilon is gone (torch.onnx's optimizer drops one <= 1e-8 as
     zero), so a row of zeros gives 0 * inf = NaN. The nodes' names, every graph searched."""
     found = []
-    for graph in _graphs(model.graph):
+    for graph in all_graphs(model.graph):
         made = {out: node for node in graph.node for out in node.output}
         weights = {t.name: t for t in graph.initializer}
         for node in graph.node:
@@ -185,7 +186,3 @@ def _scalar(name: str, weights: dict[str, onnx.TensorProto],
     return float(array.reshape(())) if array is not None and array.size == 1 else None
 
 
-def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
-    inner = [g for node in graph.node for a in node.attribute for g in (
-        [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs))]
-    return [graph, *(sub for g in inner for sub in _graphs(g))]

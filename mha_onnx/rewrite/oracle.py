@@ -26,6 +26,7 @@ import onnx_ir as ir
 
 from mha_onnx.graph.inputs import ShapeCase, padding_pattern
 from mha_onnx.rewrite import value_masks
+from mha_onnx.rewrite.irutil import subgraphs
 from mha_onnx.rewrite.masks import REMOVES_KEY, Padding, ScoreDims, SizeLeaf, Term
 from mha_onnx.rewrite.slices import Refused, SliceRunner, assignments, input_symbols, resolve
 
@@ -90,9 +91,7 @@ class Oracle:
                 continue
             if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
                 continue
-            if node.op_type in IMPURE or any(a.type in (ir.AttributeType.GRAPH,
-                                                        ir.AttributeType.GRAPHS)
-                                             for a in node.attributes.values()):
+            if node.op_type in IMPURE or subgraphs(node):
                 return False
             stack.extend(v for v in node.inputs if v is not None)
         return result

@@ -37,11 +37,11 @@ from onnxscript.optimizer import remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx.graph.cache import LENGTH_INPUT
-from mha_onnx.rewrite.blocks import all_graphs, find_blocks
+from mha_onnx.rewrite.blocks import find_blocks
 from mha_onnx.rewrite.core import BlockLog, OnnxAttention, SoftmaxAttention
 from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.forms import Form, rotating_kernels
-from mha_onnx.rewrite.irutil import MS_DOMAIN, opset
+from mha_onnx.rewrite.irutil import MS_DOMAIN, all_graphs, opset
 from mha_onnx.rewrite.kv_interface import shared_note
 from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower.rules import lower_to_ort

@@ -24,6 +24,7 @@ import logging
 
 import onnx
 
+from mha_onnx.graph.walk import subgraphs
 from mha_onnx.rewrite.constants import constants_folded
 from mha_onnx.rewrite.irutil import dims, producer, shape_bounds
 
@@ -38,17 +39,15 @@ def with_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     inferred = _infer(model)
     if inferred is not None:
         return inferred
-    branches = [(n, a) for n in model.graph.node for a in n.attribute
-                if a.type == onnx.AttributeProto.GRAPH]
+    branches = [sub for node in model.graph.node for sub in subgraphs(node)]
     if not branches:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
     done = 0
     for node in out.graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                done += _infer_branch(out, attr.g)
+        for sub in subgraphs(node):
+            done += _infer_branch(out, sub)
     log.info("symbolic shapes inferred for %d of %d branch(es)", done, len(branches))
     return out
 
@@ -246,7 +245,7 @@ def fold_static_dims(model) -> int:
     scale is read as one). Returns how many were folded."""
     import onnx_ir as ir
 
-    from mha_onnx.rewrite.blocks import all_graphs
+    from mha_onnx.rewrite.irutil import all_graphs
 
     folded = 0
     for graph in all_graphs(model.graph):
@@ -315,7 +314,7 @@ def probability_shapes(model) -> int:
     reads. A read with a dim that has no such source is left. Returns how many moved."""
     import onnx_ir as ir
 
-    from mha_onnx.rewrite.blocks import all_graphs
+    from mha_onnx.rewrite.irutil import all_graphs
 
     sources: dict[str, tuple[ir.Value, int]] = {}  # symbol -> (graph input, axis)
     for value in model.graph.inputs:

@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.blocks import all_graphs
-from mha_onnx.rewrite.irutil import const_array, dims, take_output
+from mha_onnx.rewrite.irutil import all_graphs, const_array, dims, take_output
 
 
 def merge_value_matmuls(model: ir.Model) -> int:

@@ -17,8 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.blocks import all_graphs
-from mha_onnx.rewrite.irutil import insert_first
+from mha_onnx.rewrite.irutil import all_graphs, insert_first, subgraphs
 
 
 def sink_into_branches(graph: ir.Graph,
@@ -64,16 +63,14 @@ def _prepacks_from_above(node: ir.Node, graph: ir.Graph) -> bool:
 def _branches(node: ir.Node) -> list[ir.Graph]:
     if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
         return []
-    return [attr.value for attr in node.attributes.values()
-            if attr.type == ir.AttributeType.GRAPH]
+    return subgraphs(node)
 
 
 def _targets(node: ir.Node, graph: ir.Graph,
              owners: dict[int, tuple[ir.Node, ir.Graph]]) -> list[ir.Graph]:
     """The branches (top level of each) that read ``node``'s outputs; [] where the node must
     stay: it holds a subgraph, is a graph output, is read in ``graph`` itself or nowhere."""
-    if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-           for attr in node.attributes.values()):
+    if subgraphs(node):
         return []
     found: dict[int, ir.Graph] = {}
     for value in node.outputs:
@@ -130,9 +127,7 @@ def _hoist(graph: ir.Graph, ifs: list[ir.Node], branch: str) -> int:
     first = min(order[id(node)] for node in ifs)
     chosen: dict[int, ir.Node] = {}
     for node in reversed(list(graph)):
-        if order[id(node)] >= first or any(a.type in (ir.AttributeType.GRAPH,
-                                                      ir.AttributeType.GRAPHS)
-                                           for a in node.attributes.values()):
+        if order[id(node)] >= first or subgraphs(node):
             continue
         uses = [u for v in node.outputs for u in v.uses()]
         if uses and not any(v.is_graph_output() for v in node.outputs) and all(

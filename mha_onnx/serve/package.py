@@ -27,7 +27,7 @@ from mha_onnx.errors import ConfigError
 from mha_onnx.graph.files import external_files, prepare_folder, read_model
 from mha_onnx.graph.inputs import InputSpec, input_specs, split_dims
 from mha_onnx.graph.metadata import session_options
-from mha_onnx.graph.roles import all_nodes
+from mha_onnx.graph.walk import all_nodes
 from mha_onnx.serve.pbtxt import TRITON_TYPES, to_pbtxt
 from mha_onnx.serve.readme import serving_readme
 from mha_onnx.table import table

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from mha_onnx.graph.walk import all_nodes, subgraphs
 from mha_onnx.tune.rules import ORIGINAL, Rule
 
 NO_BOUND = np.iinfo(np.int64).max
@@ -182,25 +183,16 @@ def _rename_graph(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
     for node in graph.node:
         node.input[:] = [mapping.get(n, n) for n in node.input]
         node.output[:] = [mapping.get(n, n) for n in node.output]
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _rename_graph(attr.g, mapping)
-            for sub in attr.graphs:
-                _rename_graph(sub, mapping)
+        for sub in subgraphs(node):
+            _rename_graph(sub, mapping)
     for value in list(graph.output) + list(graph.value_info):
         value.name = mapping.get(value.name, value.name)
 
 
 def _read_below(graph: onnx.GraphProto) -> set[str]:
     """The names the subgraphs of ``graph``'s nodes read (at any depth)."""
-    names: set[str] = set()
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else []) \
-                    + list(attr.graphs):
-                names.update(i for n in sub.node for i in n.input)
-                names |= _read_below(sub)
-    return names
+    return {name for node in graph.node for sub in subgraphs(node)
+            for below in all_nodes(sub) for name in below.input}
 
 
 def _plain(init: onnx.TensorProto) -> onnx.TensorProto:

@@ -58,12 +58,10 @@ def gains_over_default(ratios: Mapping, rules: Sequence[Rule], margin: float) ->
 
 def weight_keys(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
     """Each initializer of every graph: name -> (content digest, bytes)."""
-    from mha_onnx.graph.roles import all_nodes
+    from mha_onnx.graph.walk import all_graphs
 
-    graphs = [model.graph] + [a.g for n in all_nodes(model.graph) for a in n.attribute
-                              if a.type == onnx.AttributeProto.GRAPH]
     out = {}
-    for graph in graphs:
+    for graph in all_graphs(model.graph):
         for tensor in graph.initializer:
             data = tensor.SerializeToString()
             out[tensor.name] = (hashlib.sha1(data).hexdigest(), len(data))

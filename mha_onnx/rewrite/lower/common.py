@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import MS_DOMAIN, dims
+from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, subgraphs
 from mha_onnx.rewrite.sdpa import SdpaInfo, bsd_source, repeat_heads, seq_dim, to_bsd
 
 # A branch copies at most this many producer nodes of an outer value; beyond, it uses the
@@ -106,8 +106,7 @@ def _producers_in_order(value: ir.Value) -> list[ir.Node] | None:
             continue
         if node is None or _cheap(current) or id(node) in visiting:
             continue
-        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-               for a in node.attributes.values()) or len(visiting) >= MAX_CLONED_NODES:
+        if subgraphs(node) or len(visiting) >= MAX_CLONED_NODES:
             return None
         visiting.add(id(node))
         stack.append((current, True))
@@ -118,7 +117,7 @@ def _producers_in_order(value: ir.Value) -> list[ir.Node] | None:
 def name_values(graph: ir.Graph, prefix: str) -> None:
     """Unique names for every value and node of a subgraph and its own subgraphs: ONNX needs
     names to be unique across nesting levels, which the tape leaves to us."""
-    from mha_onnx.rewrite.blocks import all_graphs
+    from mha_onnx.rewrite.irutil import all_graphs
 
     counter = 0
     for sub in all_graphs(graph):

@@ -20,9 +20,8 @@ import onnx_ir as ir
 from onnxscript.optimizer import remove_unused_nodes
 from onnxscript.rewriter import MatchResult, RewriteRuleSet, pattern
 
-from mha_onnx.rewrite.blocks import all_graphs
 from mha_onnx.rewrite.forms import Form
-from mha_onnx.rewrite.irutil import dims, same_dim
+from mha_onnx.rewrite.irutil import all_graphs, dims, same_dim
 from mha_onnx.rewrite.lower.lowered import Lowered, prepare_caches, present_caches
 from mha_onnx.rewrite.lower.ort import lower_ort, takes_presents
 from mha_onnx.rewrite.policy import FormPolicy
