@@ -133,7 +133,7 @@ def _folders():
 @pytest.fixture(scope="session")
 def hf_folder(tmp_path_factory):
     """hf_folder(name) -> a save_pretrained folder of a small random model (made once per
-    session; tests/test_export_hf.py and the first-hour tests)."""
+    session; tests/export/test_export_hf.py and the first-hour tests)."""
     import torch
 
     made = {}

@@ -79,3 +79,20 @@ def test_rewrite_parses_no_labels_and_uses_public_onnxscript():
         assert "re" not in modules, f"{path.name} uses regular expressions"
         private = [m for m in modules if m.startswith("onnxscript") and "._" in m]
         assert not private, f"{path.name} imports onnxscript's private {private}"
+
+
+# Tests of more than one stage (a KV cache from export to profile; property tests over
+# graphs nobody here wrote) and of the house itself stay at the top of tests/.
+ACROSS_STAGES = {"test_house.py", "test_properties.py", "test_cache.py"}
+
+
+def test_tests_mirror_the_packages():
+    """A test module sits in the folder of the package it tests (tests/rewrite/ for
+    mha_onnx/rewrite/, tests/tools/ for tools/), so that a change's tests are found by
+    where the change is."""
+    tests = Path(__file__).parent
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"tools"}
+    top = {p.name for p in tests.glob("test_*.py")}
+    assert top <= ACROSS_STAGES, f"move {sorted(top - ACROSS_STAGES)} into tests/<package>/"
+    folders = {p.parent.name for p in tests.glob("*/test_*.py")}
+    assert folders <= packages, f"tests/{sorted(folders - packages)} mirror no package"

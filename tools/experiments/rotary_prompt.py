@@ -1,7 +1,7 @@
 """A prompt's rotation inside GroupQueryAttention against the exporter's rotation before it
 (issue 20: is folding the rotation into a prompt's kernel worth it?).
 
-The small graph of tests/test_rotary.py (Hugging Face's rotation of Q and K, then
+The small graph of tests/rewrite/test_rotary.py (Hugging Face's rotation of Q and K, then
 GroupQueryAttention without a past) at head size 64, as exported and after rotary.fold_rotary
 (the prompt's positions counted up from 0: the folded branch runs), timed alternately (the
 order swapped every round), median of each, 2 threads, sleeping thread pools. ``--spellings``
@@ -25,7 +25,7 @@ SPELLINGS = {"rotate_half": {}, "gpt-j": {"before": True, "interleaved": True, "
 
 
 def main() -> None:
-    import tests.test_rotary as graphs
+    import tests.rewrite.test_rotary as graphs
     from mha_onnx.runtime.ort import OrtRunner
 
     runs = [(name, 16, 16) for name in SPELLINGS] if "--spellings" in sys.argv[1:] else \

@@ -138,7 +138,7 @@ def test_an_optimum_llama_left_padded_batch_stays_on_gqa(tmp_path):
 
     from mha_onnx.cli import main
     from mha_onnx.graph.inputs import ShapeCase, case_for, make_inputs
-    from tests.test_optimum import FIXTURES
+    from tests.rewrite.test_optimum import FIXTURES
 
     src, out = FIXTURES / "llama" / "model.onnx", tmp_path / "shared.onnx"
     result = CliRunner().invoke(main, ["fuse", str(src), "-o", str(out), "--kv-cache", "shared"])
@@ -167,10 +167,10 @@ def test_genai_right_padded_batch_stays_on_gqa(tmp_path, form):
     """What ONNX Runtime GenAI feeds a batch: prompts right-padded, then steps whose mask
     has the padding as holes between a row's prompt and its new tokens; every run on
     GroupQueryAttention in both layers, in both cache forms (GenAI's generator itself runs
-    these folders in tests/test_generate.py)."""
+    these folders in tests/generate/test_generate.py)."""
     from mha_onnx.generate import Generator
     from mha_onnx.rewrite import fuse_file
-    from tests.test_optimum import FIXTURES
+    from tests.rewrite.test_optimum import FIXTURES
 
     out = tmp_path / "model.onnx"
     fuse_file(FIXTURES / "llama" / "model.onnx", out, policy=FormPolicy(kv_cache=form), genai=False)

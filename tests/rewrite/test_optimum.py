@@ -14,8 +14,9 @@ from mha_onnx.graph.inputs import input_specs
 from mha_onnx.parity import ValidateConfig, validate_model
 from mha_onnx.rewrite import fuse_file
 from mha_onnx.rewrite.policy import FormPolicy
+from tests.paths import OPTIMUM
 
-FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
+FIXTURES = OPTIMUM
 FILES = sorted(FIXTURES.glob("*/*.onnx"))
 DECODERS = [p for p in FILES
             if json.loads((p.parent / "versions.json").read_text())["task"]

@@ -82,7 +82,7 @@ def test_prepare_names_nodes_once_and_raises_the_opset_for_onnx():
 
 
 def test_normalise_counts_masks_on_a_view_of_the_scores():
-    from tests.test_windows import H, N, _view
+    from tests.rewrite.test_windows import H, N, _view
 
     m = ir.from_proto(_view([-1, H, N, N]))
     ir.passes.common.ShapeInferencePass()(m)  # (Prepare's, before it in the list)
@@ -116,7 +116,7 @@ def test_the_whole_list_gives_forms_and_notes():
 
 
 def test_norms_and_residual_sums():
-    from tests.test_norms import _model as rms_model
+    from tests.rewrite.test_norms import _model as rms_model
 
     m = ir.from_proto(rms_model())
     norms = FuseNorms(FuseRun())
@@ -136,7 +136,7 @@ def test_norms_and_residual_sums():
 
 
 def test_rotary_guards_and_packing_on_a_lowered_model():
-    from tests.test_rotary import _model as rotary_model
+    from tests.rewrite.test_rotary import _model as rotary_model
 
     run = FuseRun()
     m = ir.from_proto(rotary_model())

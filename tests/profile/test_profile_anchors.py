@@ -11,10 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from mha_onnx.cli import main
+from tests.paths import FIXTURES as FIXTURES_DIR
 
 pytestmark = pytest.mark.timing  # every test here times models beside the anchors
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = FIXTURES_DIR
 
 
 def _profile(*args) -> tuple[int, dict]:

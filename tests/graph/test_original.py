@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import zlib
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,8 +17,9 @@ from mha_onnx.cli import main
 from mha_onnx.graph import metadata
 from mha_onnx.graph.original import record, restore
 from tests.conftest import SMALL
+from tests.paths import OPTIMUM
 
-FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
+FIXTURES = OPTIMUM
 
 
 def _same(restored: onnx.ModelProto, original: onnx.ModelProto) -> None:

@@ -4,15 +4,14 @@ true)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from mha_onnx.generate import GenerationConfig, Generator
 from mha_onnx.rewrite.policy import FormPolicy
+from tests.paths import OPTIMUM, ROOT
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
+README = ROOT / "README.md"
+FIXTURES = OPTIMUM
 PROMPTS = [[20, 31, 5, 77, 12], [40, 3, 9, 91, 18, 60, 22, 7, 50], [66, 13, 84]]
 
 

@@ -17,6 +17,7 @@ from mha_onnx.runtime.ort import OrtRunner
 from mha_onnx.tune.dispatch import dispatch
 from mha_onnx.tune.rules import ORIGINAL, Rule, TuneResult, choose, choose_by_batch, settle
 from tests.conftest import SMALL
+from tests.paths import OPTIMUM
 
 
 def test_each_length_takes_the_candidate_whose_worst_batch_is_best():
@@ -395,9 +396,8 @@ def test_a_model_without_a_length_dispatches_on_its_batch_alone():
 def test_an_optimum_vit_is_tuned_over_its_batch(tmp_path):
     """Its images have no length (every dim symbolic, sizes taken from the graph): one point
     a batch, rules bound by the batch only."""
-    from pathlib import Path
 
-    vit = Path(__file__).parent / "fixtures" / "optimum" / "vit" / "model.onnx"
+    vit = OPTIMUM / "vit" / "model.onnx"
     result = CliRunner().invoke(main, ["tune", str(vit), "-o", str(tmp_path / "t.onnx"),
                                        "--tune-batch", "1,4", "--tune-threads", "1", "--json"])
     assert result.exit_code == 0, result.output
@@ -467,22 +467,20 @@ def test_the_grid_stops_at_the_position_table_a_length_indexes(family, rows):
     """BERT-like graphs count their position ids along the length (a constant sliced to it):
     their table's rows bound the lengths the tuner times; positions read from an input
     (GPT-2, rotary models, RoBERTa's from the ids) bound nothing here."""
-    from pathlib import Path
 
     from mha_onnx.graph.roles import length_limit
 
-    path = Path(__file__).parent / "fixtures" / "optimum" / family / "model.onnx"
+    path = OPTIMUM / family / "model.onnx"
     assert length_limit(onnx.load(path)) == rows
 
 
 def test_ort_fused_embedding_bounds_the_length_by_its_position_table(tmp_path):
-    from pathlib import Path
 
     from onnxruntime.transformers.optimizer import optimize_model
 
     from mha_onnx.graph.roles import length_limit
 
-    source = Path(__file__).parent / "fixtures" / "optimum" / "bert" / "model.onnx"
+    source = OPTIMUM / "bert" / "model.onnx"
     optimized = optimize_model(str(source), model_type="bert").model
     assert any(n.op_type == "EmbedLayerNormalization" for n in optimized.graph.node)
     assert length_limit(optimized) == 256
@@ -492,9 +490,8 @@ def test_ort_fused_embedding_bounds_the_length_by_its_position_table(tmp_path):
 def test_lengths_past_the_position_table_are_not_timed_and_said(monkeypatch, tmp_path):
     """The BERT fixture's 256 positions: a grid to 1024 is timed up to 256, and said (a
     BERT-base grid to 2048 failed every point past 512 and spent the budget on it)."""
-    from pathlib import Path
 
-    bert = Path(__file__).parent / "fixtures" / "optimum" / "bert" / "model.onnx"
+    bert = OPTIMUM / "bert" / "model.onnx"
     from mha_onnx.tune import timing
 
     monkeypatch.setattr(timing, "time_grid", _fake_grid({}))

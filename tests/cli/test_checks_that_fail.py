@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.rewrite.policy import FormPolicy
+from tests.paths import OPTIMUM
 
 CFG = MhaConfig(d_model=32, num_heads=4, mask="causal", name="c")
 
@@ -187,12 +188,11 @@ def test_target_onnx_of_a_grouped_padded_decoder_loads_and_verifies(name, tmp_pa
     """--target onnx on causal + padding + grouped K/V (an Optimum Llama/Qwen2 with its KV
     cache): the fully-masked-row fix-up used V's G heads against the output's H heads, and
     the written file did not load in ORT."""
-    from pathlib import Path
 
     from mha_onnx.rewrite import fuse_file
     from mha_onnx.runtime.ort import OrtRunner
 
-    source = Path(__file__).parent / "fixtures" / "optimum" / name / "model.onnx"
+    source = OPTIMUM / name / "model.onnx"
     report = fuse_file(source, tmp_path / "onnx.onnx", policy=FormPolicy(target="onnx"))
     assert report.fused == len(report.blocks) and report.verification.passed
     with OrtRunner(tmp_path / "onnx.onnx") as runner:

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 from mha_onnx.generate import GenerationConfig, Generator
 from mha_onnx.rewrite.policy import FormPolicy
+from tests.paths import OPTIMUM
 
-FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
+FIXTURES = OPTIMUM
 LOOSE = ("--min-top1", "0")  # random test models: near-tied logits make top-1 agreement noise
 
 

@@ -15,6 +15,7 @@ from google.protobuf import text_format
 
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
+from tests.paths import OPTIMUM
 
 CFG = MhaConfig(d_model=32, num_heads=4, mask="key-padding", name="p")
 
@@ -188,12 +189,11 @@ def test_package_says_what_a_deployment_must_know(tmp_path):
     cache: a stateful decoder runs on the onnxruntime backend only): TensorRT gets a warning
     naming the ORT-only ops and a profile capped at the position table; a profile of one
     batch size sets no batching."""
-    from pathlib import Path
 
     from mha_onnx.rewrite import fuse_file
 
     fused = tmp_path / "gpt2.onnx"
-    fuse_file(Path(__file__).parent / "fixtures" / "optimum" / "gpt2" / "model.onnx", fused)
+    fuse_file(OPTIMUM / "gpt2" / "model.onnx", fused)
     profile = tmp_path / "p.json"
     result = CliRunner().invoke(main, ["profile", str(fused), "--batch", "1", "--seq-lens", "16",
                                        "--iters", "2", "--no-ops", "--json"])
@@ -274,7 +274,7 @@ def test_a_kv_decoder_is_served_statefully_and_its_readme_runs(tmp_path, model_c
     run as written against a stand-in for Triton (tests/triton_emulator.py), generates the
     tokens `mha-onnx generate` does."""
     from mha_onnx.generate import GenerationConfig, Generator
-    from tests.test_optimum import FIXTURES
+    from tests.rewrite.test_optimum import FIXTURES
     from tests.triton_emulator import Server, run_readme
 
     model = FIXTURES / "llama" / "model.onnx"
@@ -318,7 +318,7 @@ def test_a_stateless_models_readme_request_runs(export_cache, tmp_path, model_co
 
 
 def test_a_decoder_cannot_go_to_tensorrt_statefully(tmp_path):
-    from tests.test_optimum import FIXTURES
+    from tests.rewrite.test_optimum import FIXTURES
 
     result = CliRunner().invoke(main, ["package", str(FIXTURES / "llama" / "model.onnx"), "-o",
                                        str(tmp_path / "repo"), "--target", "tensorrt"])
@@ -329,7 +329,7 @@ def test_a_decoder_cannot_go_to_tensorrt_statefully(tmp_path):
 def test_a_stateless_decoders_readme_request_runs(tmp_path, model_config_pb2):
     """`--stateless`: the request sends the cache; its sample shapes agree (a mask over past
     + new positions beside pasts of 16: 32), so it runs as written."""
-    from tests.test_optimum import FIXTURES
+    from tests.rewrite.test_optimum import FIXTURES
     from tests.triton_emulator import Server, run_readme
 
     repo = tmp_path / "repo"

@@ -1,8 +1,8 @@
 """What a newcomer's first hour hit (issue: the house, turn 4), each as a test: bad input
-is one line and exit 2, a bug exit 4 (tests/test_checks_that_fail.py), -v works after the
+is one line and exit 2, a bug exit 4 (tests/cli/test_checks_that_fail.py), -v works after the
 command, the outputs of an encoder are named, validate summarises, profile shows the top
 ops of models timed in turn, report keeps a forward run and a decode step apart
-(tests/test_package.py)."""
+(tests/serve/test_package.py)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_an_encoders_pooler_output_is_named_and_validated(hf_folder, tmp_path):
 @pytest.mark.models
 def test_validate_summarises_and_v_after_the_command_lists_every_comparison(tmp_path):
     from mha_onnx.rewrite import fuse_file
-    from tests.test_optimum import FIXTURES
+    from tests.rewrite.test_optimum import FIXTURES
 
     source = FIXTURES / "llama" / "model.onnx"
     fused = tmp_path / "model.onnx"
@@ -90,7 +90,7 @@ def test_validate_summarises_and_v_after_the_command_lists_every_comparison(tmp_
 @pytest.mark.timing
 def test_profile_shows_the_top_ops_of_models_timed_in_turn(tmp_path):
     from mha_onnx.rewrite import fuse_file
-    from tests.test_optimum import FIXTURES
+    from tests.rewrite.test_optimum import FIXTURES
 
     source = FIXTURES / "bert" / "model.onnx"
     fused = tmp_path / "fused.onnx"
@@ -124,7 +124,7 @@ def test_form_kv_cache_shared_is_not_overridden_by_the_default(export_cache, tmp
 def test_profile_gives_graph_gflops_for_a_model_exported_elsewhere(tmp_path):
     """A model without mha-onnx's config (an Optimum export): GFLOP/s from the work its
     matrix kernels did in the profiled runs (it was '-')."""
-    from tests.test_optimum import FIXTURES
+    from tests.rewrite.test_optimum import FIXTURES
 
     result = _cli("profile", FIXTURES / "bert" / "model.onnx", "--seq-lens", "32", "--iters",
                   "2", "--json")

@@ -12,6 +12,7 @@ from mha_onnx.errors import ConfigError, ResourceError
 from mha_onnx.profile import ProfileConfig, attention_flops, check_memory, profile_models
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.runtime.memory import estimate_bytes
+from tests.paths import OPTIMUM
 
 CFG = MhaConfig(d_model=32, num_heads=4, name="p")
 
@@ -172,14 +173,13 @@ def test_profile_sweeps_only_the_axes_a_model_has(tmp_path):
     """An Optimum ViT (fixed image size): batches only, no lengths or tokens/s; with
     --inputs, the one shape the inputs have (batch 2 x 40 tokens on BERT)."""
     import json
-    from pathlib import Path
 
     import numpy as np
     from click.testing import CliRunner
 
     from mha_onnx.cli import main
 
-    fixtures = Path(__file__).parent / "fixtures" / "optimum"
+    fixtures = OPTIMUM
 
     def run(*args):
         result = CliRunner().invoke(main, ["profile", *map(str, args), "--iters", "2",
@@ -201,13 +201,12 @@ def test_profile_sweeps_only_the_axes_a_model_has(tmp_path):
 @pytest.mark.timing
 def test_comparisons_interleave_by_default(tmp_path):
     import json
-    from pathlib import Path
 
     from click.testing import CliRunner
 
     from mha_onnx.cli import main
 
-    vit = Path(__file__).parent / "fixtures" / "optimum" / "vit" / "model.onnx"
+    vit = OPTIMUM / "vit" / "model.onnx"
     args = ["profile", str(vit), str(vit), "--iters", "2", "--no-ops", "--json"]
     for extra, interleaved in (((), True), (("--no-interleave",), False)):
         result = CliRunner().invoke(main, [*args, *extra])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import math
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -19,6 +18,7 @@ from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.runtime.ort import OrtRunner
 from tests.fusing import fused_and_checked
+from tests.paths import OPTIMUM
 
 
 class SinkAttention(torch.nn.Module):
@@ -115,9 +115,9 @@ def test_optimum_gpt_oss_runs_its_sinks_on_gqa_and_generates_transformers_tokens
 
     from mha_onnx.errors import ConfigError
     from mha_onnx.rewrite import fuse_file
-    from tests.test_generate import ours
+    from tests.generate.test_generate import ours
 
-    source = Path(__file__).parent / "fixtures" / "optimum" / "gpt_oss"
+    source = OPTIMUM / "gpt_oss"
     want = json.loads((source / "generate.json").read_text())
     out = tmp_path / "model.onnx"
     report = fuse_file(source / "model.onnx", out)

@@ -20,8 +20,9 @@ from mha_onnx.generate import GenerationConfig, Generator, Sampling, prompt_feed
 from mha_onnx.generate.sampling import next_tokens
 from mha_onnx.rewrite.policy import FormPolicy
 from tests.genai import genai_generate, without_eos
+from tests.paths import OPTIMUM
 
-FIXTURES = Path(__file__).parent / "fixtures" / "optimum"
+FIXTURES = OPTIMUM
 PROMPTS = [[20, 31, 5, 77, 12], [40, 3, 9, 91, 18, 60, 22, 7, 50], [66, 13, 84]]
 EQUAL = [[20, 31, 5, 77, 12], [8, 44, 19, 70, 2]]
 NEW = 32
