@@ -7,8 +7,8 @@ import onnx
 import onnx_ir as ir
 
 from mha_onnx.graph.files import for_checker
-from mha_onnx.inspect import summarize
 from mha_onnx.rewrite import fuse_model
+from mha_onnx.rewrite.inspect import summarize
 from mha_onnx.rewrite.irutil import all_graphs
 from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.verify import verification_cases, verify

@@ -12,6 +12,6 @@ from mha_onnx.cli.options import emit
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(model, as_json):
     """Summarise an ONNX model: IO, ops, attention blocks, parameters, metadata."""
-    from mha_onnx.inspect import inspect_model
+    from mha_onnx.rewrite.inspect import inspect_model
 
     emit(inspect_model(model), as_json)

@@ -15,7 +15,7 @@ from mha_onnx.cli.options import emit
 @click.option("--json", "as_json", is_flag=True, help="Print the merged table as JSON.")
 def report(profiles, output, plot_path, force, as_json):
     """Merge profile --json files from several machines and providers into one table."""
-    from mha_onnx.report import merge_profiles, write_report
+    from mha_onnx.profile.merge import merge_profiles, write_report
 
     merged = merge_profiles(list(profiles))
     write_report(merged, output, plot_path, force=force)

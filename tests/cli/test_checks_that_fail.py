@@ -97,7 +97,7 @@ def test_fuse_strict_exits_1_and_writes_nothing_when_a_block_is_left(tmp_path):
 def test_a_bug_is_exit_4_internal_error_and_a_json_object(export_cache, monkeypatch):
     """A bug has an exit code of its own (not 1, which says outputs differ), and -v after
     the command shows its traceback too."""
-    import mha_onnx.inspect as inspect_module
+    import mha_onnx.rewrite.inspect as inspect_module
 
     def broken(*_, **__):
         raise RuntimeError("something mha-onnx did wrong")

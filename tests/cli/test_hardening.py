@@ -344,9 +344,9 @@ def small_bytes(export_cache):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzzed_models_only_raise_our_errors(small_bytes, data, tmp_path_factory):
-    from mha_onnx.inspect import inspect_model
     from mha_onnx.parity import ValidateConfig, validate_model
     from mha_onnx.rewrite import fuse_file
+    from mha_onnx.rewrite.inspect import inspect_model
 
     raw = bytearray(small_bytes)
     how = data.draw(st.sampled_from(["flip", "truncate", "splice"]))
