@@ -21,8 +21,11 @@ FUSED_OPS = {
     (MS_DOMAIN, "SparseAttention"),
     ("", "Attention"),
 }
-# Ops allowed between the Softmax and the MatMul with V.
-PROBS_PASSTHROUGH = {"Cast", "Where", "IsNaN", "Dropout", "Identity", "Reshape"}
+# Ops that keep the probabilities' values between the Softmax and the MatMul with V.
+PROBS_OPS = ("Cast", "Dropout", "Identity")
+# Ops allowed there: those, a NaN guard (Where of IsNaN) and the heads merged (Reshape), each
+# of which the recogniser reads as what it is (scores.py: the one definition of the tail).
+PROBS_PASSTHROUGH = {*PROBS_OPS, "Where", "IsNaN", "Reshape"}
 # ... and, when looking for blocks, the Slice that drops a sink's column (GPT-OSS)
 _PROBS_WALK = PROBS_PASSTHROUGH | {"Slice"}
 # Ops that multiply two tensors: a product of two activations feeding a Softmax is attention.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from mha_onnx.rewrite.blocks import PROBS_OPS
 from mha_onnx.rewrite.factors import head_factor, scalar_factor
 from mha_onnx.rewrite.irutil import (
     WALK_LIMIT,
@@ -30,8 +31,6 @@ from mha_onnx.rewrite.irutil import (
 )
 from mha_onnx.rewrite.masks import Term
 from mha_onnx.rewrite.sinks import drops_last_column, max_shifted, sink_concat
-
-PROBS_OPS = ("Cast", "Dropout", "Identity")
 
 
 class Reject(Exception):
