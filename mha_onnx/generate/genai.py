@@ -72,9 +72,9 @@ def genai_config(iface: DecoderInterface, filename: str, record: dict[str, Any])
     names = _names(iface.pasts)
     if names is None:
         raise ValueError("cache names other than past_key_values.N.key/value")
-    if iface.past_heads:
-        raise ValueError("its values' head size is not its keys' (GenAI's config takes one "
-                         "head size)")
+    if iface.past_shapes:
+        raise ValueError("its layers' caches differ in heads or head size (GenAI's config "
+                         "takes one of each)")
     context = int(iface.position_limit or iface.context_length or record.get(
         "max_position_embeddings") or 4096)
     heads = int(record.get("num_attention_heads") or iface.kv_heads)

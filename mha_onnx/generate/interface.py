@@ -62,11 +62,15 @@ class DecoderInterface:
     tokens: TokenIds = TokenIds()
     model_type: str | None = None
     context_length: int | None = None
-    past_heads: dict[str, int] = field(default_factory=dict)  # a past's own head size, where
-    # it is not head_size (DeepSeek's MLA: V's heads narrower than K's)
+    # a past's own (kv heads, head size), where it is not (kv_heads, head_size): DeepSeek's
+    # MLA (V's heads narrower than K's), MiMo-V2-Flash (sliding layers cache more heads)
+    past_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def head_of(self, past: str) -> int:
-        return self.past_heads.get(past, self.head_size)
+        return self.past_shapes.get(past, (self.kv_heads, self.head_size))[1]
+
+    def kv_heads_of(self, past: str) -> int:
+        return self.past_shapes.get(past, (self.kv_heads, self.head_size))[0]
 
     @property
     def has_mask(self) -> bool:
@@ -145,16 +149,19 @@ def read_interface(model: onnx.ModelProto, path: str | Path | None = None) -> De
         position_limit=limit, tokens=token_ids(model, config, int(vocab)),
         model_type=config.get("model_type"),
         context_length=config.get("max_position_embeddings") or config.get("n_positions"),
-        past_heads=_own_heads(inputs, pairs, head))
+        past_shapes=_own_shapes(inputs, pairs, kv_heads, head))
 
 
-def _own_heads(inputs, pairs, head: int) -> dict[str, int]:
-    """The pasts whose static head size is not ``head``."""
+def _own_shapes(inputs, pairs, kv_heads: int, head: int) -> dict[str, tuple[int, int]]:
+    """The pasts whose static kv heads or head size are not the first past's."""
     out = {}
     for name in pairs:
         dims = inputs[name].type.tensor_type.shape.dim
-        if len(dims) == 4 and dims[3].dim_value and dims[3].dim_value != head:
-            out[name] = int(dims[3].dim_value)
+        if len(dims) != 4:
+            continue
+        own = (int(dims[1].dim_value or kv_heads), int(dims[3].dim_value or head))
+        if own != (kv_heads, head):
+            out[name] = own
     return out
 
 

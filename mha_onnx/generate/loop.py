@@ -256,7 +256,8 @@ class _BoundRuns:
         self.presents = {present: past for past, present in iface.pasts}
         length = capacity if iface.shared else 0
         self.cache = {past: ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((batch, iface.kv_heads, length, iface.head_of(past)), iface.kv_dtype),
+            np.zeros((batch, iface.kv_heads_of(past), length, iface.head_of(past)),
+                     iface.kv_dtype),
             device, 0) for past, _ in iface.pasts}
         self.logits: dict[int, np.ndarray] = {}
         self.dtype = np.dtype(_output_dtype(session, LOGITS))

@@ -90,7 +90,8 @@ def _decoder_feeds(model: onnx.ModelProto, path: str, batch: int, length: int, s
     feeds = prompt_feeds(prompts, iface, 0)
     size = length if iface.shared else 0
     for past, _ in iface.pasts:
-        feeds[past] = np.zeros((batch, iface.kv_heads, size, iface.head_size), iface.kv_dtype)
+        feeds[past] = np.zeros((batch, iface.kv_heads_of(past), size, iface.head_of(past)),
+                               iface.kv_dtype)
     if iface.length_input:
         feeds["past_sequence_length"] = np.array(0, np.int64)
     return feeds, prompts

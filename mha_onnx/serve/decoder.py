@@ -79,11 +79,10 @@ def stateful_config(serving: DecoderServing, cfg, target: str, threads: int) -> 
                 for name in (IDS, MASK, POSITIONS) if name in iface.dtypes]
     states = []
     for past, present in iface.pasts:
-        head = iface.head_of(past)
+        heads, head = iface.kv_heads_of(past), iface.head_of(past)
         states.append({"input_name": past, "output_name": present, "data_type": kv,
-                       "dims": [iface.kv_heads, -1, head], "initial_state": {
-                           "data_type": kv, "dims": [iface.kv_heads, serving.initial_length,
-                                                     head],
+                       "dims": [heads, -1, head], "initial_state": {
+                           "data_type": kv, "dims": [heads, serving.initial_length, head],
                            "zero_data": True, "name": f"empty {past}"}})
     logits = _logits_type(iface)
     config: dict[str, Any] = {

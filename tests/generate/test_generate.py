@@ -86,6 +86,32 @@ def test_the_interface_is_read_from_the_file_and_its_folder():
     assert read_interface(onnx.load(gpt2, load_external_data=False), gpt2).position_limit == 256
 
 
+def test_each_layers_cache_has_its_own_heads():
+    """MiMo-V2-Flash's sliding layers cache 4 heads, its full layers 2: the loop's buffers,
+    Triton's states and the quantizer's feeds take each past's own shape (the first past's
+    for all was refused by ORT at the second layer), and GenAI's config, which takes one
+    count, is not written."""
+    from onnx import TensorProto, helper
+
+    from mha_onnx.generate.genai import genai_config
+
+    def cache(name, heads):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", heads, "len", 16])
+
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])
+    pasts = [cache(f"past_key_values.{i}.{kind}", heads) for i, heads in enumerate((4, 2))
+             for kind in ("key", "value")]
+    logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", 99])
+    presents = [cache(p.name.replace("past_key_values", "present"), p.type.tensor_type.shape.dim[1]
+                      .dim_value) for p in pasts]
+    graph = helper.make_graph([], "decoder", [ids, *pasts], [logits, *presents])
+    iface = read_interface(helper.make_model(graph))
+    assert [iface.kv_heads_of(p) for p, _ in iface.pasts] == [4, 4, 2, 2]
+    assert {iface.head_of(p) for p, _ in iface.pasts} == {16}
+    with pytest.raises(ValueError, match="differ in heads"):
+        genai_config(iface, "model.onnx", {})
+
+
 @pytest.mark.parametrize("family", ["bert", "t5"])
 def test_a_model_that_is_not_a_token_decoder_is_refused(family):
     path = sorted((FIXTURES / family).glob("*.onnx"))[-1]
@@ -114,6 +140,13 @@ def _hf_folders():
         "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
             vocab_size=99, n_positions=128, n_embd=32, n_layer=2, n_head=4,
             initializer_range=0.2, eos_token_id=95, bos_token_id=95)),
+        # experts, sinks, a sliding layer caching 4 heads and a full one caching 2
+        "mimo": lambda: tf.MiMoV2FlashForCausalLM(tf.MiMoV2FlashConfig(
+            vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=4, head_dim=16,
+            v_head_dim=16, sliding_window=16, eos_token_id=2, pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention"], initializer_range=0.2)),
     }
 
 
@@ -196,6 +229,26 @@ def test_export_model_generates_what_transformers_generates(hf_decoder, tmp_path
     assert genai["appended"] == genai["shared"]
     if genai["appended"] is not None and family != "gemma3":  # (no window: as alone)
         assert genai["appended"] == without_eos(alone, eos)
+
+
+@pytest.mark.slow
+@pytest.mark.transformers
+def test_a_mixture_with_sinks_and_its_own_heads_per_layer_generates_transformers_tokens(
+        hf_decoder, tmp_path):
+    """MiMo-V2-Flash through `export --model` (sinks on GQA's head_sink, experts, each
+    layer's cache with its own heads): our loop at batch 1 and at batch 3 with rows of
+    different lengths gives transformers' greedy tokens. (It failed in ORT at the second
+    layer's cache, shaped as the first's.)"""
+    from mha_onnx.export.hf_model import load_module
+
+    folder = hf_decoder("mimo")
+    model = load_module(folder, "text-generation-with-past")
+    out = tmp_path / "mimo" / "model.onnx"
+    result = CliRunner().invoke(main, ["export", "--model", str(folder), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "genai_config.json not written: its layers' caches differ" in result.output
+    assert ours(out, PROMPTS[:1]) == hf_tokens(model, PROMPTS[:1])
+    assert ours(out, PROMPTS) == hf_tokens(model, PROMPTS)
 
 
 def _genai_runs(folder: Path, want3, equal, eos: set) -> list | None:
