@@ -15,14 +15,13 @@ target (and OpenVINO, which reads the same standard ops) lowers onto ONNX's Atte
 
 Tightening the rest of the layer, where a decode step's time goes once attention is fast,
 in order: RMS norms onto SimplifiedLayerNormalization and, for the CPU, residual Adds before
-a float32 LayerNormalization written as Sum (norms.py); the exporter's rotary
-folded into GroupQueryAttention, its Q/K/V projections packed into one MatMul the kernel
-reads whole (rotary.py, packing.py); a guard nested in a guard's fast branch merged into one
-condition (sink.py); every layer's guard computed once (tidy.py); what only a guarded branch
-reads moved into it, and what only every layer's general branch reads computed behind one
-If (sink.py); last, any other GroupQueryAttention's projections packed too (packing.py,
-after the sinking: a branch's own copies are what its kernel alone reads). A decode
-step of the Optimum Llama in docs/bench.md runs 48 kernels (export: 269; GenAI's: 29).
+a float32 LayerNormalization written as Sum (norms.py); the exporter's rotary folded into
+GroupQueryAttention, its Q/K/V projections packed into one MatMul (rotary.py, packing.py);
+a guard nested in a guard's fast branch merged into one condition (sink.py); every layer's
+guard computed once (tidy.py); what only a guarded branch reads moved into it, and what only
+every layer's general branch reads computed behind one If (sink.py); last, any other GQA's
+projections packed too (packing.py, after the sinking: a branch's own copies are what its
+kernel alone reads). A decode step of the bench's Optimum Llama runs 48 kernels (GenAI: 29).
 """
 
 from __future__ import annotations
@@ -56,6 +55,7 @@ from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from mha_onnx.rewrite.shapes import fold_static_dims, probability_shapes
 from mha_onnx.rewrite.shared_probs import distribute_combinations, merge_value_matmuls
 from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
+from mha_onnx.rewrite.sinks import SCALED_NOTE, scaled_sink_rules
 from mha_onnx.rewrite.tidy import share_guards
 from mha_onnx.rewrite.windows import window_mask_rules
 
@@ -181,29 +181,29 @@ def unique_node_names(model: ir.Model) -> int:
 class Normalise(FusionPass):
     """Repairs ORT needs and attention spelt so that each Softmax is one block: RotaryEmbedding
     caches broadcast over the batch expanded, masks added on a view of the scores made biases
-    on them (windows.py), Softmax weights applied to several value tensors made one attention
-    each (shared_probs.py)."""
+    on them (windows.py), a sink scaling the output made a column of the scores (sinks.py),
+    Softmax weights applied to several value tensors made one attention each."""
 
     NOTES = {
         "repaired": "repaired {n} RotaryEmbedding node(s) that onnxruntime 1.31 refuses "
                     "(cos/sin caches broadcast over the batch, now expanded)",
         "views": "{n} mask(s) added on a view of the scores with one more axis (Swin's [B, "
                  "windows, heads, N, N], DETR's [B, heads, T, S]) made a bias on the scores",
+        "scaled_sinks": SCALED_NOTE,
         "shared_probabilities": "{n} differential attention(s) (Softmax weights applied to "
                                 "several value tensors, or combined before V) made one "
                                 "attention per Softmax"}
 
     def apply(self, model: ir.Model) -> dict[str, int]:
-        repaired: list[str] = []
-        windows: list[str] = []
-        RewriteRuleSet([RotaryCachesOverBatch.rule(repaired),
-                        *window_mask_rules(windows)]).apply_to_model(model)
-        if windows:
-            remove_unused_nodes(model)  # the views and their Adds
+        repaired, windows, scaled = [], [], []  # type: ignore[var-annotated]
+        RewriteRuleSet([RotaryCachesOverBatch.rule(repaired), *window_mask_rules(windows),
+                        *scaled_sink_rules(scaled)]).apply_to_model(model)
+        if windows or scaled:
+            remove_unused_nodes(model)  # the views and their Adds, the logsumexp
         merged = merge_value_matmuls(model) + distribute_combinations(model)
         if merged:
             remove_unused_nodes(model)  # the scaled weights now read by nothing
-        return {"repaired": len(repaired), "views": len(windows),
+        return {"repaired": len(repaired), "views": len(windows), "scaled_sinks": len(scaled),
                 "shared_probabilities": merged}
 
 

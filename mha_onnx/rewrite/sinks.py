@@ -10,14 +10,22 @@ with its ``head_sink`` input ([H]); the general form (lower/common.dense_mha) ad
 zeros whose bias is the sink, which is the same sum. The max subtracted before the Softmax
 changes nothing it computes (the Softmax is shift-invariant and ORT's subtracts the max
 itself).
+
+Granite's SWA spells the same sink after the attention: ``softmax(x) @ v * sigmoid(lse(x) -
+sink)``, with ``lse`` the logsumexp of each row of ``x``. Since ``sigmoid(lse - s) = sum_j
+exp(x_j) / (sum_j exp(x_j) + exp(s))``, that is ``softmax(concat(x, s))[..., :-1] @ v``
+exactly: ``SinkScaleAfterAttention`` rewrites it so (Normalise), and the recogniser reads the
+column as it reads GPT-OSS's. A row whose keys are all masked gets 0 either way (the column's
+exp(s) outweighs them; sigmoid(-inf) is 0).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, pattern
 
-from mha_onnx.rewrite.irutil import const_array, const_ints, producer
+from mha_onnx.rewrite.irutil import const_array, const_ints, dims, producer
 
 _LOOK_THROUGH = ("Expand", "Reshape", "Unsqueeze", "Cast", "Identity", "Squeeze")
 
@@ -73,3 +81,69 @@ def sink_values(column: ir.Value, heads: int) -> np.ndarray | None:
             return None
         value = node.inputs[0]
     return None
+
+
+def scaled_sink_rules(found: list[str]) -> list:
+    return [SinkScaleAfterAttention.rule(found), SinkScaleAfterAttention.rule(found, cast=True)]
+
+
+SCALED_NOTE = ("{n} sink(s) scaling the attention's output by sigmoid(logsumexp - sink) made "
+               "a column of the scores (GPT-OSS's form)")
+
+
+class SinkScaleAfterAttention(pattern.RewriteRuleClassBase):
+    """``MatMul(Softmax(x), v) * Unsqueeze(Sigmoid(ReduceLogSumExp(x) - sink), -1)`` ->
+    ``MatMul(Softmax(Concat(x, sink column))[..., :-1], v)`` (the module's docstring).
+    ``cast``: the scale computed in float32 and cast back (Granite's float16 export)."""
+
+    def __init__(self, found: list[str], cast: bool = False) -> None:
+        super().__init__("SinkScaleAfterAttention" + ("Cast" if cast else ""))
+        self.found, self.cast = found, cast
+        self._sink: np.ndarray | None = None
+
+    def pattern(self, op, scores, v, lse_axes, sink, axes):
+        probs = op.Softmax(scores, _allow_other_attributes=True, _outputs=["probs"])
+        lse = op.ReduceLogSumExp(scores, lse_axes, _allow_other_attributes=True,
+                                 _outputs=["lse"])
+        shifted = op.Sub(lse, sink)
+        if self.cast:
+            shifted = op.Cast(shifted, _allow_other_attributes=True)
+        scale = op.Unsqueeze(op.Sigmoid(shifted), axes)
+        if self.cast:
+            scale = op.Cast(scale, _allow_other_attributes=True)
+        return op.Mul(op.MatMul(probs, v), scale, _outputs=["out"])
+
+    def check(self, context, scores, v, lse_axes, sink, axes, probs, lse, **_) -> MatchResult:
+        result = MatchResult()
+        shape = dims(scores)
+        last = {-1, 3}
+        if shape is None or len(shape) != 4 or not isinstance(shape[1], int):
+            return result.fail("not [B, H, S, T] scores with static heads")
+        if probs.producer().attributes.get_int("axis", -1) not in last \
+                or set(const_ints(lse_axes) or []) - last or not const_ints(lse_axes) \
+                or lse.producer().attributes.get_int("keepdims", 1) != 0 \
+                or const_ints(axes) not in ([-1], [3]):
+            return result.fail("not a row's Softmax, logsumexp and scale")
+        self._sink = sink_values(sink, shape[1])
+        if self._sink is None:
+            return result.fail("the sink is not one constant logit per head")
+        return result
+
+    def rewrite(self, op, scores, v, out, **_):
+        self.found.append(out.producer().name or "Mul")
+        heads = int(self._sink.size)  # type: ignore[union-attr]
+        dtype = scores.dtype.numpy() if scores.dtype is not None else np.float32
+        sink = op.Constant(value=ir.tensor(self._sink.reshape(1, heads, 1, 1).astype(dtype)))
+        rows = op.Slice(op.Shape(scores), op.Constant(value_ints=[0]), op.Constant(value_ints=[3]))
+        column = op.Expand(sink, op.Concat(rows, op.Constant(value_ints=[1]), axis=0))
+        logits = op.Concat(scores, column, axis=-1)
+        probs = op.Softmax(logits, axis=-1)
+        kept = op.Slice(probs, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]),
+                        op.Constant(value_ints=[-1]), op.Constant(value_ints=[1]))
+        # (shapes as inference would give them: the recogniser reads the scores' rank)
+        wider = ir.Shape([*list(scores.shape)[:3], None])  # type: ignore[union-attr]
+        for value, shape in ((logits, wider), (probs, wider), (kept, scores.shape)):
+            value.shape, value.dtype = shape, scores.dtype
+        result = op.MatMul(kept, v)
+        result.shape, result.dtype = out.shape, out.dtype
+        return result
