@@ -25,6 +25,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
+from mha_onnx.rewrite.blocks import PROBS_OPS
 from mha_onnx.rewrite.irutil import const_array, const_ints, dims, producer
 
 _LOOK_THROUGH = ("Expand", "Reshape", "Unsqueeze", "Cast", "Identity", "Squeeze")
@@ -84,7 +85,53 @@ def sink_values(column: ir.Value, heads: int) -> np.ndarray | None:
 
 
 def scaled_sink_rules(found: list[str]) -> list:
-    return [SinkScaleAfterAttention.rule(found), SinkScaleAfterAttention.rule(found, cast=True)]
+    return [SinkScaleAfterAttention.rule(found)]
+
+
+def _through(value: ir.Value, *op_types: str) -> ir.Value:
+    """``value`` above any chain of ``op_types`` nodes that each have one reader."""
+    node = producer(value, *op_types)
+    while node is not None and len(node.outputs[0].uses()) == 1:
+        value = node.inputs[0]
+        node = producer(value, *op_types)
+    return value
+
+
+def _axes(node: ir.Node) -> list[int] | None:
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        return const_ints(node.inputs[1])
+    return list(node.attributes.get_ints("axes", []) or []) or None
+
+
+def _private(node: ir.Node | None, op_type: str) -> ir.Node | None:
+    """``node`` if it is an ``op_type`` whose one output has one reader."""
+    ok = node is not None and node.op_type == op_type and len(node.outputs[0].uses()) == 1
+    return node if ok else None
+
+
+def _scaled_sink(attention: ir.Value, scale: ir.Value
+                 ) -> tuple[ir.Value, ir.Value, np.ndarray] | None:
+    """(scores, v, [H] sink logits) where ``attention`` is ``MatMul(Softmax(scores), v)`` and
+    ``scale`` is ``Unsqueeze(Sigmoid(ReduceLogSumExp(scores) - sink), -1)``; else None."""
+    last = ([-1], [3])
+    unsqueeze = _private(producer(_through(scale, "Cast")), "Unsqueeze")
+    sigmoid = _private(producer(unsqueeze.inputs[0]) if unsqueeze else None, "Sigmoid")
+    sub = _private(producer(_through(sigmoid.inputs[0], "Cast")) if sigmoid else None, "Sub")
+    lse = _private(producer(sub.inputs[0]) if sub else None, "ReduceLogSumExp")
+    matmul = _private(producer(attention), "MatMul")
+    softmax = _private(producer(_through(matmul.inputs[0], *PROBS_OPS)) if matmul else None,
+                       "Softmax")
+    if not (unsqueeze and lse and softmax) or _axes(unsqueeze) not in last \
+            or _axes(lse) not in last or lse.attributes.get_int("keepdims", 1) != 0 \
+            or softmax.attributes.get_int("axis", -1) not in (-1, 3) \
+            or softmax.inputs[0] is not lse.inputs[0]:
+        return None
+    scores = lse.inputs[0]
+    shape = dims(scores)
+    if shape is None or len(shape) != 4 or not isinstance(shape[1], int):
+        return None
+    values = sink_values(sub.inputs[1], shape[1])  # type: ignore[union-attr]
+    return None if values is None else (scores, matmul.inputs[1], values)
 
 
 SCALED_NOTE = ("{n} sink(s) scaling the attention's output by sigmoid(logsumexp - sink) made "
@@ -93,47 +140,30 @@ SCALED_NOTE = ("{n} sink(s) scaling the attention's output by sigmoid(logsumexp 
 
 class SinkScaleAfterAttention(pattern.RewriteRuleClassBase):
     """``MatMul(Softmax(x), v) * Unsqueeze(Sigmoid(ReduceLogSumExp(x) - sink), -1)`` ->
-    ``MatMul(Softmax(Concat(x, sink column))[..., :-1], v)`` (the module's docstring).
-    ``cast``: the scale computed in float32 and cast back (Granite's float16 export)."""
+    ``MatMul(Softmax(Concat(x, sink column))[..., :-1], v)`` (the module's docstring), the
+    Mul's operands in either order, through the Casts exporters write (a float16 export's
+    scale in float32; TorchScript's probabilities cast to themselves), axes as an input or
+    an attribute (opset 18 or 17)."""
 
-    def __init__(self, found: list[str], cast: bool = False) -> None:
-        super().__init__("SinkScaleAfterAttention" + ("Cast" if cast else ""))
-        self.found, self.cast = found, cast
-        self._sink: np.ndarray | None = None
+    def __init__(self, found: list[str]) -> None:
+        super().__init__("SinkScaleAfterAttention")
+        self.found = found
+        self._match: tuple[ir.Value, ir.Value, np.ndarray] | None = None
 
-    def pattern(self, op, scores, v, lse_axes, sink, axes):
-        probs = op.Softmax(scores, _allow_other_attributes=True, _outputs=["probs"])
-        lse = op.ReduceLogSumExp(scores, lse_axes, _allow_other_attributes=True,
-                                 _outputs=["lse"])
-        shifted = op.Sub(lse, sink)
-        if self.cast:
-            shifted = op.Cast(shifted, _allow_other_attributes=True)
-        scale = op.Unsqueeze(op.Sigmoid(shifted), axes)
-        if self.cast:
-            scale = op.Cast(scale, _allow_other_attributes=True)
-        return op.Mul(op.MatMul(probs, v), scale, _outputs=["out"])
+    def pattern(self, op, attention, scale):
+        return op.Mul(attention, scale, _outputs=["out"])
 
-    def check(self, context, scores, v, lse_axes, sink, axes, probs, lse, **_) -> MatchResult:
+    def check(self, context, attention, scale, **_) -> MatchResult:
         result = MatchResult()
-        shape = dims(scores)
-        last = {-1, 3}
-        if shape is None or len(shape) != 4 or not isinstance(shape[1], int):
-            return result.fail("not [B, H, S, T] scores with static heads")
-        if probs.producer().attributes.get_int("axis", -1) not in last \
-                or set(const_ints(lse_axes) or []) - last or not const_ints(lse_axes) \
-                or lse.producer().attributes.get_int("keepdims", 1) != 0 \
-                or const_ints(axes) not in ([-1], [3]):
-            return result.fail("not a row's Softmax, logsumexp and scale")
-        self._sink = sink_values(sink, shape[1])
-        if self._sink is None:
-            return result.fail("the sink is not one constant logit per head")
-        return result
+        self._match = _scaled_sink(attention, scale) or _scaled_sink(scale, attention)
+        return result if self._match is not None else result.fail("not a sink's scale")
 
-    def rewrite(self, op, scores, v, out, **_):
+    def rewrite(self, op, out, **_):
+        scores, v, values = self._match  # type: ignore[misc]
         self.found.append(out.producer().name or "Mul")
-        heads = int(self._sink.size)  # type: ignore[union-attr]
+        heads = int(values.size)
         dtype = scores.dtype.numpy() if scores.dtype is not None else np.float32
-        sink = op.Constant(value=ir.tensor(self._sink.reshape(1, heads, 1, 1).astype(dtype)))
+        sink = op.Constant(value=ir.tensor(values.reshape(1, heads, 1, 1).astype(dtype)))
         rows = op.Slice(op.Shape(scores), op.Constant(value_ints=[0]), op.Constant(value_ints=[3]))
         column = op.Expand(sink, op.Concat(rows, op.Constant(value_ints=[1]), axis=0))
         logits = op.Concat(scores, column, axis=-1)

@@ -11,6 +11,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnxscript.optimizer import remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx.rewrite.sinks import scaled_sink_rules
@@ -19,9 +20,11 @@ H = 4
 SINK = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
 
 
-def _graph(*, same_scores: bool = True, sink_input: bool = False, cast: bool = False
-           ) -> onnx.ModelProto:
-    """scores [B, H, S, T] (+ a second scores input for the near miss), v [B, H, T, D]."""
+def _graph(*, same_scores: bool = True, sink_input: bool = False, cast: bool = False,
+           torchscript: bool = False) -> onnx.ModelProto:
+    """scores [B, H, S, T] (+ a second scores input for the near miss), v [B, H, T, D].
+    ``torchscript``: as its exporter writes it at opset 17 (the logsumexp's axes an attribute, the
+    probabilities cast to themselves twice, the scale first in the Mul)."""
     f = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("x", f, ["B", H, "S", "T"]),
               helper.make_tensor_value_info("v", f, ["B", H, "T", 8])]
@@ -33,10 +36,14 @@ def _graph(*, same_scores: bool = True, sink_input: bool = False, cast: bool = F
     if not sink_input:
         inits.append(numpy_helper.from_array(SINK.reshape(1, H, 1), "sink"))
     shifted = ["shifted"]
-    nodes = [helper.make_node("Softmax", ["x"], ["p"], axis=-1),
-             helper.make_node("MatMul", ["p", "v"], ["o"]),
-             helper.make_node("ReduceLogSumExp", ["x" if same_scores else "x2", "last"],
-                              ["lse"], keepdims=0),
+    lse_inputs = ["x" if same_scores else "x2"] + ([] if torchscript else ["last"])
+    nodes = [helper.make_node("Softmax", ["x"], ["p0" if torchscript else "p"], axis=-1)]
+    if torchscript:
+        nodes += [helper.make_node("Cast", ["p0"], ["p1"], to=f),
+                  helper.make_node("Cast", ["p1"], ["p"], to=f)]
+    nodes += [helper.make_node("MatMul", ["p", "v"], ["o"]),
+             helper.make_node("ReduceLogSumExp", lse_inputs, ["lse"], keepdims=0,
+                              **({"axes": [-1]} if torchscript else {})),
              helper.make_node("Sub", ["lse", "sink"], ["shifted"])]
     if cast:
         nodes.append(helper.make_node("Cast", ["shifted"], ["shifted32"], to=f))
@@ -45,16 +52,19 @@ def _graph(*, same_scores: bool = True, sink_input: bool = False, cast: bool = F
               helper.make_node("Unsqueeze", ["s", "last"], ["scale"])]
     if cast:  # (Granite's float16 export: the scale in float32, cast back)
         nodes.append(helper.make_node("Cast", ["scale"], ["scale16"], to=f))
-    nodes.append(helper.make_node("Mul", ["o", "scale16" if cast else "scale"], ["y"]))
+    scale = "scale16" if cast else "scale"
+    nodes.append(helper.make_node("Mul", [scale, "o"] if torchscript else ["o", scale], ["y"]))
     graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(
         "y", f, ["B", H, "S", 8])], initializer=inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid(
+        "", 17 if torchscript else 18)], ir_version=9)
 
 
 def _rewritten(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     model = ir.from_proto(proto)
     found: list[str] = []
     RewriteRuleSet(scaled_sink_rules(found)).apply_to_model(model)
+    remove_unused_nodes(model)  # (as Normalise does: the Softmax and logsumexp replaced)
     return ir.to_proto(model), found
 
 
@@ -64,13 +74,14 @@ def _run(proto: onnx.ModelProto, feeds: dict) -> np.ndarray:
     return session.run(["y"], {k: v for k, v in feeds.items() if k in names})[0]
 
 
-@pytest.mark.parametrize("cast", [False, True])
-def test_the_scale_becomes_a_column_of_the_scores_with_the_same_numbers(cast):
+@pytest.mark.parametrize("cast, torchscript", [(False, False), (True, False), (False, True)],
+                         ids=["torch.export", "float16 casts", "torchscript"])
+def test_the_scale_becomes_a_column_of_the_scores_with_the_same_numbers(cast, torchscript):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, H, 5, 7)).astype(np.float32) * 3
     x[1, :, :, 4:] = np.finfo(np.float32).min  # masked keys, as the exporters fill them
     feeds = {"x": x, "v": rng.normal(size=(2, H, 7, 8)).astype(np.float32)}
-    proto = _graph(cast=cast)
+    proto = _graph(cast=cast, torchscript=torchscript)
     rewritten, found = _rewritten(proto)
     assert len(found) == 1
     ops = [n.op_type for n in rewritten.graph.node]
