@@ -1,6 +1,6 @@
 """The house rules (STYLE.md 16-21) that code can check: imports point one way (no cycles,
 lazy imports inside functions included), modules stay small and functions short, rewrite/
-parses no labels (no regular expressions) and uses onnxscript's public API only."""
+parses no labels (no regular expressions) and uses the ONNX libraries' public APIs only."""
 
 from __future__ import annotations
 
@@ -79,6 +79,22 @@ def test_rewrite_parses_no_labels_and_uses_public_onnxscript():
         assert "re" not in modules, f"{path.name} uses regular expressions"
         private = [m for m in modules if m.startswith("onnxscript") and "._" in m]
         assert not private, f"{path.name} imports onnxscript's private {private}"
+
+
+def test_no_private_api_of_onnx_runtime_or_the_onnx_libraries():
+    """Nothing imports a private module of onnx, onnx-ir, onnxscript or ONNX Runtime, nor
+    ONNX Runtime's scripts (``onnxruntime.tools``: shapes.py drove the private internals of
+    its SymbolicShapeInference until graph/symbolic/ replaced it)."""
+    libraries = ("onnx", "onnx_ir", "onnxscript", "onnxruntime")
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   for alias in node.names}
+        modules |= {node.module or "" for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom)}
+        ours = [m for m in modules if m.split(".")[0] in libraries]
+        private = [m for m in ours if "._" in m or m.startswith("onnxruntime.tools")]
+        assert not private, f"{path.relative_to(PACKAGE)} imports {private}"
 
 
 # Tests of more than one stage (a KV cache from export to profile; property tests over

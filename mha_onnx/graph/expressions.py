@@ -1,18 +1,24 @@
 """Dims written as integer arithmetic on symbols, in one place: ``past_seq + seq_q`` (how a
 KV-cache model names its total length), torch's ``((seq**2)//seq)``, a speech encoder's
-``sequence_length // 10 - 1``. Read with Python's ``ast`` (never ``eval``), evaluated for
-given values, their symbols named, and two of them proven equal with sympy.
+``sequence_length // 10 - 1``, and sympy's text as graph/symbolic writes it
+(``floor(sequence_length/10) - 1``). Read with Python's ``ast`` (never ``eval``), evaluated
+exactly for given values, their symbols named, and two of them proven equal with sympy.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import math
 import operator
 import re
+from fractions import Fraction
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow, ast.Mod: operator.mod}
+        ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow, ast.Mod: operator.mod,
+        ast.Div: operator.truediv}
+_CALLS = {"floor": math.floor, "ceiling": math.ceil, "Max": max, "Min": min,
+          "Mod": operator.mod}
 _LONGEST = 200  # characters: longer dims are not parsed (a fuzzed file's dim_param)
 
 
@@ -31,37 +37,51 @@ def is_expression(dim: object) -> bool:
 
 
 def symbols(text: str) -> set[str]:
-    """The symbols of an expression (``past + seq`` -> {past, seq}); none if it is not one."""
+    """The symbols of an expression (``past + seq`` -> {past, seq}; ``floor(seq/2)`` ->
+    {seq}); none if it is not one."""
     tree = _tree(text)
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} if tree else set()
+    if tree is None:
+        return set()
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and id(n) not in called}
 
 
 def evaluate(dim: int | str | None, values: dict[str, int]) -> int | None:
-    """A dim's value: an int, a symbol, or integer arithmetic on symbols and ints; None when
-    a symbol has no value, a division is by zero, a power is out of 0..8 or the text is
+    """A dim's value: an int, a symbol, or integer arithmetic on symbols and ints (with
+    sympy's ``floor``, ``ceiling``, ``Max``, ``Min``, ``Mod`` and exact division inside
+    them, as symbolic shape inference writes dims); None when a symbol has no value, a
+    division is by zero, a power is out of 0..8, the result is not whole or the text is
     anything else."""
     if isinstance(dim, int):
         return dim
     if not isinstance(dim, str):
         return None
     tree = _tree(dim)
-    return None if tree is None else _value(tree, values)
+    value = None if tree is None else _value(tree, values)
+    return None if value is None or value.denominator != 1 else int(value)
 
 
-def _value(node: ast.AST, values: dict[str, int]) -> int | None:
+def _value(node: ast.AST, values: dict[str, int]) -> Fraction | None:
     if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
+        return Fraction(node.value)
     if isinstance(node, ast.Name):
-        return values.get(node.id)
+        return None if values.get(node.id) is None else Fraction(values[node.id])
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         inner = _value(node.operand, values)
         return None if inner is None else -inner
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+            node.func.id in _CALLS and not node.keywords:
+        args = [_value(a, values) for a in node.args]
+        if any(a is None for a in args) or (node.func.id == "Mod" and args[1] == 0):
+            return None
+        return Fraction(_CALLS[node.func.id](*args))
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         left, right = _value(node.left, values), _value(node.right, values)
-        if left is None or right is None or (isinstance(node.op, ast.Pow) and not 0 <= right <= 8) \
-                or (isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0):
+        if left is None or right is None or (isinstance(node.op, ast.Pow) and not (
+                right.denominator == 1 and 0 <= right <= 8)) or (isinstance(
+                    node.op, (ast.FloorDiv, ast.Mod, ast.Div)) and right == 0):
             return None
-        return _OPS[type(node.op)](left, right)
+        return Fraction(_OPS[type(node.op)](left, right))
     return None
 
 

@@ -1,241 +1,33 @@
-"""Shape facts for graphs that carry none: ONNX Runtime's symbolic shape inference.
+"""Shape facts for graphs that carry none, and two rewrites that read them.
 
 TorchScript exports (Optimum's among them) carry no ``value_info`` and compute reshape targets
 with ``Shape -> Gather -> Concat`` chains, which ONNX's own shape inference cannot follow: the
-attention blocks' Q, K and V then have no known shapes and no rule can read them. ORT's
-symbolic shape inference (the maintained implementation its transformers optimizer uses)
-evaluates those chains symbolically and names every dim, ``past_sequence_length +
-sequence_length`` included, so that recognition does not depend on which exporter wrote the
-graph. It runs on a copy; where it fails, the graph is fused with the shapes it has.
-
-Two things are added around it (``_Inference``): ``ReduceMax``/``ReduceMin`` of known shape
-data (TorchScript's ``repeat_interleave``, as the interleaved rotary of Cohere, GLM and Helium
-spells it, takes the max of a ConstantOfShape to size an Expand: without it the inference
-stopped on that Expand and the whole graph went without shapes), and a driver that does not
-write ``sym_shape_infer_temp.onnx`` into the working folder when inference is incomplete, as
-ORT's own ``infer_shapes`` does.
+attention blocks' Q, K and V then have no known shapes and no rule can read them. Our own
+symbolic inference (graph/symbolic.py) evaluates those chains with symbols and names every
+dim, ``past_sequence_length + sequence_length`` included, so that recognition does not
+depend on which exporter wrote the graph.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 
 import onnx
 
-from mha_onnx.graph.walk import subgraphs
-from mha_onnx.rewrite.constants import constants_folded
+from mha_onnx.graph.symbolic import infer_shapes
 from mha_onnx.rewrite.irutil import dims, producer, shape_bounds
 
 log = logging.getLogger(__name__)
 
 
 def with_symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with every value's symbolic shape in ``value_info`` (a copy), or ``model``
-    itself when ORT's symbolic shape inference cannot run on it. A graph it cannot take as a
-    whole (Optimum's merged decoders: one ``If`` on ``use_cache_branch`` whose branches are
-    the decoder with and without a past) gets each branch inferred as a model of its own."""
-    inferred = _infer(model)
-    if inferred is not None:
-        return inferred
-    branches = [sub for node in model.graph.node for sub in subgraphs(node)]
-    if not branches:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    done = 0
-    for node in out.graph.node:
-        for sub in subgraphs(node):
-            done += _infer_branch(out, sub)
-    log.info("symbolic shapes inferred for %d of %d branch(es)", done, len(branches))
-    return out
-
-
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    try:
-        inference = _inference()
-    except ImportError:  # an onnxruntime build without its tools
-        return None
-    if not model.opset_import or max(o.version for o in model.opset_import
-                                     if o.domain in ("", "ai.onnx")) < 7:
-        return None
-    quiet = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # its "Cannot determine if ... < 0" reached users' terminals
-    folded = constants_folded(model)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            inference._preprocess(folded)
-            complete = False
-            while inference.run_:
-                complete = inference._infer_impl()
-            inference._update_output_from_vi()
-    except Exception as exc:  # noqa: BLE001 - an optional help; fusing goes on without it
-        log.info("symbolic shape inference failed (%s: %s)", type(exc).__name__,
-                 str(exc)[:200])
-        return None
-    finally:
-        quiet.setLevel(level)
-    if not complete:
-        log.info("symbolic shape inference incomplete: fusing with the shapes it found")
-    out = inference.out_mp_
-    if folded is not model:  # the facts on the graph as it was, not on the folded copy
-        del out.graph.node[:]
-        out.graph.node.extend(model.graph.node)
-    return out
-
-
-def _inference():
-    """ORT's symbolic shape inference, with ReduceMax/ReduceMin of known shape data."""
-    import numpy as np
-    from onnxruntime.tools import symbolic_shape_infer as ssi
-
-    class _Inference(ssi.SymbolicShapeInference):
-        def __init__(self) -> None:
-            super().__init__(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess rank
-            self.dispatcher_["ReduceMax"] = lambda node: self._reduce(node, max)
-            self.dispatcher_["ReduceMin"] = lambda node: self._reduce(node, min)
-            self.dispatcher_["Slice"] = lambda node: _slice(self, node, ssi)
-            for op in ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
-                       "ReduceSumSquare"):  # (Swin-v2's cosine attention: ReduceL2 of q, k)
-                self.dispatcher_.setdefault(op, self._reduced_shape)
-
-        def _reduce(self, node, pick) -> None:
-            """The max/min of a 1-D vector of known dims (every axis, or axis 0)."""
-            self._reduced_shape(node)
-            if node.input[0] not in self.sympy_data_:
-                return
-            data = self.sympy_data_[node.input[0]]
-            values = list(np.asarray(data).reshape(-1)) if not isinstance(data, list) else data
-            axes = ssi.get_attribute(node, "axes")
-            if axes is None and len(node.input) > 1 and node.input[1]:
-                axes = self._try_get_value(node, 1)
-            if (np.ndim(data) > 1 or not values or not all(ssi.is_literal(v) for v in values)
-                    or (axes is not None and list(np.reshape(axes, -1)) not in ([0], [-1]))):
-                return
-            picked = int(pick(int(v) for v in values))
-            keep = ssi.get_attribute(node, "keepdims", 1)
-            self.sympy_data_[node.output[0]] = [picked] if keep else picked
-
-        def _reduced_shape(self, node) -> None:
-            """The output's shape where ONNX's inference left none (axes an input, opset
-            18: GPT-OSS's ``logits - logits.max(-1, keepdim=True)``; without it the
-            Sub after it stopped the whole inference)."""
-            out = self.known_vi_[node.output[0]]
-            if ssi.get_shape_from_type_proto(out.type) is not None:
-                return
-            axes = ssi.get_attribute(node, "axes")
-            if axes is None and len(node.input) > 1 and node.input[1]:
-                axes = self._try_get_value(node, 1)
-            shape = self._get_shape(node, 0) if node.input[0] in self.known_vi_ else None
-            if shape is None or axes is None:
-                return
-            picked = {ssi.handle_negative_axis(int(a), len(shape))
-                      for a in np.reshape(axes, -1)}
-            keep = ssi.get_attribute(node, "keepdims", 1)
-            dims = [1 if i in picked else d for i, d in enumerate(shape)
-                    if keep or i not in picked]
-            out.CopyFrom(ssi.helper.make_tensor_value_info(
-                node.output[0], self.known_vi_[node.input[0]].type.tensor_type.elem_type, dims))
-
-    return _Inference()
-
-
-def _slice(inference, node, ssi) -> None:
-    """ORT's Slice, except that an end it cannot compare with the input's dim gives the axis
-    a new symbol: ORT "treats them as equal", which made Moonshine's mask cut to its conv
-    stack's length (``mask[..., ::384][..., :n]``) look uncut, and every dim broadcast
-    against it the mask's length."""
-    try:
-        inference._infer_Slice(node)
-    except (AssertionError, TypeError):  # an end whose sign sympy cannot settle (SEW's
-        # squeezed length): ORT's own code asserts, which stopped the whole inference
-        _fresh_axes(inference, node, ssi)
-        return
-    assumed = _assumed_axes(inference, node, ssi)
-    if not assumed:
-        return
-    out = inference.known_vi_[node.output[0]]
-    shape = ssi.get_shape_from_type_proto(out.type)
-    for axis in assumed:
-        shape[axis] = str(inference._new_symbolic_dim_from_output(node, 0, axis))
-    out.CopyFrom(ssi.helper.make_tensor_value_info(
-        node.output[0], out.type.tensor_type.elem_type, shape))
-
-
-def _fresh_axes(inference, node, ssi) -> None:
-    """The Slice's output: its input's shape with a new symbol on every sliced axis."""
-    shape = ssi.get_shape_from_sympy_shape(inference._get_sympy_shape(node, 0))
-    axes = inference._try_get_value(node, 3) if len(node.input) > 3 and node.input[3] else None
-    for axis in ssi.as_list(axes, keep_none=True) if axes is not None else range(len(shape)):
-        shape[axis % len(shape)] = str(inference._new_symbolic_dim_from_output(
-            node, 0, axis % len(shape)))
-    out = inference.known_vi_[node.output[0]]
-    out.CopyFrom(ssi.helper.make_tensor_value_info(
-        node.output[0], inference.known_vi_[node.input[0]].type.tensor_type.elem_type, shape))
-
-
-def _assumed_axes(inference, node, ssi) -> list[int]:
-    """The axes whose symbolic end ORT could not compare with the symbolic dim."""
-    if len(node.input) < 3 or ssi.get_opset(inference.out_mp_) <= 9:
-        return []
-    ends = ssi.as_list(inference._try_get_value(node, 2), keep_none=True)
-    axes = inference._try_get_value(node, 3) if len(node.input) > 3 and node.input[3] else None
-    shape = inference._get_sympy_shape(node, 0)
-    if ends is None or shape is None:
-        return []
-    axes = ssi.as_list(axes, keep_none=True) if axes is not None else list(range(len(ends)))
-    return [a % len(shape) for a, e in zip(axes, ends, strict=False)
-            if e is not None and not ssi.is_literal(e)
-            and not ssi.is_literal(shape[a % len(shape)])
-            and _order(e, shape[a % len(shape)]) is None]
-
-
-def _order(end, dim) -> bool | None:
-    """Whether ``end <= dim`` is decided for two symbolic sizes (None: it is not)."""
-    for test in (lambda: end <= dim, lambda: dim - end >= 0):
-        try:
-            return bool(test())
-        except TypeError:
-            continue
-    return None
-
-
-def _infer_branch(model: onnx.ModelProto, branch: onnx.GraphProto) -> int:
-    """Infer ``branch`` as a model whose inputs are the outer values it reads (the main
-    graph's inputs and initializers); its value_info filled in place. 1 if it worked."""
-    inputs = {v.name: v for v in model.graph.input}
-    weights = {t.name: t for t in model.graph.initializer}
-    inner = {o for n in branch.node for o in n.output} | {t.name for t in branch.initializer}
-    used = [name for n in branch.node for name in n.input if name and name not in inner]
-    # outputs without their declared shapes: Optimum declares both branches' presents as
-    # [.., past + seq, ..], which the branch without a past does not compute
-    outputs = [onnx.helper.make_tensor_value_info(o.name, o.type.tensor_type.elem_type, None)
-               for o in branch.output]
-    graph = onnx.helper.make_graph(list(branch.node), "branch", [], outputs,
-                                   initializer=list(branch.initializer))
-    for name in dict.fromkeys(used):
-        if name in inputs:
-            graph.input.append(inputs[name])
-        elif name in weights:
-            graph.initializer.append(weights[name])
-        else:
-            return 0  # a value of the outer graph whose shape is not known here
-    alone = onnx.helper.make_model(graph, opset_imports=list(model.opset_import),
-                                   ir_version=model.ir_version)
-    inferred = _infer(alone)
-    if inferred is None:
-        return 0
-    del branch.value_info[:]
-    branch.value_info.extend(v for v in inferred.graph.value_info if v.name in inner)
-    found = {o.name: o for o in inferred.graph.output}
-    for output in branch.output:
-        if found.get(output.name) is not None and found[output.name].type.tensor_type.HasField(
-                "shape"):
-            output.type.CopyFrom(found[output.name].type)
-    return 1
-
+    """``model`` with every value's symbolic shape that can be read in ``value_info`` (a
+    copy; ``If`` branches' values too). Values after a node nothing can read are left
+    without one, and fusing goes on with the shapes there are."""
+    inferred, unknown = infer_shapes(model)
+    if unknown:
+        log.info("symbolic shapes: %d value(s) left without one", unknown)
+    return inferred
 
 
 def fold_static_dims(model) -> int:

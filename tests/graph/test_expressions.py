@@ -16,6 +16,18 @@ def test_symbols_and_values_of_the_exporters_spellings():
     assert evaluate("-seq % 4", {"seq": 7}) == 1 and evaluate("seq", {}) is None
 
 
+def test_the_symbolic_inferences_spellings_are_read_too():
+    """graph/symbolic writes sympy's text: floor/ceiling/Max/Min/Mod calls, exact division
+    inside them. A speech encoder's conv stack, read both ways, gives the same lengths."""
+    ours, torchs = "floor(floor(sequence_length/5)/2) - 1", "((sequence_length//10)) - 1"
+    assert symbols(ours) == {"sequence_length"}
+    for n in (20, 21, 99, 160):
+        assert evaluate(ours, {"sequence_length": n}) == evaluate(torchs, {"sequence_length": n})
+    assert evaluate("Max(0, x - 4) + ceiling(x/3) + Mod(x, 4)", {"x": 7}) == 3 + 3 + 3
+    assert evaluate("x/2", {"x": 3}) is None  # not whole: not a dim
+    assert evaluate("floor(x/0)", {"x": 3}) is None and evaluate("Mod(x, 0)", {"x": 3}) is None
+
+
 @pytest.mark.parametrize("dim, expression", [("a + b", True), ("2*seq", True), ("seq_q", False),
                                              ("batch", False), (5, False), (None, False)])
 def test_an_expression_is_arithmetic_not_a_name(dim, expression):
