@@ -85,16 +85,53 @@ def _value(node: ast.AST, values: dict[str, int]) -> Fraction | None:
     return None
 
 
+def symbol(name: str):
+    """A dim's symbol in sympy: an integer, never negative."""
+    import sympy
+
+    return sympy.Symbol(name, integer=True, nonnegative=True)
+
+
+def to_sympy(text: str):
+    """A dim's text as a sympy expression (the same grammar as ``evaluate``), or None."""
+    tree = _tree(text)
+    try:
+        return None if tree is None else _sympy(tree)
+    except (ValueError, TypeError, KeyError, ZeroDivisionError):
+        return None
+
+
+def _sympy(node: ast.AST):
+    import sympy
+
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return sympy.Integer(node.value)
+    if isinstance(node, ast.Name):
+        return symbol(node.id)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_sympy(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _sympy(node.left), _sympy(node.right)
+        if isinstance(node.op, ast.Mod):
+            return sympy.Mod(left, right)
+        return left // right if isinstance(node.op, ast.FloorDiv) else _OPS[type(node.op)](
+            left, right)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
+        calls = {"floor": sympy.floor, "ceiling": sympy.ceiling, "Max": sympy.Max,
+                 "Min": sympy.Min, "Mod": sympy.Mod}
+        return calls[node.func.id](*(_sympy(a) for a in node.args))
+    raise ValueError("not a dim expression")
+
+
 @functools.lru_cache(maxsize=4096)
 def provably_equal(a: str, b: str) -> bool:
     """Whether two expressions are equal for every positive integer value of their symbols
     (sympy simplifies their difference to 0); False where either is not an expression."""
     import sympy
 
-    try:
-        names = symbols(a) | symbols(b)
-        local = {n: sympy.Symbol(n, integer=True, positive=True) for n in names}
-        return sympy.simplify(sympy.sympify(a, locals=local)
-                              - sympy.sympify(b, locals=local)) == 0
-    except (sympy.SympifyError, TypeError, ValueError, SyntaxError):
+    left, right = to_sympy(a), to_sympy(b)
+    if left is None or right is None:
         return False
+    positive = {s: sympy.Symbol(s.name, integer=True, positive=True)
+                for s in left.free_symbols | right.free_symbols}
+    return sympy.simplify((left - right).xreplace(positive)) == 0

@@ -3,49 +3,27 @@ and merged (engine.py reads graphs with them; data_ops.py and shape_ops.py, oper
 
 from __future__ import annotations
 
-import ast
-
 import numpy as np
 import onnx
 import sympy
 from onnx import helper
 
+from mha_onnx.graph import expressions
+
 DATA_MAX = 64  # elements: larger integer tensors carry no value
 INTS = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16,
          onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.BOOL}
-_FUNCS = {"floor": sympy.floor, "ceiling": sympy.ceiling, "Max": sympy.Max, "Min": sympy.Min,
-          "Mod": sympy.Mod}
-_BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-           ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b,
-           ast.FloorDiv: lambda a, b: a // b, ast.Mod: sympy.Mod,
-           ast.Pow: lambda a, b: a ** b}
 
 
 def symbol(name: str) -> sympy.Symbol:
-    return sympy.Symbol(name, integer=True, nonnegative=True)
+    return expressions.symbol(name)
 
 
 def parse_dim(text: str) -> sympy.Expr:
     """A dim's text as an expression (``past + seq``, ``floor(seq/2)``); a symbol of the whole
-    text where it is not arithmetic we read."""
-    try:
-        return _sympy(ast.parse(text.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, TypeError, KeyError):
-        return symbol(text)
-
-
-def _sympy(node: ast.AST) -> sympy.Expr:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return sympy.Integer(node.value)
-    if isinstance(node, ast.Name):
-        return symbol(node.id)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_sympy(node.operand)
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        return _BINARY[type(node.op)](_sympy(node.left), _sympy(node.right))
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
-        return _FUNCS[node.func.id](*(_sympy(a) for a in node.args))
-    raise ValueError("not a dim expression")
+    text where it is not arithmetic graph/expressions.py reads."""
+    found = expressions.to_sympy(text)
+    return symbol(text) if found is None else found
 
 
 class Facts:
