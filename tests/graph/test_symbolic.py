@@ -125,3 +125,53 @@ def test_unknown_operators_leave_their_outputs_alone_and_count_them():
     assert unknown == 2  # y, and z after it
     assert _shapes(proto) == {"r": ["B", 8]}
     assert inferred.graph.node == proto.graph.node  # the graph itself untouched
+
+
+@pytest.mark.parametrize("name", [
+    "llama/model.onnx",  # a KV cache: past + new
+    "moonshine/encoder_model.onnx",  # raw audio through a conv stack, a strided mask
+    "swin/model.onnx",  # padded, shifted windows
+    "deberta_v2/model.onnx",  # an If whose condition is known
+    "wav2vec2/model.onnx",  # a conv front end and a feature projection
+    "bart/decoder_model.onnx",  # self- and cross-attention: two lengths
+])
+def test_every_inferred_dim_is_what_onnx_runtime_gives_when_the_file_runs(name):
+    """Optimum's files (nobody here wrote them) run in ORT at odd sizes with every value of
+    the main graph an output: each dim we wrote in the inputs' terms evaluates, at those
+    sizes, to the size ORT gave (a symbol of our own making has no value and is skipped)."""
+    import onnxruntime as ort
+
+    from mha_onnx.graph.dims import with_related_dims
+    from mha_onnx.graph.expressions import evaluate
+    from mha_onnx.graph.inputs import case_for, input_specs, make_inputs
+    from tests.paths import OPTIMUM
+
+    proto = onnx.load(OPTIMUM / name)
+    specs = input_specs(proto)
+    proto = with_related_dims(proto, specs)
+    inferred, _ = infer_shapes(proto)
+    outputs = {o.name for o in proto.graph.output}
+    wrote = {v.name: v for v in inferred.graph.value_info if v.name not in outputs}
+    case = case_for(specs, "odd", 2, [13, 7, 19, 5])
+    sizes = dict(case.dims)  # and the file's own names of dims the specs fix (Swin's 32x32)
+    for spec, value in zip(specs, proto.graph.input, strict=False):
+        for want, d in zip(spec.dims, value.type.tensor_type.shape.dim, strict=False):
+            if isinstance(want, int) and d.dim_param:
+                sizes[d.dim_param] = want
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(proto)
+    exposed.graph.output.extend(helper.make_tensor_value_info(n, v.type.tensor_type.elem_type,
+                                                              None) for n, v in wrote.items())
+    session = ort.InferenceSession(exposed.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    got = session.run(list(wrote), make_inputs(specs, case))
+    symbolic, ours = 0, 0
+    for (value_name, info), array in zip(wrote.items(), got, strict=True):
+        dims = info.type.tensor_type.shape.dim
+        assert len(dims) == array.ndim, (value_name, dims, array.shape)
+        for d, size in zip(dims, array.shape, strict=True):
+            want = d.dim_value if d.HasField("dim_value") else evaluate(d.dim_param, sizes)
+            symbolic += d.HasField("dim_param")
+            ours += want is None
+            assert want in (None, size), (value_name, d, array.shape, sizes)
+    assert ours <= 0.05 * symbolic, (ours, symbolic)  # nearly all in the inputs' terms
