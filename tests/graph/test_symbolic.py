@@ -125,6 +125,8 @@ def test_unknown_operators_leave_their_outputs_alone_and_count_them():
     assert unknown == 2  # y, and z after it
     assert _shapes(proto) == {"r": ["B", 8]}
     assert inferred.graph.node == proto.graph.node  # the graph itself untouched
+    proto.graph.value_info.append(helper.make_tensor_value_info("y", F, ["B", 3]))
+    assert _shapes(proto)["y"] == ["B", 3]  # what the file says of it is kept
 
 
 @pytest.mark.parametrize("name", [

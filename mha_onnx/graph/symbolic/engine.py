@@ -206,12 +206,14 @@ class Inference(Facts):
 
     def write(self, graph: onnx.GraphProto, main: bool) -> None:
         """``graph``'s value_info (and its outputs' shapes) from the facts (an If's
-        branches are written as they are read)."""
+        branches are written as they are read); a value the file declares and we could
+        not read keeps the file's."""
         made = [o for n in graph.node for o in n.output if o]
         outputs = {o.name for o in graph.output}
+        had = {v.name: v for v in graph.value_info}
         del graph.value_info[:]
         graph.value_info.extend(v for name in made if name not in outputs
-                                if (v := self.value_info(name)) is not None)
+                                if (v := self.value_info(name) or had.get(name)) is not None)
         for output in graph.output:
             found = self.value_info(output.name)
             declared = output.type.tensor_type.HasField("shape")
