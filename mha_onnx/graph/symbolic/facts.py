@@ -35,7 +35,6 @@ class Facts:
         self.opsets = [o for o in model.opset_import]
         self.opset = max([o.version for o in model.opset_import
                           if o.domain in ("", "ai.onnx")] or [1])
-        self.ir_version = model.ir_version
         self.shapes: dict[str, list | None] = {}
         self.elems: dict[str, int] = {}
         self.data: dict[str, np.ndarray] = {}
@@ -70,10 +69,6 @@ class Facts:
         if shape is None or not self.merged:
             return shape
         return [self.resolve(d) for d in shape]
-
-    def rank(self, name: str) -> int | None:
-        shape = self.shape(name)
-        return None if shape is None else len(shape)
 
     def value(self, name: str) -> np.ndarray | None:
         """The value of a small integer tensor, as an object array of dims."""
