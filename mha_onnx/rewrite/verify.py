@@ -141,6 +141,7 @@ class _Original:
                                                   threads=threads, optimization=level)
         self.evaluator: Any = None
         self.label = "onnxruntime CPU"
+        self.refused = ""
 
     def infer(self, feeds: dict[str, Any], fall_back: bool = True) -> dict[str, Any]:
         """``fall_back=False``: an ORT failure is raised (sizes the model may refuse)."""
@@ -153,18 +154,22 @@ class _Original:
                 log.warning("original does not run on ORT CPU (%s); using the ONNX reference "
                             "evaluator", exc)
                 self.runner = None
+                self.refused = str(exc)
                 self.label = f"ONNX reference evaluator (ORT CPU refused the original: {exc})"
-        if self.evaluator is None:
-            from onnx.reference import ReferenceEvaluator
-
-            self.evaluator = ReferenceEvaluator(self.model)
         names = [o.name for o in self.model.graph.output]
         try:
+            if self.evaluator is None:  # (it refuses contrib operators as it is built)
+                from onnx.reference import ReferenceEvaluator
+
+                self.evaluator = ReferenceEvaluator(self.model)
             values = self.evaluator.run(None, dict(feeds))
         except Exception as exc:  # noqa: BLE001 - the evaluator raises anything
             raise VerifyError(
-                f"cannot run the original model to verify against: {type(exc).__name__}: {exc}",
-                hint="--no-verify skips the check (not recommended)",
+                f"cannot run the original model to verify against: ORT CPU refused it "
+                f"({self.refused[:200]}) and ONNX's reference evaluator raised "
+                f"{type(exc).__name__}: {str(exc)[:200]}",
+                hint="pass inputs it runs on with --inputs FILE.npz; --no-verify skips the "
+                     "check (not recommended)",
             ) from exc
         return dict(zip(names, values, strict=True))
 

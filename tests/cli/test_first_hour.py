@@ -148,3 +148,21 @@ def test_an_object_detector_is_not_taken_for_a_text2text_model(tmp_path):
     assert result.exit_code == 2, result.output
     assert "without a vocabulary" in result.output and "Optimum" in result.output
     assert "[export]" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_fusing_a_graph_that_neither_runtime_runs_is_one_line_not_an_internal_error(tmp_path):
+    """GenAI's builder graph (already fused: its GQA refuses the generated batch of 2 with a
+    past, and ONNX's reference evaluator has no contrib operators): the verification's
+    original cannot run. It said "internal error: NotImplementedError" (exit 4); now one line
+    naming both refusals and the way on, exit 2."""
+    from tests.paths import FIXTURES
+
+    result = _cli("fuse", FIXTURES / "genai" / "llama-fp32" / "model.onnx", "-o",
+                  tmp_path / "out.onnx")
+    assert result.exit_code == 2, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "internal error" not in result.output
+    assert "cannot run the original model to verify against: ORT CPU refused it" in error[0]
+    assert "reference evaluator raised NotImplementedError" in error[0]
+    assert "--inputs FILE.npz" in error[0]
+    assert not (tmp_path / "out.onnx").exists()
