@@ -166,12 +166,19 @@ class _Original:
         except Exception as exc:  # noqa: BLE001 - the evaluator raises anything
             raise VerifyError(
                 f"cannot run the original model to verify against: ORT CPU refused it "
-                f"({self.refused[:200]}) and ONNX's reference evaluator raised "
-                f"{type(exc).__name__}: {str(exc)[:200]}",
+                f"({_gist(self.refused)}) and ONNX's reference evaluator raised "
+                f"{type(exc).__name__}: {_gist(str(exc))}",
                 hint="pass inputs it runs on with --inputs FILE.npz; --no-verify skips the "
                      "check (not recommended)",
             ) from exc
         return dict(zip(names, values, strict=True))
+
+
+def _gist(message: str) -> str:
+    """A runtime's message without its boilerplate: ORT's status message alone, the first
+    sentence of others."""
+    said = message.split("Status Message: ", 1)[-1]
+    return said.split(". ", 1)[0][:200]
 
 
 def _fuse_bug(what: str, exc: Exception) -> FusionError:

@@ -115,6 +115,7 @@ def files(tmp_path_factory, export_cache, hf_folder):
     weights.write_bytes(weights.read_bytes()[:1000])
     optimum = OPTIMUM
     f["llama"], f["gpt2"] = optimum / "llama" / "model.onnx", optimum / "gpt2" / "model.onnx"
+    f["genai"] = OPTIMUM.parent / "genai" / "llama-fp32" / "model.onnx"
     from mha_onnx.quantize.weights import QuantizeConfig, quantize_weights
 
     f["quantized"] = root / "quantized.onnx"
@@ -171,6 +172,8 @@ CASES = [
      "position table of 256"),
     ("generate: not a token decoder", "generate {good} --prompts {p_ok}", 2,
      "not a token decoder"),
+    ("fuse: a graph neither ORT nor the reference evaluator runs (GenAI's builder graph)",
+     "fuse {genai} -o {out}", 2, "cannot run the original model to verify against"),
     ("fuse --logits last without logits", "fuse {good} -o {out} --logits last", 2,
      "--logits last needs"),
     ("package a decoder for TensorRT", "package {llama} -o {folder}/repo --target tensorrt", 2,
