@@ -26,7 +26,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
 from mha_onnx.rewrite.blocks import PROBS_OPS
-from mha_onnx.rewrite.irutil import const_array, const_ints, dims, producer
+from mha_onnx.rewrite.irutil import const_array, const_ints, dims, ints_attr, producer
 
 _LOOK_THROUGH = ("Expand", "Reshape", "Unsqueeze", "Cast", "Identity", "Squeeze")
 
@@ -100,7 +100,7 @@ def _through(value: ir.Value, *op_types: str) -> ir.Value:
 def _axes(node: ir.Node) -> list[int] | None:
     if len(node.inputs) > 1 and node.inputs[1] is not None:
         return const_ints(node.inputs[1])
-    return list(node.attributes.get_ints("axes", []) or []) or None
+    return ints_attr(node, "axes")
 
 
 def _private(node: ir.Node | None, op_type: str) -> ir.Node | None:

@@ -28,14 +28,8 @@ class Inference(Facts):
             return
         shape = None
         if tensor.HasField("shape"):
-            shape = []
-            for axis, d in enumerate(tensor.shape.dim):
-                if d.HasField("dim_value"):
-                    shape.append(sympy.Integer(d.dim_value))
-                elif d.dim_param:
-                    shape.append(parse_dim(d.dim_param))
-                else:
-                    shape.append(symbol(f"{value.name}_d{axis}"))
+            shape = [_read(d, lambda axis=axis: symbol(f"{value.name}_d{axis}"))
+                     for axis, d in enumerate(tensor.shape.dim)]
             if graph_input:
                 self.kept.update(s for d in shape for s in d.free_symbols)
         self.set(value.name, tensor.elem_type, shape)
@@ -69,9 +63,7 @@ class Inference(Facts):
         """A shape the file declares (torch.export writes torch's own symbolic shapes) is
         taken where ours has a symbol of our own making and the file's is in the inputs'
         symbols (our symbol merged into it); ours is kept where it is in the inputs' terms."""
-        dims = [sympy.Integer(d.dim_value) if d.HasField("dim_value")
-                else parse_dim(d.dim_param) if d.dim_param else None
-                for d in declared.type.tensor_type.shape.dim]
+        dims = [_read(d) for d in declared.type.tensor_type.shape.dim]
         ours = self.shape(name)
         if ours is None or len(ours) != len(dims):
             if all(d is not None for d in dims):
@@ -148,15 +140,14 @@ class Inference(Facts):
             tensor = found.tensor_type
             shape = None
             if tensor.HasField("shape"):
-                shape = [sympy.Integer(d.dim_value) if d.HasField("dim_value")
-                         else parse_dim(d.dim_param) if d.dim_param
-                         else self.fresh(node, k, axis) for axis, d in enumerate(tensor.shape.dim)]
+                shape = [_read(d, lambda k=k, axis=axis: self.fresh(node, k, axis))
+                         for axis, d in enumerate(tensor.shape.dim)]
             self.set(name, tensor.elem_type, shape)
 
     def type_proto(self, name: str) -> onnx.TypeProto:
         shape = self.shape(name)
-        dims = None if shape is None else [int(d) if d.is_Integer else str(d) for d in shape]
-        return helper.make_tensor_type_proto(self.elems[name], dims)
+        return helper.make_tensor_type_proto(self.elems[name],
+                                             None if shape is None else _written(shape))
 
     def branches(self, node: onnx.NodeProto) -> None:
         """An If: both branches read with the outer graph's facts; an output dim the
@@ -201,8 +192,7 @@ class Inference(Facts):
         shape, elem = self.shape(name), self.elems.get(name)
         if shape is None or not elem:
             return None
-        return helper.make_tensor_value_info(
-            name, elem, [int(d) if d.is_Integer else str(d) for d in shape])
+        return helper.make_tensor_value_info(name, elem, _written(shape))
 
     def write(self, graph: onnx.GraphProto, main: bool) -> None:
         """``graph``'s value_info (and its outputs' shapes) from the facts (an If's
@@ -221,6 +211,19 @@ class Inference(Facts):
                     s in self.branch_dims for d in self.shape(output.name)
                     for s in d.free_symbols)):  # (a merged decoder's declared outputs)
                 output.type.CopyFrom(found.type)
+
+
+def _read(d: onnx.TensorShapeProto.Dimension, unnamed=lambda: None) -> sympy.Expr | None:
+    """A file's dim as an expression; ``unnamed()`` where the file gives it no value or
+    name (None unless told)."""
+    if d.HasField("dim_value"):
+        return sympy.Integer(d.dim_value)
+    return parse_dim(d.dim_param) if d.dim_param else unnamed()
+
+
+def _written(shape: list) -> list[int | str]:
+    """Dims as a file holds them: numbers as values, expressions as their text."""
+    return [int(d) if d.is_Integer else str(d) for d in shape]
 
 
 def infer_shapes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
