@@ -58,7 +58,7 @@ def _mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int]:
               help="Least mean share of greedy tokens before the first difference "
                    "(default: reported only).")
 @click.option("--no-sensitivity", is_flag=True,
-              help="Skip ranking the MatMuls (one session per MatMul).")
+              help="Skip ranking the weights (a run of the float model per weight).")
 @click.option("--no-check", is_flag=True, help="Write the model even past the thresholds.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

@@ -7,8 +7,8 @@ What is measured: a decoder runs a batch of prompts (random ids, ``accuracy.PROM
 ``PROMPT_LENGTH`` tokens) through both models, every output compared (logits and the
 cache), the next-token distributions at every position; then both generate greedily from
 the prompts' first 16 tokens. Any other model runs generated inputs. Sensitivity: each
-MatMul quantized alone, its logits' KL against the float model's (the cost of one
-session per MatMul: ``sensitivity=False`` skips it).
+weight quantized alone, its logits' KL against the float model's (sensitivity.py: one
+float session, a run per weight; ``sensitivity=False`` skips it).
 """
 
 from __future__ import annotations
@@ -133,8 +133,9 @@ def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProt
     if decoder and prompts:
         report = replace(report, **_greedy(float_path, quant, [p[:16] for p in prompts]))
     if sensitive and "logits" in want and config is not None:
-        report = replace(report, sensitivity=_sensitivity(float_model, float_path, sensitive,
-                                                          config, feeds, want["logits"]))
+        report = replace(report, sensitivity=_sensitivity(float_model, float_path, quant,
+                                                          sensitive, config, feeds,
+                                                          want["logits"]))
     return report
 
 
@@ -154,23 +155,36 @@ def _greedy(float_path: str, quant: onnx.ModelProto, prompts) -> dict[str, Any]:
             "greedy_tokens": accuracy.NEW_TOKENS}
 
 
-def _sensitivity(float_model, float_path: str, weights: list[str], config: QuantizeConfig,
-                 feeds, want: np.ndarray):
-    """Each weight quantized alone (every MatMul reading it: a packed weight the branches
-    of an If share), as ``config`` would; by the first MatMul that reads it."""
-    from mha_onnx.quantize.weights import targets
+def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: list[str],
+                 config: QuantizeConfig, feeds, want: np.ndarray):
+    """Each weight quantized alone (sensitivity.py: in one session, fed as the quantized
+    model reads it back; a weight that is not the main graph's, in a model of its own with
+    every MatMul reading it quantized as ``config`` says); by the first MatMul reading it."""
+    from mha_onnx.quantize import sensitivity
+    from mha_onnx.quantize.weights import cut_slices, targets
+    from mha_onnx.runtime.ort import OrtRunner
 
+    base = onnx.ModelProto.FromString(float_model.SerializeToString())
+    cut_slices(base)  # (as quantize_weights does: the weights' names are the cut ones)
     readers: dict[str, list[str]] = {}
-    for target in targets(float_model, config):
+    for target in targets(base, config):
         readers.setdefault(target.weight, []).append(target.node)
     every = [node for nodes in readers.values() for node in nodes]
+    values = sensitivity.read_back(quant, weights)
+    fed = sensitivity.overridable(base, [w for w in weights if w in values])
+    with OrtRunner(base.SerializeToString()) as runner:
+        plain = {k: v for k, v in feeds.items() if k in runner.input_names}
 
-    def logits_of(weight: str) -> np.ndarray:
-        alone = replace(config, exclude=tuple(n for n in every if n not in readers[weight]),
-                        int8=(), first_last=False)
-        return _session_outputs(quantize_weights(float_model, alone).model, feeds)["logits"]
+        def logits_of(weight: str) -> np.ndarray:
+            if weight in fed:
+                return runner.infer({**plain, weight: values[weight]})["logits"]
+            config_alone = replace(config, exclude=tuple(n for n in every
+                                                         if n not in readers[weight]),
+                                   int8=(), first_last=False)
+            return _session_outputs(quantize_weights(float_model, config_alone).model,
+                                    feeds)["logits"]
 
-    ranked = accuracy.sensitivity(weights, logits_of, want)
+        ranked = accuracy.sensitivity(weights, logits_of, want)
     return tuple((readers[w][0], kl) for w, kl in ranked)
 
 

@@ -163,7 +163,7 @@ def targets(model: onnx.ModelProto, config: QuantizeConfig) -> list[Target]:
             for t in found]
 
 
-def _cut_slices(model: onnx.ModelProto) -> int:
+def cut_slices(model: onnx.ModelProto) -> int:
     """A MatMul whose weight is a Slice of a constant with constant bounds (a fallback
     branch reading part of a packed weight) reads that part as an initializer of its own,
     put beside the constant. Returns how many."""
@@ -215,7 +215,7 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
                           hint="quantize its float original")
     model = onnx.ModelProto.FromString(model.SerializeToString())
     notes = []
-    cut = _cut_slices(model)
+    cut = cut_slices(model)
     if cut:
         notes.append(f"{cut} MatMul weight(s) read as a Slice of a packed weight cut out "
                      "and quantized as their own")
