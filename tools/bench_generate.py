@@ -5,7 +5,7 @@ and against transformers.generate in PyTorch.
     .venv-optimum/bin/python -m tools.bench_optimum make DIR [--vocab 32000]  # HF + Optimum
     .venv-genai/bin/python -m tools.bench_optimum genai DIR                   # GenAI's graph
     .venv/bin/python -m tools.benchmark generate DIR [--batch 1,8] [--prompt 128,1024]
-        [--new 128] [--threads 2] [--rounds 3] [--no-torch] [--out FILE.md]
+        [--new 128] [--threads 2] [--rounds 3] [--no-torch] [--quantized] [--out FILE.md]
 
 Greedy, no EOS (every row runs ``--new`` tokens), prompts of random ids, rows of one length.
 Our side: the Optimum export fused with ``--kv-cache shared`` (the form GenAI's generator
@@ -53,10 +53,11 @@ def fused(folder: Path, logits: str = "all") -> Path:
     return out
 
 
-def ours(model: Path, prompts, new: int, threads: int | None) -> dict:
+def ours(model: Path, prompts, new: int, threads: int | None, float_prompt: bool = True
+         ) -> dict:
     from mha_onnx.generate import GenerationConfig, Generator
 
-    with Generator(model, threads=threads) as generator:
+    with Generator(model, threads=threads, float_prompt=float_prompt) as generator:
         generator.generate(prompts[:1], GenerationConfig(4, eos=()))  # warm-up
         result = generator.generate(prompts, GenerationConfig(new, eos=()))
     return {"ttft_ms": result.time_to_first_token_ms,
@@ -160,8 +161,9 @@ def in_child(runner: str, model: Path, prompts, new: int, threads: int | None) -
 def _child(argv: list[str]) -> int:
     runner, model, prompts, new, threads = argv
     prompts = json.loads(Path(prompts).read_text())
-    out = (ours if runner == "ours" else bare)(Path(model), prompts, int(new),
-                                               int(threads) or None)
+    chosen = {"ours": ours, "bare": bare,
+              "ours-as-written": lambda *a: ours(*a, float_prompt=False)}[runner]
+    out = chosen(Path(model), prompts, int(new), int(threads) or None)
     print(json.dumps(out))
     return 0
 
@@ -170,6 +172,9 @@ def run(args, command: str) -> list[str]:
     folder = args.folder
     vocab = json.loads((folder / "hf" / "config.json").read_text())["vocab_size"]
     model = fused(folder)
+    if args.quantized:
+        return _rows(args, command, vocab, _quantized_runners(folder, model, args),
+                     "GenAI generator, same int4 graph")
     runners = {"mha-onnx generate (fused, shared)": lambda p: in_child(
                    "ours", model, p, args.new, args.threads),
                "bare bound ORT runs (same graph, floor)": lambda p: in_child(
@@ -181,6 +186,29 @@ def run(args, command: str) -> list[str]:
     if not args.no_torch:
         runners["transformers.generate (PyTorch)"] = lambda p: torch_generate(
             folder / "hf", p, args.new, args.threads)
+    return _rows(args, command, vocab, runners, "GenAI generator, same graph")
+
+
+def _quantized_runners(folder: Path, model: Path, args) -> dict:
+    """The float fusion, it quantized to int4 (tools/bench_quantize), its prompt in float
+    compute (the generator's default) and as written, and GenAI's generator on it and on
+    GenAI's int4 graph (``bench_optimum genai DIR --precision int4``)."""
+    from tools.bench_quantize import graphs
+
+    q4 = graphs(folder)["mha-onnx quantize --weights int4"]
+    return {"mha-onnx generate, fp32 fused": lambda p: in_child(
+                "ours", model, p, args.new, args.threads),
+            "mha-onnx generate, int4 (its prompt in float compute)": lambda p: in_child(
+                "ours", q4, p, args.new, args.threads),
+            "mha-onnx generate, int4 (its prompt as written: level 4)": lambda p: in_child(
+                "ours-as-written", q4, p, args.new, args.threads),
+            "GenAI generator, same int4 graph": lambda p: genai(q4.parent, p, args.new,
+                                                                args.threads),
+            "GenAI generator, GenAI's int4 graph": lambda p: genai(
+                folder / "genai-int4", p, args.new, args.threads)}
+
+
+def _rows(args, command: str, vocab: int, runners: dict, base_name: str) -> list[str]:
     rows = []
     for batch in args.batch:
         for length in args.prompt:
@@ -189,17 +217,18 @@ def run(args, command: str) -> list[str]:
             for _ in range(args.rounds):
                 for name, runner in runners.items():
                     seen[name].append(runner(prompts))
-            base = min(r["ms_per_token"] for r in seen["GenAI generator, same graph"])
+            base = min(r["ms_per_token"] for r in seen[base_name])
+            first = min(r["ttft_ms"] for r in next(iter(seen.values())))
             for name, results in seen.items():
                 step = sorted(r["ms_per_token"] for r in results)
                 ttft = sorted(r["ttft_ms"] for r in results)
-                rows.append((batch, length, name, f"{ttft[0]:.1f}",
+                rows.append((batch, length, name, f"{ttft[0]:.1f}", f"{ttft[0] / first:.2f}x",
                              f"{step[0]:.2f} ({step[0]:.2f}-{step[-1]:.2f})",
                              f"{batch * 1e3 / step[0]:.0f}", f"{step[0] / base:.2f}x",
                              str(results[0]["first"][:4])))
             print(f"batch {batch}, prompt {length}: done", file=sys.stderr, flush=True)
-    header = ["batch", "prompt", "runner", "first token ms (best)",
-              "ms per token, best (range)", "tokens/s", "vs GenAI same graph",
+    header = ["batch", "prompt", "runner", "first token ms (best)", "vs first row",
+              "ms per token, best (range)", "tokens/s", f"vs {base_name}",
               "first tokens"]
     lines = [suite.measured(command, f"{args.new} new tokens, greedy, no EOS; threads "
                                      f"{args.threads}; {args.rounds} rounds, each runner in "
@@ -221,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--quantized", action="store_true",
+                        help="int4: the float fusion beside it quantized, and GenAI's int4 "
+                             "graph (make it with bench_optimum genai DIR --precision int4)")
     args = parser.parse_args(argv)
     suite.quiet()
     suite.emit(run(args, suite.command("generate", argv)), args.out)

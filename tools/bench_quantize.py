@@ -4,7 +4,7 @@ fusion and ORT GenAI's int4 graph of the same weights: size, prompt and decode s
 
     .venv-optimum/bin/python -m tools.bench_optimum make DIR [--layers N]
     .venv-genai/bin/python -m tools.bench_optimum genai DIR --precision int4
-    .venv/bin/python -m tools.benchmark quantize DIR [--prompt 1024] [--context 1024]
+    .venv/bin/python -m tools.benchmark quantize DIR [--prompt 16,64,1024] [--context 1024]
         [--threads 2] [--min-time 1] [--reverse] [--accuracy-levels 0,1] [--out FILE.md]
 
 The float model: the Optimum export fused with --kv-cache shared; ours: it quantized (int4
@@ -86,7 +86,8 @@ def timing_rows(models: dict[str, Path], args) -> list[tuple]:
     runners = {k: OrtRunner(v, threads=args.threads, spinning=False) for k, v in models.items()}
     order = list(runners)[::-1] if args.reverse else list(runners)  # (the order they are made)
     times = {}
-    for phase, new, past in (("prompt", args.prompt, 0), ("decode", 1, args.context)):
+    phases = [(f"prompt {n}", n, 0) for n in args.prompt] + [("decode", 1, args.context)]
+    for phase, new, past in phases:
         runs = {}
         for label in order:
             runner = runners[label]
@@ -96,12 +97,14 @@ def timing_rows(models: dict[str, Path], args) -> list[tuple]:
             runs[label] = _step(runner, kind, feeds, pasts)[0]
         times[phase] = _time(runs, args.min_time)
     base = next(iter(models))
-    return [(label, f"{_bytes(path) / 1e6:.1f}", f"{_bytes(path) / _bytes(models[base]):.2f}x",
-             f"{times['prompt'][label]:.1f}",
-             f"{times['prompt'][label] / times['prompt'][base]:.2f}x",
-             f"{times['decode'][label]:.2f}",
-             f"{times['decode'][label] / times['decode'][base]:.2f}x")
-            for label, path in models.items()]
+    rows = []
+    for label, path in models.items():
+        row = [label, f"{_bytes(path) / 1e6:.1f}", f"{_bytes(path) / _bytes(models[base]):.2f}x"]
+        for phase, _, _ in phases:
+            row += [f"{times[phase][label]:.{2 if phase == 'decode' else 1}f}",
+                    f"{times[phase][label] / times[phase][base]:.2f}x"]
+        rows.append(tuple(row))
+    return rows
 
 
 def kernel_times(models: dict[str, Path], args) -> list[str]:
@@ -137,7 +140,8 @@ def kernel_times(models: dict[str, Path], args) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = suite.parser(__doc__)
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--prompt", type=suite.ints, default=(1024,),
+                        help="prompt lengths timed (e.g. 16,64,256,1024)")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--accuracy-levels", type=suite.ints, default=(),
                         help="also int4 at these MatMulNBits accuracy levels (e.g. 0,1)")
@@ -157,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [suite.measured(command, f"batch 1, {args.threads} threads, timed in turn in one "
                                      "process" + (", sessions made in reverse order"
                                                   if args.reverse else "")), "",
-             f"| graph | MB | size | prompt {args.prompt} ms | ratio | decode step, context "
-             f"{args.context} ms | ratio |", "|---|---|---|---|---|---|---|"]
+             "| graph | MB | size | " + "".join(f"prompt {n} ms | ratio | " for n in args.prompt)
+             + f"decode step, context {args.context} ms | ratio |",
+             "|---" * (5 + 2 * len(args.prompt)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in timed]
     lines += ["", "Accuracy against the float model (4 prompts x 64 tokens; greedy: 32 tokens "
                   "from their first 16):", "",

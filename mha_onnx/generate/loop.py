@@ -21,6 +21,7 @@ import numpy as np
 
 from mha_onnx.errors import ConfigError, ModelFileError
 from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
+from mha_onnx.generate.prompt import PROMPT_ROWS
 from mha_onnx.generate.sampling import Sampling, next_tokens
 from mha_onnx.graph.cache import LENGTH_INPUT, device_of
 
@@ -132,8 +133,10 @@ class Generator:
     """A decoder file and one ONNX Runtime session for it; :meth:`generate` runs a batch."""
 
     def __init__(self, model: str | Path, *, provider: str = "cpu", threads: int | None = None,
-                 interface: DecoderInterface | None = None) -> None:
+                 interface: DecoderInterface | None = None, float_prompt: bool = True) -> None:
+        """``float_prompt``: a quantized file's long prompts in float compute (prompt.py)."""
         from mha_onnx.generate.interface import read_interface
+        from mha_onnx.generate.prompt import float_prompt as floated
         from mha_onnx.graph.files import read_model
         from mha_onnx.graph.metadata import session_options
         from mha_onnx.runtime.ort import OrtRunner
@@ -142,11 +145,26 @@ class Generator:
         self.path = Path(model)
         self.interface = interface or read_interface(proto, model)
         level = session_options(proto).get("optimization", "all")
-        self.runner = OrtRunner(str(model), provider, threads=threads, optimization=level)
+        made = floated(model) if provider == "cpu" and float_prompt else None
+        shared = made.initializers if made else {}
+        # with a second session, neither's pool threads spin past its runs: they would take
+        # the cores from the other's (a 128-token prompt 1.3x slower after steps, AMD EPYC)
+        self.runner = OrtRunner(str(model), provider, threads=threads, optimization=level,
+                                initializers=shared, stop_spinning=made is not None)
+        self.prompt_runner = None
+        if made is not None:
+            self.prompt_runner = OrtRunner(made.model, provider, threads=threads,
+                                           optimization=level, initializers=shared,
+                                           stop_spinning=True)
+            self.prompt_runner.session  # noqa: B018 (made now, then the bytes let go)
+            self.prompt_runner.model = made.model = b""
+        self.float_prompt = made
         self.device = device_of(provider)
 
     def close(self) -> None:
         self.runner.close()
+        if self.prompt_runner is not None:
+            self.prompt_runner.close()
 
     def __enter__(self) -> Generator:
         return self
@@ -190,7 +208,8 @@ class Generator:
         eos = iface.tokens.eos if config.eos is None else tuple(config.eos)
         pad = iface.tokens.pad if iface.tokens.pad is not None else (eos[0] if eos else 0)
         rng = np.random.default_rng(config.sampling.seed)
-        run = _BoundRuns(self.runner.session, iface, len(prompts), capacity, self.device)
+        run = _BoundRuns(self.runner.session, iface, len(prompts), capacity, self.device,
+                         self.prompt_runner.session if self.prompt_runner else None)
         started = time.perf_counter()
         feeds = prompt_feeds(prompts, iface, pad)
         logits = run(feeds, new=feeds[IDS].shape[1], past=0)
@@ -231,14 +250,21 @@ class Generator:
             time_to_first_token_ms=1e3 * (first - started), seconds=done - started,
             steps=steps, decode_seconds=done - first, ort_seconds=run.ort_seconds,
             interface=iface, eos=eos, sampling=config.sampling,
-            notes=tuple(_notes(iface, eos, config)))
+            notes=tuple(_notes(iface, eos, config, run.float_prompts and self.float_prompt)))
 
 
-def _notes(iface: DecoderInterface, eos: tuple[int, ...], config: GenerationConfig) -> list[str]:
-    if eos or config.eos is not None:
-        return []
-    return ["the model names no end-of-sequence token inside its vocabulary: every row ran "
-            "--max-new-tokens (give --eos ID)"]
+def _notes(iface: DecoderInterface, eos: tuple[int, ...], config: GenerationConfig,
+           floated: Any = None) -> list[str]:
+    notes = []
+    if not eos and config.eos is None:
+        notes.append("the model names no end-of-sequence token inside its vocabulary: every "
+                     "row ran --max-new-tokens (give --eos ID)")
+    if floated:
+        levels = "/".join(map(str, floated.levels))
+        notes.append(f"the prompt ran with the MatMulNBits in float compute (accuracy level 1; "
+                     f"the steps at the file's level {levels}): faster from {PROMPT_ROWS} "
+                     "tokens on the CPU")
+    return notes
 
 
 class _BoundRuns:
@@ -246,10 +272,11 @@ class _BoundRuns:
     copy, the logits written into arrays allocated here; returns each row's last logits."""
 
     def __init__(self, session: Any, iface: DecoderInterface, batch: int, capacity: int,
-                 device: str) -> None:
+                 device: str, prompt: Any = None) -> None:
         import onnxruntime as ort
 
         self.ort, self.session, self.iface = ort, session, iface
+        self.prompt, self.float_prompts = prompt, 0  # (prompt.py's session, its runs)
         self.binding = session.io_binding()
         self.device, self.batch, self.ort_seconds = device, batch, 0.0
         self.outputs = [o.name for o in session.get_outputs()]
@@ -270,7 +297,18 @@ class _BoundRuns:
         return self.logits[rows]
 
     def __call__(self, feeds: dict[str, np.ndarray], new: int, past: int) -> np.ndarray:
-        binding, iface = self.binding, self.iface
+        if self.prompt is not None and new >= PROMPT_ROWS:  # float compute (prompt.py)
+            self.float_prompts += 1
+            return self._run(self.prompt, self.prompt.io_binding(), feeds, new, past, 0)[0]
+        logits, self.bound_rows = self._run(self.session, self.binding, feeds, new, past,
+                                            self.bound_rows)
+        return logits
+
+    def _run(self, session: Any, binding: Any, feeds: dict[str, np.ndarray], new: int,
+             past: int, bound_rows: int) -> tuple[np.ndarray, int]:
+        """One run of ``session`` through ``binding`` (its outputs bound for ``bound_rows``
+        rows of logits, 0: none yet); (each row's last logits, the rows now bound)."""
+        iface = self.iface
         held = [np.ascontiguousarray(v) for v in feeds.values()]  # alive until the run
         for name, value in zip(feeds, held, strict=True):
             binding.bind_cpu_input(name, value)
@@ -278,10 +316,10 @@ class _BoundRuns:
             held.append(np.array(past, np.int64))
             binding.bind_cpu_input(LENGTH_INPUT, held[-1])
         logits = self._logits_buffer(1 if iface.last_logits else new)
-        if not iface.shared or not self.bound_rows:  # (a shared cache: bound once)
+        if not iface.shared or not bound_rows:  # (a shared cache: bound once)
             for name, value in self.cache.items():
                 binding.bind_ortvalue_input(name, value)
-        if self.bound_rows != logits.shape[1] or not iface.shared:
+        if bound_rows != logits.shape[1] or not iface.shared:
             for name in self.outputs:  # in the session's order
                 if name == LOGITS:
                     binding.bind_output(name, "cpu", 0, self.dtype, list(logits.shape),
@@ -290,10 +328,9 @@ class _BoundRuns:
                     binding.bind_ortvalue_output(name, self.cache[self.presents[name]])
                 else:  # ORT allocates them (an appended cache's presents: every run anew)
                     binding.bind_output(name, self.device, 0)
-            self.bound_rows = logits.shape[1]
         started = time.perf_counter()
         try:
-            self.session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding)
         except Exception as exc:
             if type(exc).__module__.startswith("onnxruntime"):
                 raise ModelFileError(f"onnxruntime failed to run the model: {exc}") from exc
@@ -304,7 +341,7 @@ class _BoundRuns:
             for name, value in zip(self.outputs, values, strict=True):
                 if name in self.presents:
                     self.cache[self.presents[name]] = value
-        return logits[:, -1, :].astype(np.float32, copy=False)
+        return logits[:, -1, :].astype(np.float32, copy=False), logits.shape[1]
 
 
 def _output_dtype(session: Any, name: str) -> str:

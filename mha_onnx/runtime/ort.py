@@ -148,6 +148,8 @@ class OrtRunner(Runner):
         optimization: str = "all",
         spinning: bool = True,
         tf32: bool = False,
+        initializers: Mapping[str, Any] | None = None,
+        stop_spinning: bool = False,
     ) -> None:
         if provider not in PROVIDERS:
             raise ProviderError(
@@ -163,6 +165,8 @@ class OrtRunner(Runner):
         self.optimization = optimization
         self.spinning = spinning
         self.tf32 = tf32
+        self.initializers = dict(initializers or {})  # name -> OrtValue (shared, not copied)
+        self.stop_spinning = stop_spinning  # pool threads spin within a run, not after it
         self._session: Any = None
         self._quiet_run: Any = None
         self.info: SessionInfo | None = None
@@ -185,6 +189,8 @@ class OrtRunner(Runner):
         if not self.spinning:  # idle pool threads sleep instead of spinning (shared CPUs)
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        elif self.stop_spinning:
+            options.add_session_config_entry("session.force_spinning_stop", "1")
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
                                                    LEVELS[self.optimization])
         if self.provider != "cpu" and not allow_fallback:
@@ -192,6 +198,8 @@ class OrtRunner(Runner):
         if self.profile_dir is not None:
             options.enable_profiling = True
             options.profile_file_prefix = str(Path(self.profile_dir) / "ort_profile")
+        for name, value in self.initializers.items():
+            options.add_initializer(name, value)
         return options
 
     def _create(self) -> Any:

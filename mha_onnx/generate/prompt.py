@@ -1,0 +1,78 @@
+"""A 4- or 8-bit decoder's prompt in float compute.
+
+ONNX Runtime's MatMulNBits at accuracy level 4 (int8 activations: GenAI's CPU default and
+``quantize``'s) makes a decode step fast and a long prompt slow; level 1 (float compute)
+the other way round. On the bench's 2-layer Llama in int4 (AMD EPYC, 2 threads;
+docs/bench.md): a 1024-token prompt at level 4 1.28x the float model's time, at level 1
+1.00x; a decode step at level 4 0.45x, at level 1 1.24x; level 1 behind at 16 tokens and
+ahead from 64. So the generator runs a prompt of ``PROMPT_ROWS`` tokens or more through a
+second session of the same file with every MatMulNBits at level 1 and every other run
+through the file as written. The two sessions share the cache buffers (bound to both) and
+every large float initializer (one OrtValue given to both: the embeddings are not held
+twice); each packs its own copy of the quantized weights, in its own layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from mha_onnx.graph.walk import all_nodes
+
+PROMPT_ROWS = 64  # prompts this long and longer run in float compute
+FLOAT_LEVEL = 1
+SHARED_BYTES = 1 << 20  # float initializers this large are given to both sessions once
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+@dataclass
+class FloatPrompt:
+    """The model with its MatMulNBits at ``FLOAT_LEVEL`` (serialized), and the initializers
+    both sessions share (name -> OrtValue; ``arrays`` keeps their memory alive)."""
+
+    model: bytes
+    initializers: dict[str, Any]
+    arrays: list[np.ndarray]
+    levels: tuple[int, ...]  # the file's accuracy levels
+
+
+def _level(node: onnx.NodeProto) -> int:
+    return next((int(a.i) for a in node.attribute if a.name == "accuracy_level"), 0)
+
+
+def float_prompt(path: str | Path) -> FloatPrompt | None:
+    """For a file whose MatMulNBits compute in int8 (accuracy level 2 or more), its float
+    prompt session's model and shared initializers; None for any other file (or one too
+    large to hand ONNX Runtime in memory)."""
+    import onnxruntime as ort
+
+    from mha_onnx.graph.files import read_model
+
+    def quantized(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+        return [n for n in all_nodes(model.graph)
+                if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+
+    if not any(_level(n) >= 2 for n in quantized(read_model(path, load_external_data=False))):
+        return None
+    model = read_model(path)
+    levels = tuple(sorted({_level(n) for n in quantized(model)}))
+    packed = set()
+    for node in quantized(model):
+        packed.add(node.input[1])
+        for attr in node.attribute:
+            if attr.name == "accuracy_level":
+                attr.i = FLOAT_LEVEL
+    if model.ByteSize() >= 2**31 - 2**24:  # (protobuf's limit, with room)
+        return None
+    arrays, shared = [], {}
+    for tensor in model.graph.initializer:
+        size = np.prod(tensor.dims, dtype=np.int64) * (4 if tensor.data_type == _FLOATS[0] else 2)
+        if tensor.data_type in _FLOATS and tensor.name not in packed and size >= SHARED_BYTES:
+            arrays.append(np.ascontiguousarray(numpy_helper.to_array(tensor)))
+            shared[tensor.name] = ort.OrtValue.ortvalue_from_numpy(arrays[-1])
+    return FloatPrompt(model.SerializeToString(), shared, arrays, levels)

@@ -1,0 +1,84 @@
+"""A quantized decoder's long prompt in float compute (generate/prompt.py): the prompt run
+gives what the file at accuracy level 1 gives, a short prompt and the steps what the file
+as written gives, in both cache forms; a float file gets no second session."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from mha_onnx.generate import GenerationConfig, Generator, prompt_feeds
+from mha_onnx.generate import prompt as float_prompt
+from mha_onnx.generate.loop import _BoundRuns
+from tests.paths import OPTIMUM
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """The Optimum Llama fused in both forms, quantized to int4 at levels 4 and 1."""
+    from mha_onnx.quantize.weights import QuantizeConfig, quantize_weights
+    from mha_onnx.rewrite import fuse_file
+    from mha_onnx.rewrite.policy import FormPolicy
+
+    root = tmp_path_factory.mktemp("float_prompt")
+    made = {}
+    for form in ("appended", "shared"):
+        fused = root / f"{form}.onnx"
+        fuse_file(OPTIMUM / "llama" / "model.onnx", fused, policy=FormPolicy(kv_cache=form))
+        model = onnx.load(fused)
+        for level in (4, 1):
+            path = root / f"{form}-level{level}.onnx"
+            onnx.save(quantize_weights(model, QuantizeConfig(accuracy_level=level)).model, path)
+            made[form, level] = path
+        made[form, "float"] = fused
+    return made
+
+
+def _prompt_logits(generator: Generator, prompt: list[int]) -> tuple[np.ndarray, int]:
+    iface = generator.interface
+    other = generator.prompt_runner.session if generator.prompt_runner else None
+    run = _BoundRuns(generator.runner.session, iface, 1, len(prompt) + 4, generator.device,
+                     other)
+    feeds = prompt_feeds([prompt], iface, 0)
+    return run(feeds, new=len(prompt), past=0), run.float_prompts
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("form", ["appended", "shared"])
+def test_a_long_prompt_runs_in_float_compute_and_the_steps_as_written(quantized, form):
+    long = list(np.random.default_rng(0).integers(3, 120, float_prompt.PROMPT_ROWS + 6))
+    with Generator(quantized[form, 1]) as level1:
+        assert level1.prompt_runner is None  # (already float compute)
+        want, _ = _prompt_logits(level1, long)
+    with Generator(quantized[form, 4], float_prompt=False) as level4:
+        as_written, _ = _prompt_logits(level4, long)
+        short = level4.generate([long[:20]], GenerationConfig(8, eos=())).sequences
+    with Generator(quantized[form, 4]) as generator:
+        got, floated = _prompt_logits(generator, long)
+        assert floated == 1
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert np.abs(got - as_written).max() > 1e-4  # (level 4: int8 activations)
+        # a short prompt and every step: the file as written
+        result = generator.generate([long[:20]], GenerationConfig(8, eos=()))
+        assert result.sequences == short and not result.notes
+        result = generator.generate([long], GenerationConfig(8, eos=()))
+        assert len(result.sequences[0]) == 8
+        assert any("float compute" in n for n in result.notes)
+
+
+@pytest.mark.models
+def test_only_a_quantized_file_gets_a_float_prompt_session(quantized, monkeypatch):
+    assert float_prompt.float_prompt(quantized["shared", "float"]) is None
+    assert float_prompt.float_prompt(quantized["shared", 1]) is None
+    monkeypatch.setattr(float_prompt, "SHARED_BYTES", 1)
+    made = float_prompt.float_prompt(quantized["shared", 4])
+    assert made is not None and made.levels == (4,)
+    model = onnx.ModelProto.FromString(made.model)
+    from mha_onnx.graph.walk import all_nodes
+
+    nodes = [n for n in all_nodes(model.graph) if n.op_type == "MatMulNBits"]
+    assert nodes and all(float_prompt._level(n) == 1 for n in nodes)
+    packed = {n.input[1] for n in nodes}
+    assert made.initializers and not packed & set(made.initializers)
+    assert "model.embed_tokens.weight" in made.initializers
