@@ -155,7 +155,7 @@ class Generator:
         if made is not None:
             self.prompt_runner = OrtRunner(made.model, provider, threads=threads,
                                            optimization=level, initializers=shared,
-                                           stop_spinning=True)
+                                           stop_spinning=True, external_data_dir=made.folder)
             self.prompt_runner.session  # noqa: B018 (made now, then the bytes let go)
             self.prompt_runner.model = made.model = b""
         self.float_prompt = made

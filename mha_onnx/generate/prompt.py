@@ -32,10 +32,12 @@ _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 
 @dataclass
 class FloatPrompt:
-    """The model with its MatMulNBits at ``FLOAT_LEVEL`` (serialized), and the initializers
-    both sessions share (name -> OrtValue; ``arrays`` keeps their memory alive)."""
+    """The model with its MatMulNBits at ``FLOAT_LEVEL`` (serialized, its external data
+    still in ``folder``), and the initializers both sessions share (name -> OrtValue;
+    ``arrays`` keeps their memory alive)."""
 
     model: bytes
+    folder: Path
     initializers: dict[str, Any]
     arrays: list[np.ndarray]
     levels: tuple[int, ...]  # the file's accuracy levels
@@ -45,34 +47,41 @@ def _level(node: onnx.NodeProto) -> int:
     return next((int(a.i) for a in node.attribute if a.name == "accuracy_level"), 0)
 
 
+def _array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    if uses_external_data(tensor):  # (read into a copy: the model keeps its reference)
+        copy = onnx.TensorProto()
+        copy.CopyFrom(tensor)
+        load_external_data_for_tensor(copy, str(folder))
+        tensor = copy
+    return np.ascontiguousarray(numpy_helper.to_array(tensor))
+
+
 def float_prompt(path: str | Path) -> FloatPrompt | None:
     """For a file whose MatMulNBits compute in int8 (accuracy level 2 or more), its float
-    prompt session's model and shared initializers; None for any other file (or one too
-    large to hand ONNX Runtime in memory)."""
+    prompt session's model and shared initializers; None for any other file. The model is
+    read without its external data (ONNX Runtime reads that from the file's folder)."""
     import onnxruntime as ort
 
     from mha_onnx.graph.files import read_model
 
-    def quantized(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-        return [n for n in all_nodes(model.graph)
-                if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
-
-    if not any(_level(n) >= 2 for n in quantized(read_model(path, load_external_data=False))):
+    model = read_model(path, load_external_data=False)
+    nodes = [n for n in all_nodes(model.graph)
+             if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+    if not any(_level(n) >= 2 for n in nodes):
         return None
-    model = read_model(path)
-    levels = tuple(sorted({_level(n) for n in quantized(model)}))
-    packed = set()
-    for node in quantized(model):
-        packed.add(node.input[1])
+    levels = tuple(sorted({_level(n) for n in nodes}))
+    packed = {n.input[1] for n in nodes}
+    for node in nodes:
         for attr in node.attribute:
             if attr.name == "accuracy_level":
                 attr.i = FLOAT_LEVEL
-    if model.ByteSize() >= 2**31 - 2**24:  # (protobuf's limit, with room)
-        return None
+    folder = Path(path).resolve().parent
     arrays, shared = [], {}
     for tensor in model.graph.initializer:
         size = np.prod(tensor.dims, dtype=np.int64) * (4 if tensor.data_type == _FLOATS[0] else 2)
         if tensor.data_type in _FLOATS and tensor.name not in packed and size >= SHARED_BYTES:
-            arrays.append(np.ascontiguousarray(numpy_helper.to_array(tensor)))
+            arrays.append(_array(tensor, folder))
             shared[tensor.name] = ort.OrtValue.ortvalue_from_numpy(arrays[-1])
-    return FloatPrompt(model.SerializeToString(), shared, arrays, levels)
+    return FloatPrompt(model.SerializeToString(), folder, shared, arrays, levels)

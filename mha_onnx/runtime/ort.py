@@ -150,6 +150,7 @@ class OrtRunner(Runner):
         tf32: bool = False,
         initializers: Mapping[str, Any] | None = None,
         stop_spinning: bool = False,
+        external_data_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if provider not in PROVIDERS:
             raise ProviderError(
@@ -167,6 +168,7 @@ class OrtRunner(Runner):
         self.tf32 = tf32
         self.initializers = dict(initializers or {})  # name -> OrtValue (shared, not copied)
         self.stop_spinning = stop_spinning  # pool threads spin within a run, not after it
+        self.external_data_dir = external_data_dir  # a model in bytes: where its data lies
         self._session: Any = None
         self._quiet_run: Any = None
         self.info: SessionInfo | None = None
@@ -200,6 +202,10 @@ class OrtRunner(Runner):
             options.profile_file_prefix = str(Path(self.profile_dir) / "ort_profile")
         for name, value in self.initializers.items():
             options.add_initializer(name, value)
+        if self.external_data_dir is not None:
+            options.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path",
+                str(self.external_data_dir))
         return options
 
     def _create(self) -> Any:

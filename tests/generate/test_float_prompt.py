@@ -82,3 +82,23 @@ def test_only_a_quantized_file_gets_a_float_prompt_session(quantized, monkeypatc
     packed = {n.input[1] for n in nodes}
     assert made.initializers and not packed & set(made.initializers)
     assert "model.embed_tokens.weight" in made.initializers
+
+
+@pytest.mark.models
+def test_a_file_with_external_data_is_not_read_whole(quantized, tmp_path):
+    """Its data stays on disk for ONNX Runtime to read from the file's folder: the float
+    prompt's model is the graph alone, and generates what the same model inline does."""
+    path = tmp_path / "model.onnx"
+    onnx.save(onnx.load(quantized["shared", 4]), path, save_as_external_data=True,
+              location="model.onnx.data", size_threshold=256)
+    from onnx.external_data_helper import uses_external_data
+
+    made = float_prompt.float_prompt(path)
+    assert made is not None and made.folder == tmp_path.resolve()
+    inside = onnx.ModelProto.FromString(made.model).graph.initializer
+    assert all(uses_external_data(t) for t in inside if t.name.endswith("_Q4"))
+    long = [list(np.random.default_rng(1).integers(3, 120, float_prompt.PROMPT_ROWS + 2))]
+    settings = GenerationConfig(6, eos=())
+    with Generator(path) as outside, Generator(quantized["shared", 4]) as inline:
+        assert outside.generate(long, settings).sequences == \
+            inline.generate(long, settings).sequences
