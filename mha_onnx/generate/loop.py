@@ -151,13 +151,8 @@ class Generator:
         # the cores from the other's (a 128-token prompt 1.3x slower after steps, AMD EPYC)
         self.runner = OrtRunner(str(model), provider, threads=threads, optimization=level,
                                 initializers=shared, stop_spinning=made is not None)
-        self.prompt_runner = None
-        if made is not None:
-            self.prompt_runner = OrtRunner(made.model, provider, threads=threads,
-                                           optimization=level, initializers=shared,
-                                           stop_spinning=True, external_data_dir=made.folder)
-            self.prompt_runner.session  # noqa: B018 (made now, then the bytes let go)
-            self.prompt_runner.model = made.model = b""
+        self.prompt_runner: OrtRunner | None = None  # (made on the first long prompt)
+        self._threads, self._level = threads, level
         self.float_prompt = made
         self.device = device_of(provider)
 
@@ -165,6 +160,22 @@ class Generator:
         self.runner.close()
         if self.prompt_runner is not None:
             self.prompt_runner.close()
+
+    def _prompt_session(self, rows: int) -> Any:
+        """The float prompt's session (prompt.py) for a prompt of ``rows`` tokens, or None."""
+        from mha_onnx.runtime.ort import OrtRunner
+
+        made = self.float_prompt
+        if made is None or rows < PROMPT_ROWS:
+            return None
+        if self.prompt_runner is None:
+            self.prompt_runner = OrtRunner(made.model, "cpu", threads=self._threads,
+                                           optimization=self._level,
+                                           initializers=made.initializers,
+                                           stop_spinning=True, external_data_dir=made.folder)
+            self.prompt_runner.session  # noqa: B018 (made now, then the bytes let go)
+            self.prompt_runner.model = made.model = b""
+        return self.prompt_runner.session
 
     def __enter__(self) -> Generator:
         return self
@@ -208,10 +219,10 @@ class Generator:
         eos = iface.tokens.eos if config.eos is None else tuple(config.eos)
         pad = iface.tokens.pad if iface.tokens.pad is not None else (eos[0] if eos else 0)
         rng = np.random.default_rng(config.sampling.seed)
-        run = _BoundRuns(self.runner.session, iface, len(prompts), capacity, self.device,
-                         self.prompt_runner.session if self.prompt_runner else None)
-        started = time.perf_counter()
         feeds = prompt_feeds(prompts, iface, pad)
+        run = _BoundRuns(self.runner.session, iface, len(prompts), capacity, self.device,
+                         self._prompt_session(feeds[IDS].shape[1]))
+        started = time.perf_counter()
         logits = run(feeds, new=feeds[IDS].shape[1], past=0)
         token = next_tokens(logits, config.sampling, rng)
         first = time.perf_counter()

@@ -37,9 +37,8 @@ def quantized(tmp_path_factory):
 
 def _prompt_logits(generator: Generator, prompt: list[int]) -> tuple[np.ndarray, int]:
     iface = generator.interface
-    other = generator.prompt_runner.session if generator.prompt_runner else None
     run = _BoundRuns(generator.runner.session, iface, 1, len(prompt) + 4, generator.device,
-                     other)
+                     generator._prompt_session(len(prompt)))
     feeds = prompt_feeds([prompt], iface, 0)
     return run(feeds, new=len(prompt), past=0), run.float_prompts
 
@@ -49,12 +48,14 @@ def _prompt_logits(generator: Generator, prompt: list[int]) -> tuple[np.ndarray,
 def test_a_long_prompt_runs_in_float_compute_and_the_steps_as_written(quantized, form):
     long = list(np.random.default_rng(0).integers(3, 120, float_prompt.PROMPT_ROWS + 6))
     with Generator(quantized[form, 1]) as level1:
-        assert level1.prompt_runner is None  # (already float compute)
+        assert level1.float_prompt is None  # (already float compute)
         want, _ = _prompt_logits(level1, long)
     with Generator(quantized[form, 4], float_prompt=False) as level4:
         as_written, _ = _prompt_logits(level4, long)
         short = level4.generate([long[:20]], GenerationConfig(8, eos=())).sequences
     with Generator(quantized[form, 4]) as generator:
+        generator.generate([long[:20]], GenerationConfig(2, eos=()))
+        assert generator.prompt_runner is None  # (made for the first long prompt only)
         got, floated = _prompt_logits(generator, long)
         assert floated == 1
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
