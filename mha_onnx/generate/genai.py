@@ -54,16 +54,15 @@ class GenAiFolder:
 
 
 def _names(pairs: tuple[tuple[str, str], ...]) -> dict[str, str] | None:
-    """GenAI's %d templates of the cache names, where every layer follows one."""
-    templates: dict[str, str] = {}
-    for n in range(len(pairs) // 2):
-        for kind, (past, present) in zip(("key", "value"), pairs[2 * n:2 * n + 2], strict=True):
-            want = (f"past_key_values.{n}.{kind}", f"present.{n}.{kind}")
-            if (past, present) != want:
-                return None
-            templates[f"past_{kind}_names"] = f"past_key_values.%d.{kind}"
-            templates[f"present_{kind}_names"] = f"present.%d.{kind}"
-    return templates
+    """GenAI's %d templates of the cache names, where every layer follows one (in any
+    order)."""
+    layers = len(pairs) // 2
+    want = {(f"past_key_values.{n}.{kind}", f"present.{n}.{kind}")
+            for n in range(layers) for kind in ("key", "value")}
+    if len(pairs) % 2 or set(pairs) != want:
+        return None
+    return {f"{side}_{kind}_names": f"{prefix}.%d.{kind}" for kind in ("key", "value")
+            for side, prefix in (("past", "past_key_values"), ("present", "present"))}
 
 
 def genai_config(iface: DecoderInterface, filename: str, record: dict[str, Any]) -> dict:

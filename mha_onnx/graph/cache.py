@@ -31,7 +31,10 @@ def cache_pairs(model: onnx.ModelProto) -> dict[str, str]:
 
     recorded = metadata.loaded(model, "kv_cache")
     if recorded is not None and isinstance(recorded.get("pairs"), dict):
-        return dict(recorded["pairs"])
+        # in the inputs' order (the record's JSON sorts its keys: layer 10 before layer 2)
+        order = {value.name: n for n, value in enumerate(model.graph.input)}
+        return dict(sorted(recorded["pairs"].items(),
+                           key=lambda pair: order.get(pair[0], len(order))))
     outputs = {o.name for o in model.graph.output}
     pairs = _appended_outputs(model)
     for value in model.graph.input:

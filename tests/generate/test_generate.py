@@ -113,6 +113,35 @@ def test_each_layers_cache_has_its_own_heads():
         genai_config(iface, "model.onnx", {})
 
 
+def test_a_decoder_of_more_than_ten_layers_keeps_its_layer_order_and_gets_genai_names():
+    """fuse records the cache pairs as JSON with sorted keys (layer 10 before layer 2): read
+    back in the inputs' order, and GenAI's name templates written (a 16-layer Llama fused
+    got no genai_config.json: "cache names other than past_key_values.N.key/value")."""
+    from onnx import TensorProto, helper
+
+    from mha_onnx.generate.genai import _names
+    from mha_onnx.graph import metadata
+
+    def cache(name):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 2, "len", 16])
+
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])
+    names = [f"past_key_values.{i}.{kind}" for i in range(12) for kind in ("key", "value")]
+    logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", 99])
+    outputs = [cache(n.replace("past_key_values", "present")) for n in names]
+    model = helper.make_model(helper.make_graph([], "decoder", [ids, *map(cache, names)],
+                                                [logits, *outputs]))
+    metadata.write(model, {"kv_cache": {"form": "appended", "pairs": {
+        n: n.replace("past_key_values", "present") for n in names}}})
+    recorded = list(json.loads(metadata.read(model)["kv_cache"])["pairs"])
+    assert recorded[4] == "past_key_values.10.key"  # (the record's order)
+    iface = read_interface(model)
+    assert [p for p, _ in iface.pasts] == names
+    assert _names(iface.pasts)["past_key_names"] == "past_key_values.%d.key"
+    assert _names(iface.pasts[::-1])["present_value_names"] == "present.%d.value"
+    assert _names(iface.pasts[1:]) is None  # (a layer's key missing)
+
+
 @pytest.mark.parametrize("family", ["bert", "t5"])
 def test_a_model_that_is_not_a_token_decoder_is_refused(family):
     path = sorted((FIXTURES / family).glob("*.onnx"))[-1]
