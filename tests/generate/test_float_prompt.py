@@ -103,3 +103,23 @@ def test_a_file_with_external_data_is_not_read_whole(quantized, tmp_path):
     with Generator(path) as outside, Generator(quantized["shared", 4]) as inline:
         assert outside.generate(long, settings).sequences == \
             inline.generate(long, settings).sequences
+
+
+@pytest.mark.models
+def test_the_cli_says_when_the_prompt_ran_in_float_compute_and_can_run_it_as_written(
+        quantized, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from mha_onnx.cli import main
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([list(range(3, 3 + float_prompt.PROMPT_ROWS))]))
+    args = ["generate", str(quantized["shared", 4]), "--prompts", str(prompts),
+            "--max-new-tokens", "4", "--json"]
+    for extra, floated in (([], True), (["--prompt-as-written"], False)):
+        result = CliRunner().invoke(main, args + extra)
+        assert result.exit_code == 0, result.output
+        notes = json.loads(result.output)["notes"]
+        assert any("float compute" in n for n in notes) == floated, notes
