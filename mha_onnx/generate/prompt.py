@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from mha_onnx.graph.walk import all_nodes
+from mha_onnx.graph.walk import all_nodes, attr
 
 PROMPT_ROWS = 64  # prompts this long and longer run in float compute
 FLOAT_LEVEL = 1
@@ -41,10 +41,6 @@ class FloatPrompt:
     initializers: dict[str, Any]
     arrays: list[np.ndarray]
     levels: tuple[int, ...]  # the file's accuracy levels
-
-
-def _level(node: onnx.NodeProto) -> int:
-    return next((int(a.i) for a in node.attribute if a.name == "accuracy_level"), 0)
 
 
 def _array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
@@ -69,14 +65,14 @@ def float_prompt(path: str | Path) -> FloatPrompt | None:
     model = read_model(path, load_external_data=False)
     nodes = [n for n in all_nodes(model.graph)
              if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
-    if not any(_level(n) >= 2 for n in nodes):
+    if not any(attr(n, "accuracy_level", 0) >= 2 for n in nodes):
         return None
-    levels = tuple(sorted({_level(n) for n in nodes}))
+    levels = tuple(sorted({attr(n, "accuracy_level", 0) for n in nodes}))
     packed = {n.input[1] for n in nodes}
     for node in nodes:
-        for attr in node.attribute:
-            if attr.name == "accuracy_level":
-                attr.i = FLOAT_LEVEL
+        for attribute in node.attribute:
+            if attribute.name == "accuracy_level":
+                attribute.i = FLOAT_LEVEL
     folder = Path(path).resolve().parent
     arrays, shared = [], {}
     for tensor in model.graph.initializer:

@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.graph.inputs import InputSpec
+from mha_onnx.graph.walk import attr
 
 LENGTH_INPUT = "past_sequence_length"  # shared buffers: the cached positions (int64 scalar)
 MAX_LENGTH = "max_sequence_length"  # shared buffers: their length dim
@@ -52,7 +53,7 @@ def _appended_outputs(model: onnx.ModelProto) -> dict[str, str]:
     outputs = {o.name for o in model.graph.output}
     pairs = {}
     for node in model.graph.node:
-        axis = next((a.i for a in node.attribute if a.name == "axis"), None)
+        axis = attr(node, "axis")
         if node.op_type == "Concat" and len(node.input) == 2 and axis in (2, -2) \
                 and node.input[0] in rank4 and node.output[0] in outputs:
             pairs[node.input[0]] = node.output[0]

@@ -33,6 +33,7 @@ import onnx
 
 from mha_onnx.errors import InputSpecError
 from mha_onnx.graph.roles import consumers
+from mha_onnx.graph.walk import attr
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,7 @@ def _conv_weights(model: onnx.ModelProto) -> dict[str, tuple[int, int, int, int,
             for node, _ in uses_of.get(name, []):
                 if node.op_type == "Conv" and node.input[0] == name and node.input[1] in weights:
                     w = weights[node.input[1]].dims
-                    group = next((a.i for a in node.attribute if a.name == "group"), 1)
-                    strides = next((list(a.ints) for a in node.attribute
-                                    if a.name == "strides"), [1])
+                    group, strides = attr(node, "group", 1), attr(node, "strides", [1])
                     if len(w) == 4:
                         out[value.name] = (int(w[1]) * group, int(w[2]), int(w[3]), int(w[0]),
                                            int(strides[0]))
@@ -84,8 +83,7 @@ def _cache_dims(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
             return None
         if node.op_type == "MatMul" and node.input[1] in weights:
             return int(weights[node.input[1]].dims[-1])
-        return next((a.i for a in node.attribute if a.name == "N"), None) \
-            if node.op_type == "MatMulNBits" else None
+        return attr(node, "N") if node.op_type == "MatMulNBits" else None
 
     out = {}
     for node in model.graph.node:

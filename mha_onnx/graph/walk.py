@@ -7,6 +7,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import onnx
+from onnx import helper
+
+
+def attr(node: onnx.NodeProto, name: str, default=None):
+    """A node's attribute ``name`` as a Python value (int, float, list, tensor, graph), or
+    ``default`` when the node does not carry it."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return helper.get_attribute_value(attribute)
+    return default
 
 
 def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from mha_onnx.graph.walk import subgraphs
+from mha_onnx.graph.walk import attr, subgraphs
 from mha_onnx.runtime import make_runner
 from mha_onnx.stats import compare
 
@@ -212,7 +212,7 @@ class _Search:
         if cond is None or cond.size != 1:
             return None
         taken = "then_branch" if bool(cond.reshape(())) else "else_branch"
-        body = next(a.g for a in node.attribute if a.name == taken)
+        body = attr(node, taken)
         outer = _outer_names(body)
         missing = [n for n in outer if n not in self.values_a or n not in self.values_b]
         if missing:

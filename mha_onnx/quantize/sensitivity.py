@@ -22,16 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from mha_onnx.graph.walk import all_graphs, all_nodes
-
-
-def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
-    for attr in node.attribute:
-        if attr.name == name:
-            return int(attr.i)
-    if default is None:
-        raise ValueError(f"{node.op_type} {node.name!r} has no {name}")
-    return default
+from mha_onnx.graph.walk import all_graphs, all_nodes, attr
 
 
 def _codes(packed: np.ndarray, bits: int, rows: int) -> np.ndarray:
@@ -47,8 +38,8 @@ def dequantize(node: onnx.NodeProto, value: Callable[[str], np.ndarray]) -> np.n
     packed low-first) less their block's zero point (packed like the codes in bytes per row,
     or in the scales' type, or 2^(bits-1) when absent), times their block's scale; in the
     scales' type. ``value``: an input's array by name."""
-    k, n = _attr(node, "K"), _attr(node, "N")
-    bits, block = _attr(node, "bits", 4), _attr(node, "block_size")
+    k, n, block = (int(attr(node, name)) for name in ("K", "N", "block_size"))
+    bits = int(attr(node, "bits", 4))
     scales = value(node.input[2])
     blocks = -(-k // block)
     scale = scales.reshape(n, blocks).astype(np.float32)

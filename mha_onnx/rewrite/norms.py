@@ -19,7 +19,7 @@ import onnx.numpy_helper
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleSet, pattern
 
-from mha_onnx.graph.walk import all_graphs
+from mha_onnx.graph.walk import all_graphs, attr
 from mha_onnx.rewrite.irutil import MS_DOMAIN, const_array, const_scalar, dims
 
 
@@ -181,7 +181,7 @@ def _scalar(name: str, weights: dict[str, onnx.TensorProto],
     """The value of a one-element initializer or Constant, else None."""
     tensor = weights.get(name)
     if tensor is None and name in made and made[name].op_type == "Constant":
-        tensor = next((a.t for a in made[name].attribute if a.name == "value"), None)
+        tensor = attr(made[name], "value")
     array = onnx.numpy_helper.to_array(tensor) if tensor is not None else None
     return float(array.reshape(())) if array is not None and array.size == 1 else None
 

@@ -11,6 +11,7 @@ import pytest
 from mha_onnx.generate import GenerationConfig, Generator, prompt_feeds
 from mha_onnx.generate import prompt as float_prompt
 from mha_onnx.generate.loop import _BoundRuns
+from mha_onnx.graph.walk import attr
 from tests.paths import OPTIMUM
 
 
@@ -79,7 +80,7 @@ def test_only_a_quantized_file_gets_a_float_prompt_session(quantized, monkeypatc
     from mha_onnx.graph.walk import all_nodes
 
     nodes = [n for n in all_nodes(model.graph) if n.op_type == "MatMulNBits"]
-    assert nodes and all(float_prompt._level(n) == 1 for n in nodes)
+    assert nodes and all(attr(n, "accuracy_level") == 1 for n in nodes)
     packed = {n.input[1] for n in nodes}
     assert made.initializers and not packed & set(made.initializers)
     assert "model.embed_tokens.weight" in made.initializers

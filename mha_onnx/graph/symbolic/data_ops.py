@@ -10,7 +10,8 @@ import onnx
 import sympy
 from onnx import helper, numpy_helper
 
-from mha_onnx.graph.symbolic.facts import DATA_MAX, Facts, attr, axes_of, is_literal
+from mha_onnx.graph.symbolic.facts import DATA_MAX, Facts, axes_of, is_literal
+from mha_onnx.graph.walk import attr
 
 _BOOL = onnx.TensorProto.BOOL
 _INT64 = onnx.TensorProto.INT64

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import sympy
-from onnx import helper
 
 from mha_onnx.graph import expressions
+from mha_onnx.graph.walk import attr
 
 DATA_MAX = 64  # elements: larger integer tensors carry no value
 INTS = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16,
@@ -139,13 +139,6 @@ class Facts:
 
 def is_literal(dim) -> bool:
     return isinstance(dim, (int, np.integer)) or (isinstance(dim, sympy.Basic) and dim.is_Integer)
-
-
-def attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
 
 
 def axes_of(inf: Facts, node: onnx.NodeProto, position: int) -> list[int] | None:
