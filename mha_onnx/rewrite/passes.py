@@ -17,11 +17,9 @@ Tightening the rest of the layer, where a decode step's time goes once attention
 in order: RMS norms onto SimplifiedLayerNormalization and, for the CPU, residual Adds before
 a float32 LayerNormalization written as Sum (norms.py); the exporter's rotary folded into
 GroupQueryAttention, its Q/K/V projections packed into one MatMul (rotary.py, packing.py);
-a guard nested in a guard's fast branch merged into one condition (sink.py); every layer's
-guard computed once (tidy.py); what only a guarded branch reads moved into it, and what only
-every layer's general branch reads computed behind one If (sink.py); last, any other GQA's
-projections packed too (packing.py, after the sinking: a branch's own copies are what its
-kernel alone reads). A decode step of the bench's Optimum Llama runs 48 kernels (GenAI: 29).
+the guards (Guards, below); last, any other GQA's projections packed too (packing.py,
+after the sinking: a branch's own copies are what its kernel alone reads). What the guards
+still cost a decode step: tools/experiments/guard_cost.py.
 """
 
 from __future__ import annotations
@@ -84,6 +82,7 @@ class FuseRun:
     pairs: dict[str, str] = field(default_factory=dict)  # past -> present (LowerToOrt)
     rows: Any = None  # a shared cache's per-row layout (lower/shared.py), or None
     shared: int = 0  # how many layers share their cache buffers
+    from_shapes: bool = False  # their past length read from the shapes (Guards), no input
 
     @property
     def target(self) -> str:  # the lowering: "ort" or "onnx" (OpenVINO's is onnx's)
@@ -307,16 +306,20 @@ class FoldRotary(FusionPass):
 
 
 class Guards(FusionPass):
-    """The kernels' shape guards tidied (sink.py, tidy.py): a guard nested in a guard's fast
-    branch merged into one condition, every layer's guard computed once, what only a guarded
-    branch reads moved into it, what only the general branches read behind one If."""
+    """The guards tidied (sink.py, tidy.py): a shared cache's past length read from the shapes
+    (GenAI's contract) first, a guard nested in a guard's fast branch merged into one, every
+    layer's guard computed once, what only a guarded branch reads moved into it, what only the
+    general branches read (that length too) behind one If."""
 
     TARGETS = ("ort",)
 
     def apply(self, model: ir.Model) -> dict[str, int]:
+        run = self.run
+        run.from_shapes = bool(run.shared) and run.rows is not None and length_from_shapes(
+            model.graph, run.rows, set(run.pairs))
         merge_nested_guards(model.graph)
         share_guards(model)  # (also drops the readers the rewrites left)
-        sink_into_branches(model.graph, self.run.rotating.copyable(model.graph))
+        sink_into_branches(model.graph, run.rotating.copyable(model.graph))
         hoist_by_condition(model.graph)
         return {}
 
@@ -339,18 +342,15 @@ class PackKernelInputs(FusionPass):
 
 
 class RecordCache(FusionPass):
-    """The KV-cache record the fused model carries (which present is which past's, the
-    cache form, each buffer row's layout, where a shared cache's past length comes from),
-    and the note on sharing where ``kv_cache="shared"`` was asked for."""
+    """The KV-cache record the fused model carries (past -> present, the cache form, each
+    buffer row's layout, the past length's source) and the note on ``kv_cache="shared"``."""
 
     TARGETS = ("ort",)
     _note: str | None = None
 
     def apply(self, model: ir.Model) -> dict[str, int]:
         run = self.run
-        pairs, rows, shared = run.pairs, run.rows, run.shared
-        from_shapes = bool(shared) and rows is not None \
-            and length_from_shapes(model.graph, rows, set(pairs))
+        pairs, rows, shared, from_shapes = run.pairs, run.rows, run.shared, run.from_shapes
         self._note = shared_note(shared, run.chosen, rows, from_shapes) \
             if run.policy.kv_cache == "shared" else None
         if not pairs:
