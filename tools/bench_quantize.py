@@ -5,7 +5,8 @@ fusion and ORT GenAI's int4 graph of the same weights: size, prompt and decode s
     .venv-optimum/bin/python -m tools.bench_optimum make DIR [--layers N]
     .venv-genai/bin/python -m tools.bench_optimum genai DIR --precision int4
     .venv/bin/python -m tools.benchmark quantize DIR [--prompt 16,64,1024] [--context 1024]
-        [--threads 2] [--min-time 1] [--reverse] [--accuracy-levels 0,1] [--out FILE.md]
+        [--threads 2] [--min-time 1] [--reverse] [--accuracy-levels 0,1] [--spinning]
+        [--out FILE.md]
 
 The float model: the Optimum export fused with --kv-cache shared; ours: it quantized (int4
 block 32 symmetric accuracy level 4, as GenAI's CPU default; int8 the same); GenAI's graph
@@ -83,7 +84,8 @@ def timing_rows(models: dict[str, Path], args) -> list[tuple]:
     from mha_onnx.runtime.ort import OrtRunner
     from tools.bench_optimum_run import _feeds, _step, _time
 
-    runners = {k: OrtRunner(v, threads=args.threads, spinning=False) for k, v in models.items()}
+    runners = {k: OrtRunner(v, threads=args.threads, spinning=args.spinning,
+                            stop_spinning=args.spinning) for k, v in models.items()}
     order = list(runners)[::-1] if args.reverse else list(runners)  # (the order they are made)
     times = {}
     phases = [(f"prompt {n}", n, 0) for n in args.prompt] + [("decode", 1, args.context)]
@@ -149,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of timing: each graph's decode step under ORT's profiler")
     parser.add_argument("--reverse", action="store_true",
                         help="make the sessions in the reverse order of the table")
+    parser.add_argument("--spinning", action="store_true",
+                        help="thread pools spin within a run and stop after it (ORT's default "
+                             "within a run, as generate runs); else they sleep")
     args = parser.parse_args(argv)
     suite.quiet()
     models = graphs(args.folder, args.accuracy_levels)
@@ -158,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     timed = timing_rows(models, args)
     accurate = accuracy_rows(models)
     command = suite.command("quantize", argv)
-    lines = [suite.measured(command, f"batch 1, {args.threads} threads, timed in turn in one "
-                                     "process" + (", sessions made in reverse order"
-                                                  if args.reverse else "")), "",
+    pools = ", pools spinning within a run" if args.spinning else ", pools sleeping"
+    lines = [suite.measured(command, f"batch 1, {args.threads} threads{pools}, timed in turn "
+                                     "in one process" + (", sessions made in reverse order"
+                                                         if args.reverse else "")), "",
              "| graph | MB | size | " + "".join(f"prompt {n} ms | ratio | " for n in args.prompt)
              + f"decode step, context {args.context} ms | ratio |",
              "|---" * (5 + 2 * len(args.prompt)) + "|"]
