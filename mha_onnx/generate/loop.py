@@ -145,7 +145,7 @@ class Generator:
         self.path = Path(model)
         self.interface = interface or read_interface(proto, model)
         level = session_options(proto).get("optimization", "all")
-        made = floated(model) if provider == "cpu" and float_prompt else None
+        made = floated(model, proto) if provider == "cpu" and float_prompt else None
         shared = made.initializers if made else {}
         # with a second session, neither's pool threads spin past its runs: they would take
         # the cores from the other's (a 128-token prompt 1.3x slower after steps, AMD EPYC)

@@ -54,20 +54,28 @@ def _array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
     return np.ascontiguousarray(numpy_helper.to_array(tensor))
 
 
-def float_prompt(path: str | Path) -> FloatPrompt | None:
+def _quantized(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in all_nodes(model.graph)
+            if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+
+
+def float_prompt(path: str | Path, read: onnx.ModelProto | None = None) -> FloatPrompt | None:
     """For a file whose MatMulNBits compute in int8 (accuracy level 2 or more), its float
     prompt session's model and shared initializers; None for any other file. The model is
-    read without its external data (ONNX Runtime reads that from the file's folder)."""
+    read without its external data (ONNX Runtime reads that from the file's folder);
+    ``read``: the file as the caller already read it so (copied here, not changed)."""
     import onnxruntime as ort
 
     from mha_onnx.graph.files import read_model
 
-    model = read_model(path, load_external_data=False)
-    nodes = [n for n in all_nodes(model.graph)
-             if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
-    if not any(attr(n, "accuracy_level", 0) >= 2 for n in nodes):
+    model = read if read is not None else read_model(path, load_external_data=False)
+    levels = tuple(sorted({attr(n, "accuracy_level", 0) for n in _quantized(model)}))
+    if not levels or levels[-1] < 2:
         return None
-    levels = tuple(sorted({attr(n, "accuracy_level", 0) for n in nodes}))
+    if read is not None:
+        model = onnx.ModelProto()
+        model.CopyFrom(read)
+    nodes = _quantized(model)
     packed = {n.input[1] for n in nodes}
     for node in nodes:
         for attribute in node.attribute:
