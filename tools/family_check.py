@@ -1,9 +1,13 @@
 """Families newer than the test library, through `mha-onnx export --model` as a user runs it:
 each a tiny random-weight `save_pretrained` folder (nothing downloaded), exported in float32
 and float16 (torch.export, fused, validated against PyTorch), one row per run with the exit
-code and what fuse made of the blocks, or the one-line reason it stopped.
+code and what fuse made of the blocks, or the one-line reason it stopped. With ``--tokens N``
+a decoder's file then generates N greedy tokens (mha_onnx.generate, no EOS stop) for a batch
+of two prompts of different lengths, compared with transformers' greedy generate of the
+float32 model on the same prompts, left-padded into one batch.
 
     .venv/bin/python -m tools.family_check OUT_DIR [--only a,b] [--dtypes float32,float16]
+        [--kv-cache appended|shared] [--tokens 16]
 
 Writes OUT_DIR/families.md (and a folder and a log per family); exit 0 whatever the rows say
 (it is a survey: read the table).
@@ -21,6 +25,8 @@ from pathlib import Path
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 TEXT = dict(vocab_size=99, max_position_embeddings=128, **SMALL)
 GROUPED = dict(num_key_value_heads=2, **TEXT)
+WIDE = dict(initializer_range=0.2, **GROUPED)
+TEXT_WIDE = dict(initializer_range=0.2, **TEXT)
 AUDIO = dict(conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
              num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, **SMALL)
 SEQ2SEQ = dict(vocab_size=99, d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=64,
@@ -49,6 +55,32 @@ def families() -> dict[str, Callable]:
         "apertus": model("ApertusForCausalLM", "ApertusConfig", **GROUPED),
         "bitnet": model("BitNetForCausalLM", "BitNetConfig", **GROUPED),
         "helium": model("HeliumForCausalLM", "HeliumConfig", head_dim=8, **GROUPED),
+        # decoders first tried 2026-12-04 (with --tokens); logits far apart (initializer
+        # range 0.2) so that tokens are decided by the model, not by float noise at a near-tie
+        "starcoder2": model("Starcoder2ForCausalLM", "Starcoder2Config", sliding_window=64,
+                            **WIDE),
+        "exaone4": model("Exaone4ForCausalLM", "Exaone4Config", sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"], **WIDE),
+        "vaultgemma": model("VaultGemmaForCausalLM", "VaultGemmaConfig", head_dim=8, **WIDE),
+        "persimmon": model("PersimmonForCausalLM", "PersimmonConfig", **TEXT_WIDE),
+        "biogpt": model("BioGptForCausalLM", "BioGptConfig", **TEXT_WIDE),
+        "xglm": model("XGLMForCausalLM", "XGLMConfig", vocab_size=99, d_model=32, num_layers=2,
+                      attention_heads=4, ffn_dim=64, max_position_embeddings=128,
+                      init_std=0.2),
+        "nanochat": model("NanoChatForCausalLM", "NanoChatConfig", **WIDE),
+        "mixtral": model("MixtralForCausalLM", "MixtralConfig", num_local_experts=4,
+                         num_experts_per_tok=2, **WIDE),
+        "olmoe": model("OlmoeForCausalLM", "OlmoeConfig", num_experts=4, num_experts_per_tok=2,
+                       **WIDE),
+        "qwen2_moe": model("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=64, **WIDE),
+        "granitemoe": model("GraniteMoeForCausalLM", "GraniteMoeConfig", num_local_experts=4,
+                            num_experts_per_tok=2, **WIDE),
+        "jetmoe": model("JetMoeForCausalLM", "JetMoeConfig", vocab_size=99, hidden_size=32,
+                        num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+                        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=128, initializer_range=0.2),
         "albert": model("AlbertModel", "AlbertConfig", embedding_size=32, **TEXT),
         "distilbert": model("DistilBertModel", "DistilBertConfig", vocab_size=99, dim=32,
                             n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=128),
@@ -67,19 +99,51 @@ def families() -> dict[str, Callable]:
     }
 
 
-def _row(name: str, dtype: str, folder: Path, out: Path) -> str:
-    log = out / f"{name}.{dtype}.log"
+def _row(name: str, dtype: str, folder: Path, out: Path, args: argparse.Namespace,
+         decoder: bool) -> str:
+    log, path = out / f"{name}.{dtype}.log", out / f"{name}.{dtype}" / "model.onnx"
     started = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "mha_onnx.cli", "export", "--model", str(folder),
-                          "-o", str(out / f"{name}.{dtype}.onnx"), "--dtype", dtype, "--force"],
-                         capture_output=True, text=True)
+                          "-o", str(path), "--dtype", dtype, "--force",
+                          "--kv-cache", args.kv_cache], capture_output=True, text=True)
     log.write_text(run.stdout + run.stderr)
     lines = (run.stdout + run.stderr).splitlines()
     said = [line.strip() for line in lines if line.lstrip().startswith(("fused:", "validated",
                                                                           "error:"))]
-    text = " / ".join(said).replace("|", "\\|")
-    return (f"| {name} | {dtype} | {run.returncode} | {time.perf_counter() - started:.0f} s "
-            f"| {text[:400]} |")
+    text = " / ".join(said).replace("|", "\\|")[:400]
+    if args.tokens and run.returncode == 0 and decoder:
+        text += f" / tokens: {_tokens(folder, path, args.tokens)}"
+    return f"| {name} | {dtype} | {run.returncode} | {time.perf_counter() - started:.0f} s | {text} |"
+
+
+def _tokens(folder: Path, path: Path, new: int) -> str:
+    """Our greedy tokens for two prompts (7 and 12 tokens) against transformers' (float32,
+    the batch left-padded), neither stopping at an EOS: 'equal' or where they first differ."""
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    from mha_onnx.generate import GenerationConfig, Generator
+
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, vocab - 1, n).tolist() for n in (7, 12)]
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                              max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    want = want[:, longest:].tolist()
+    with Generator(path) as generator:
+        got = [list(s) for s in generator.generate(prompts, GenerationConfig(new, eos=())).sequences]
+    for row, (a, b) in enumerate(zip(got, want, strict=True)):
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if at is not None:
+            return f"row {row} differs at token {at} of {new}"
+    return f"{new} x 2 equal"
 
 
 def main() -> int:
@@ -87,6 +151,8 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--only", default="")
     parser.add_argument("--dtypes", default="float32,float16")
+    parser.add_argument("--kv-cache", default="appended", choices=("appended", "shared"))
+    parser.add_argument("--tokens", type=int, default=0, help="greedy tokens to compare")
     args = parser.parse_args()
     import torch
 
@@ -97,9 +163,11 @@ def main() -> int:
     for name in names:
         folder = args.out / name
         torch.manual_seed(0)
-        made[name]().save_pretrained(folder)
+        model = made[name]()
+        model.save_pretrained(folder)
+        decoder = type(model).__name__.endswith("ForCausalLM")
         for dtype in args.dtypes.split(","):
-            rows.append(_row(name, dtype, folder, args.out))
+            rows.append(_row(name, dtype, folder, args.out, args, decoder))
             print(rows[-1], flush=True)
     command = "python -m tools.family_check " + " ".join(sys.argv[1:])
     (args.out / "families.md").write_text(f"`{command}`\n\n" + "\n".join(rows) + "\n")

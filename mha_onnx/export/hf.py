@@ -347,7 +347,7 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
         shared = cfg.kv_cache == "shared" and part != "encoder"
         report = fuse_file(exported, final, force=True,
                            policy=FormPolicy(kv_cache="shared" if shared else "appended"))
-        fused = "; ".join(f"{b.form}" for b in report.blocks) or "no attention block"
+        fused = "; ".join(b.said() for b in report.blocks) or "no attention block"
     cached = "with-past" in task and part != "encoder"
     progress("validate against PyTorch" + (" (16 decode steps)" if cached else ""))
     validation = validate_model(final, ValidateConfig(memory_check=False))

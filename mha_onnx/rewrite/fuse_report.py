@@ -24,6 +24,13 @@ class BlockResult:
     meaning: str = ""  # the block as understood, e.g. "causal + key padding, 8 q / 2 kv heads"
     details: dict[str, Any] = field(default_factory=dict)
 
+    def said(self) -> str:
+        """One line: the form it was fused into, else the block, its status and the reason
+        (``export --model``'s "fused:" line)."""
+        if self.status == "fused" and self.form:
+            return self.form
+        return f"{self.block} {self.status}" + (f" ({self.reason})" if self.reason else "")
+
     def to_dict(self) -> dict[str, Any]:
         return {"block": self.block, "status": self.status, "form": self.form,
                 "mask": self.mask, "meaning": self.meaning, "reason": self.reason,

@@ -284,13 +284,16 @@ def test_rules_do_not_fire_and_say_why(kwargs, reason):
     assert [r.status for r in results] == ["left"]
     assert reason in results[0].reason
     assert "Softmax" in ops(fused)
+    # export --model's "fused:" line names the block left and why (it printed nothing here)
+    said = results[0].said()
+    assert said.startswith(f"{results[0].block} left (") and reason in said
 
 
 def test_unknown_op_between_qk_and_softmax_is_reported():
     fused, results, _ = fuse_model(_attention(between="Relu"))
     assert results[0].status == "left" and "Relu between" in results[0].reason
     _, results, _ = fuse_model(_attention(between="Identity"))  # optimised away: fine
-    assert results[0].status == "fused"
+    assert results[0].status == "fused" and results[0].said() == results[0].form != ""
 
 
 def test_no_attention_model_is_copied_with_a_note(tmp_path):
