@@ -75,3 +75,37 @@ def decode_chains(runtimes: Mapping[str, object], specs: Sequence[InputSpec],
 def has_padding_mask(specs: Sequence[InputSpec]) -> bool:
     """Does the model take a [B, T] padding mask (so that padded and unpadded chains differ)?"""
     return any(spec.role == "mask" and len(spec.dims) == 2 for spec in specs)
+
+
+def blank_padded(outputs: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray], specs,
+                  out_dims, presents: set[str]) -> dict[str, np.ndarray]:
+    """Outputs of a KV-cache decoder's run with the positions its [B, past + new] padding
+    mask pads set to 0: what a model computes there is never read (the mask hides those keys
+    from every later query, and no token is taken from a padded position), and runtimes
+    differ there (a padded query of a left-padded prompt has no key to attend to, nor one
+    whose sliding window holds only padding). Axes are matched by the mask's dim name, or by
+    the new tokens' (the mask's last columns: a prompt's all of them); a present's sequence
+    axis is its third (a shared cache's buffers are named otherwise)."""
+    mask_spec = next((s for s in specs if s.role == "mask" and len(s.dims) == 2), None)
+    if mask_spec is None or mask_spec.name not in feeds:
+        return dict(outputs)
+    mask = np.asarray(feeds[mask_spec.name])
+    keep = ~mask if mask.dtype == np.bool_ else mask != 0  # bool masks here mark the padded
+    if keep.all():
+        return dict(outputs)
+    names = {mask_spec.dims[1]} | {s.dims[1] for s in specs if s.role != "mask"
+                                    and len(s.dims) == 2 and isinstance(s.dims[1], str)}
+    out = {}
+    for name, value in outputs.items():
+        dims_ = out_dims.get(name, [])
+        axis = next((a for a, d in enumerate(dims_) if 0 < a < value.ndim and (
+            d in names or (name in presents and a == 2)) and (value.shape[a] == keep.shape[1] or (
+                d != mask_spec.dims[1] and 0 < value.shape[a] < keep.shape[1]))), None)
+        if axis is None or value.shape[0] != keep.shape[0]:
+            out[name] = value
+            continue
+        kept = keep[:, keep.shape[1] - value.shape[axis]:]  # all, or the new tokens' columns
+        shape = [keep.shape[0]] + [1] * (value.ndim - 1)
+        shape[axis] = kept.shape[1]
+        out[name] = np.where(kept.reshape(shape), value, np.zeros((), value.dtype))
+    return out

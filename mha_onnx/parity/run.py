@@ -30,7 +30,7 @@ from mha_onnx.graph.inputs import (
 from mha_onnx.graph.metadata import CheckResult, session_options
 from mha_onnx.parity.bisect import after_failure
 from mha_onnx.parity.config import ValidateConfig
-from mha_onnx.parity.decode import PROMPT, decode_chains, has_padding_mask
+from mha_onnx.parity.decode import PROMPT, blank_padded, decode_chains, has_padding_mask
 from mha_onnx.parity.golden import (
     GoldenReference,
     GoldenRun,
@@ -146,7 +146,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
                    for p, r in runners.items()}
     try:
         comparisons, masked, saved = _compare_runs(model, specs, runs, references, ref_specs,
-                                                   runners, config)
+                                                   runners, config, set(pairs.values()))
         kernels: list[str] = []
         if pairs and golden is None and not config.inputs and config.decode_steps > 0:
             decoded, kernels = _decode(str(path), model, specs, pairs, references, runners,
@@ -250,7 +250,7 @@ def _decode(path, model, specs, pairs, references, runners, config: ValidateConf
         if "cpu" in runners:
             probes += _probe_feeds(prefix, steps, pairs)
         for label, results, fresh in steps:
-            results = {k: _blank_padded(v, fresh, specs, out_dims, set(pairs.values()))
+            results = {k: blank_padded(v, fresh, specs, out_dims, set(pairs.values()))
                        for k, v in results.items()}
             wants = {k.split(":", 1)[1]: v for k, v in results.items()
                      if k.startswith("reference:")}
@@ -278,40 +278,11 @@ def _probe_feeds(prefix: str, steps, pairs) -> list[tuple[str, dict]]:
     return out
 
 
-def _blank_padded(outputs: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray], specs,
-                  out_dims, presents: set[str]) -> dict[str, np.ndarray]:
-    """Outputs of a decode step with the positions its [B, past + new] padding mask pads set
-    to 0: what a model computes there is never read (the mask hides those keys from every
-    later query, and no token is taken from a padded position), and runtimes differ there
-    (a padded query of a left-padded prompt has no key to attend to). Axes are matched by
-    the mask's dim name, or (a prompt, no past) by the new tokens' when the lengths agree;
-    a present's sequence axis is its third (a shared cache's buffers are named otherwise)."""
-    mask_spec = next((s for s in specs if s.role == "mask" and len(s.dims) == 2), None)
-    if mask_spec is None or mask_spec.name not in feeds:
-        return dict(outputs)
-    mask = np.asarray(feeds[mask_spec.name])
-    keep = ~mask if mask.dtype == np.bool_ else mask != 0  # bool masks here mark the padded
-    if keep.all():
-        return dict(outputs)
-    names = {mask_spec.dims[1]} | {s.dims[1] for s in specs if s.role != "mask"
-                                    and len(s.dims) == 2 and isinstance(s.dims[1], str)}
-    out = {}
-    for name, value in outputs.items():
-        dims_ = out_dims.get(name, [])
-        axes = [a for a, d in enumerate(dims_) if a > 0 and (d in names or (
-                name in presents and a == 2)) and a < value.ndim and value.shape[a] == keep.shape[1]]
-        if not axes or value.shape[0] != keep.shape[0]:
-            out[name] = value
-            continue
-        shape = [keep.shape[0]] + [1] * (value.ndim - 1)
-        shape[axes[0]] = keep.shape[1]
-        out[name] = np.where(keep.reshape(shape), value, np.zeros((), value.dtype))
-    return out
-
-
-def _compare_runs(model, specs, runs, references, ref_specs, runners, config: ValidateConfig):
+def _compare_runs(model, specs, runs, references, ref_specs, runners, config: ValidateConfig,
+                  presents: set[str]):
     """Every run on every provider against every reference; the first provider's outputs
-    are kept for a golden file."""
+    are kept for a golden file. A KV-cache decoder's (``presents``: its present outputs)
+    positions that its mask pads are left out (decode.blank_padded), as in its decode chains."""
     out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
                 for o in model.graph.output}
     comparisons: list[Comparison] = []
@@ -322,11 +293,14 @@ def _compare_runs(model, specs, runs, references, ref_specs, runners, config: Va
                  for key, ref in references.items()}
         gots = {p: r.infer(feeds) for p, r in runners.items()}
         special = _fully_masked(specs, feeds)
-        comparisons += _compare_case(case, gots, wants, special, out_dims, config)
         if special is not None:
             masked += _masked_rows(case, gots, wants, special, out_dims)
         if gots:
             saved.append(GoldenRun(case.describe(), feeds, next(iter(gots.values()))))
+        if presents:
+            gots, wants = ({k: blank_padded(v, feeds, specs, out_dims, presents)
+                            for k, v in outs.items()} for outs in (gots, wants))
+        comparisons += _compare_case(case, gots, wants, special, out_dims, config)
     return comparisons, masked, saved
 
 

@@ -129,3 +129,37 @@ def test_model_without_metadata_needs_a_reference(tmp_path, pair):
 def test_unknown_provider_is_a_usage_error(pair):
     result = cli("validate", pair[1], "--providers", "cpu,tpu")
     assert result.exit_code == 2 and "unknown execution provider 'tpu'" in result.output
+
+
+def test_a_decoders_padded_positions_are_left_out_also_after_a_past():
+    """What a KV-cache decoder computes at a position its mask pads is never read, and
+    runtimes differ there (a padded query whose sliding window holds only padding: Gemma 3
+    with a window of 8 failed `export --model` at 16 new tokens after 32): the logits of the
+    new tokens are blanked at the mask's last columns, a present's along all of them, every
+    kept position left as it was."""
+    from mha_onnx.graph.inputs import InputSpec
+    from mha_onnx.parity.decode import blank_padded
+
+    specs = [InputSpec("input_ids", np.dtype(np.int64), ("batch", "sequence_length"), "ids"),
+             InputSpec("attention_mask", np.dtype(np.int64), ("batch", "total"), "mask")]
+    out_dims = {"logits": ["batch", "sequence_length", 5],
+                "present.0.key": ["batch", 2, "total", 4]}
+    mask = np.ones((2, 7), np.int64)
+    mask[1, 4:] = 0  # row 1: its three new tokens (after a past of 4) padded
+    mask[0, 0] = 0  # row 0: its first past position padded
+    rng = np.random.default_rng(0)
+    outputs = {"logits": rng.standard_normal((2, 3, 5)).astype(np.float32),  # 3 new after 4
+               "present.0.key": rng.standard_normal((2, 2, 7, 4)).astype(np.float32)}
+    got = blank_padded(outputs, {"attention_mask": mask}, specs, out_dims, {"present.0.key"})
+    new = mask[:, 4:] != 0
+    for b in range(2):
+        for t in range(3):
+            want = outputs["logits"][b, t] if new[b, t] else 0
+            np.testing.assert_array_equal(got["logits"][b, t], want)
+        for t in range(7):
+            want = outputs["present.0.key"][b, :, t] if mask[b, t] else 0
+            np.testing.assert_array_equal(got["present.0.key"][b, :, t], want)
+    assert (got["logits"] == 0).sum() == 3 * 5 and (got["present.0.key"] == 0).sum() == 4 * 2 * 4
+    same = blank_padded(outputs, {"attention_mask": np.ones((2, 7), np.int64)}, specs, out_dims,
+                        {"present.0.key"})
+    assert all(same[k] is outputs[k] for k in outputs)  # nothing padded: nothing changed
