@@ -1,6 +1,8 @@
 """Decoding with a KV cache as production runs it: a prompt (no past), then single-token
 steps, each runtime feeding its own ``present`` outputs back as the next ``past`` inputs;
-every step of every runtime compared with every reference's own chain."""
+every step of every runtime compared with every reference's own chain; and what a run
+of a KV-cache decoder computes at the positions its mask pads, left out of every comparison
+(blank_padded: never read, and runtimes differ there)."""
 
 from __future__ import annotations
 
