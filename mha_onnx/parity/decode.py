@@ -97,12 +97,17 @@ def blank_padded(outputs: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarr
         return dict(outputs)
     names = {mask_spec.dims[1]} | {s.dims[1] for s in specs if s.role != "mask"
                                     and len(s.dims) == 2 and isinstance(s.dims[1], str)}
+    def positions(a: int, dim, name: str, size: int) -> bool:
+        """Is axis ``a`` (``dim``, ``size`` long) of output ``name`` over the mask's
+        positions: all of them, or (a dim of the new tokens) its last ``size``?"""
+        if a == 0 or not (dim in names or (name in presents and a == 2)):
+            return False
+        return size == keep.shape[1] or (dim != mask_spec.dims[1] and 0 < size < keep.shape[1])
+
     out = {}
     for name, value in outputs.items():
-        dims_ = out_dims.get(name, [])
-        axis = next((a for a, d in enumerate(dims_) if 0 < a < value.ndim and (
-            d in names or (name in presents and a == 2)) and (value.shape[a] == keep.shape[1] or (
-                d != mask_spec.dims[1] and 0 < value.shape[a] < keep.shape[1]))), None)
+        axis = next((a for a, d in enumerate(out_dims.get(name, [])[:value.ndim])
+                     if positions(a, d, name, value.shape[a])), None)
         if axis is None or value.shape[0] != keep.shape[0]:
             out[name] = value
             continue
