@@ -3,8 +3,9 @@ each a tiny random-weight `save_pretrained` folder (nothing downloaded), exporte
 and float16 (torch.export, fused, validated against PyTorch), one row per run with the exit
 code and what fuse made of the blocks, or the one-line reason it stopped. With ``--tokens N``
 a decoder's file then generates N greedy tokens (mha_onnx.generate, no EOS stop) for a batch
-of two prompts of different lengths, compared with transformers' greedy generate of the
-float32 model on the same prompts, left-padded into one batch.
+of three prompts of different lengths (optimum_fixtures.PROMPTS), compared with
+transformers' greedy generate of the float32 model on the same prompts, left-padded into
+one batch.
 
     .venv/bin/python -m tools.family_check OUT_DIR [--only a,b] [--dtypes float32,float16]
         [--kv-cache appended|shared] [--tokens 16]
@@ -117,33 +118,24 @@ def _row(name: str, dtype: str, folder: Path, out: Path, args: argparse.Namespac
 
 
 def _tokens(folder: Path, path: Path, new: int) -> str:
-    """Our greedy tokens for two prompts (7 and 12 tokens) against transformers' (float32,
-    the batch left-padded), neither stopping at an EOS: 'equal' or where they first differ."""
-    import numpy as np
+    """Our greedy tokens for optimum_fixtures.PROMPTS (one batch) against transformers'
+    (float32, the batch left-padded: optimum_fixtures.greedy), neither stopping at an EOS:
+    'equal' or where they first differ."""
     import torch
     import transformers as tf
 
     from mha_onnx.generate import GenerationConfig, Generator
+    from tools.optimum_fixtures import PROMPTS, greedy
 
     model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    vocab = model.config.vocab_size
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, vocab - 1, n).tolist() for n in (7, 12)]
-    longest = max(map(len, prompts))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                              max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-    want = want[:, longest:].tolist()
+    want = greedy(model, new, stop_at_eos=False)["batch3"]
     with Generator(path) as generator:
-        got = [list(s) for s in generator.generate(prompts, GenerationConfig(new, eos=())).sequences]
+        got = [list(s) for s in generator.generate(PROMPTS, GenerationConfig(new, eos=())).sequences]
     for row, (a, b) in enumerate(zip(got, want, strict=True)):
         at = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         if at is not None:
             return f"row {row} differs at token {at} of {new}"
-    return f"{new} x 2 equal"
+    return f"{new} x {len(PROMPTS)} equal"
 
 
 def main() -> int:

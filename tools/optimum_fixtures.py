@@ -187,14 +187,15 @@ def optimum_export(task: str, config_name: str, model_name: str, fields: dict,
     return greedy(model) if task == "text-generation-with-past" else None
 
 
-def greedy(model) -> dict:
+def greedy(model, new: int = NEW_TOKENS, stop_at_eos: bool = True) -> dict:
     """transformers.generate's greedy tokens for PROMPTS: the first alone and all three
-    left-padded in one batch; each row's new tokens up to and including an EOS."""
+    left-padded in one batch; each row's ``new`` tokens, up to and including an EOS
+    (``stop_at_eos``; else all of them, an EOS generated like any token)."""
     import torch
 
     eos = model.generation_config.eos_token_id
     eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None
-           and e < model.config.vocab_size]
+           and e < model.config.vocab_size] if stop_at_eos else []
 
     def run(prompts):
         longest = max(len(p) for p in prompts)
@@ -202,16 +203,21 @@ def greedy(model) -> dict:
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, pad_token_id=0,
-                                 eos_token_id=eos or None)
+                                 max_new_tokens=new, pad_token_id=0, eos_token_id=eos or None)
         rows = []
         for row in out[:, longest:].tolist():
             cut = next((i for i, t in enumerate(row) if t in eos), None)
             rows.append(row[:cut + 1] if cut is not None else row)
         return rows
 
-    return {"prompts": PROMPTS, "max_new_tokens": NEW_TOKENS, "eos_token_id": eos,
-            "batch1": run(PROMPTS[:1]), "batch3": run(PROMPTS)}
+    saved = model.generation_config.eos_token_id
+    if not stop_at_eos:  # (an eos_token_id of None given to generate falls back to this)
+        model.generation_config.eos_token_id = None
+    try:
+        return {"prompts": PROMPTS, "max_new_tokens": new, "eos_token_id": eos,
+                "batch1": run(PROMPTS[:1]), "batch3": run(PROMPTS)}
+    finally:
+        model.generation_config.eos_token_id = saved
 
 
 def export(family: str, out: Path) -> list[str]:
