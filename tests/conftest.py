@@ -104,6 +104,11 @@ def _folders():
                                                                **text)),
         "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
             num_key_value_heads=2, head_dim=8, sliding_window=64, **text)),
+        # soft-capped scores with a cache; weights wide and a cap of 2, so that the cap binds
+        # (Gemma 2's own 50 never does on random weights: parity would prove nothing)
+        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(
+            num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=2.0,
+            initializer_range=0.5, **text)),
         # attention sinks on its sliding-window layers, which cache every head (its full
         # layers two), routed experts
         "mimo": lambda: tf.MiMoV2FlashForCausalLM(tf.MiMoV2FlashConfig(

@@ -63,6 +63,9 @@ def families() -> dict[str, Callable]:
         "exaone4": model("Exaone4ForCausalLM", "Exaone4Config", sliding_window=8,
                          layer_types=["sliding_attention", "full_attention"], **WIDE),
         "vaultgemma": model("VaultGemmaForCausalLM", "VaultGemmaConfig", head_dim=8, **WIDE),
+        # a cap that binds on these scores (Gemma 2's own 50 never does on random weights)
+        "gemma2": model("Gemma2ForCausalLM", "Gemma2Config", head_dim=8, sliding_window=8,
+                        attn_logit_softcapping=5.0, **WIDE),
         "persimmon": model("PersimmonForCausalLM", "PersimmonConfig", **TEXT_WIDE),
         "biogpt": model("BioGptForCausalLM", "BioGptConfig", **TEXT_WIDE),
         "xglm": model("XGLMForCausalLM", "XGLMConfig", vocab_size=99, d_model=32, num_layers=2,

@@ -67,6 +67,10 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
              "max_seq_len": 256, "expansion_ratio": 2}),
     "gemma2": (CAUSAL, "Gemma2Config", "Gemma2ForCausalLM",
                {**GROUPED, "head_dim": 16, "sliding_window": 32}),
+    # a cap that binds on these scores (Gemma 2's own 50 never does on random weights)
+    "gemma2_capped": (CAUSAL, "Gemma2Config", "Gemma2ForCausalLM",
+                      {**GROUPED, "head_dim": 16, "sliding_window": 8,
+                       "attn_logit_softcapping": 5.0, "initializer_range": 0.2}),
     "gemma3_text": (CAUSAL, "Gemma3TextConfig", "Gemma3ForCausalLM",
                     {**GROUPED, "head_dim": 16, "sliding_window": 32}),
     "glm": (CAUSAL, "GlmConfig", "GlmForCausalLM", {**GROUPED, "head_dim": 16, "pad_token_id": 0}),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import MS_DOMAIN, WALK_LIMIT, subgraphs
+from mha_onnx.rewrite.irutil import FORM, MS_DOMAIN, WALK_LIMIT, subgraphs
 
 # (domain, op_type) of ops that are attention kernels in their own right.
 FUSED_OPS = {
@@ -52,12 +52,15 @@ class Block:
 
 
 def op_label(node: ir.Node) -> str:
+    if FORM in node.metadata_props:
+        return node.metadata_props[FORM]
     return f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
 
 
 def is_fused_attention(node: ir.Node) -> bool:
+    """An attention kernel, or the Softmax of a form mha-onnx wrote out (irutil.FORM)."""
     domain = "" if node.domain == "ai.onnx" else node.domain
-    return (domain, node.op_type) in FUSED_OPS
+    return (domain, node.op_type) in FUSED_OPS or FORM in node.metadata_props
 
 
 def probs_matmul(softmax: ir.Node) -> ir.Node | None:

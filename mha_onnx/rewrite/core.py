@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
 from mha_onnx.rewrite.factors import strip_scale
-from mha_onnx.rewrite.irutil import dims, float_attr, int_attr, same_dim
+from mha_onnx.rewrite.irutil import FORM, dims, float_attr, int_attr, same_dim
 from mha_onnx.rewrite.masks import ScoreDims, Term
 from mha_onnx.rewrite.meaning import Causal, MaskMeaning, Unsupported, plan
 from mha_onnx.rewrite.oracle import Oracle
@@ -288,13 +288,15 @@ def parse_onnx_attention(node: ir.Node, block: str, oracle: Oracle) -> Core:
 
 def check_softcap(core: Core, target: str, gqa: bool) -> None:
     """Soft-capped scores have one fused kernel: GroupQueryAttention (``--target ort``), for
-    causal self-attention whose head sizes it takes and no position bias."""
+    causal self-attention whose head sizes it takes and no position bias, square or aligned
+    to the end of the keys (a KV cache: GQA with past for a step). The runs GQA does not take
+    (left-padded rows, a chunk after a past) write the capped scores out (lower/common.py)."""
     if not core.softcap:
         return
     causal = core.mask.causal
     fits = (target == "ort" and gqa and causal is not None
-            and causal.alignment == "square" and not core.mask.added and not core.mask.reason
-            and core.query is not None and _head_sizes_fit(core))
+            and causal.alignment in ("square", "bottom-right") and not core.mask.added
+            and not core.mask.reason and core.query is not None and _head_sizes_fit(core))
     if not fits:
         raise Reject(core.block, "soft-capped scores are fused only onto GroupQueryAttention "
                      "(--target ort): causal self-attention, d_k = d_v a multiple of 8, no bias")
@@ -337,6 +339,9 @@ class SoftmaxAttention(pattern.RewriteRuleClassBase):
 
     def check(self, context, probs, value, attn, **_):
         result = MatchResult()
+        softmax = _softmax_of(probs)
+        if softmax is not None and FORM in softmax.metadata_props:
+            return result.fail("a form mha-onnx wrote (fused already)")
         try:
             self._core = parse_softmax_attention(attn.producer(), self.opset, self.oracle)
             check_softcap(self._core, self.target, self.softcap_gqa)
@@ -346,7 +351,6 @@ class SoftmaxAttention(pattern.RewriteRuleClassBase):
                 self.log.reject(exc.block, exc.reason)
             return result.fail(str(exc))
         except Exception as exc:  # noqa: BLE001 - a bug here leaves the block, not the run
-            softmax = _softmax_of(probs)
             if softmax is not None:
                 self.log.reject(softmax.name or "Softmax", _not_understood(exc))
             return result.fail(_not_understood(exc))

@@ -13,6 +13,9 @@ Dim = int | str | None
 MS_DOMAIN = "com.microsoft"
 BLOCK = "mha_onnx.block"  # node.meta key: the block id a lowered kernel node computes
 STEP = "mha_onnx.one_token"  # node.meta key: a kernel node only one-token runs reach
+# node.metadata_props key (saved in the file): a Softmax of a form mha-onnx wrote out (the
+# value names it), an attention block fused, not one to fuse or report as left
+FORM = "mha_onnx.form"
 # How far any walk over the graph goes (score chains, mask expressions, layout ops): one limit,
 # so that a block the fusion would accept is always also found and reported.
 WALK_LIMIT = 32

@@ -73,6 +73,29 @@ def test_sinks_and_a_cache_shaped_per_layer(hf_folder, tmp_path):
     assert any(c["case"].startswith("decode step") for c in report["validation"]["comparisons"])
 
 
+@pytest.mark.parametrize("kv_cache, step", [
+    ("appended", "GroupQueryAttention with past + padding bias"),
+    ("shared", "GroupQueryAttention on a shared cache buffer (per-row lengths")])
+def test_soft_capped_scores_with_a_cache(hf_folder, tmp_path, kv_cache, step):
+    """Gemma 2 (issue 42): each layer steps on GQA with past and ``softcap``, its prompt on
+    GQA; the runs GQA does not take (left-padded rows, a chunk after a past; with a shared
+    buffer, a padded prompt past the window, where ORT's GQA departs on the padded queries)
+    write the capped scores out. Verified on those runs by fuse, validated against PyTorch."""
+    out = tmp_path / "gemma2.onnx"
+    result = _export(hf_folder("gemma2"), out, "--kv-cache", kv_cache)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    layers = report["fused"].split("; ")
+    assert len(layers) == 2 and all(step in form and "softcap 2" in form
+                                    and "capped scores" in form for form in layers), layers
+    from mha_onnx.graph.walk import all_nodes
+
+    caps = {a.f for n in all_nodes(onnx.load(out).graph) if n.op_type == "GroupQueryAttention"
+            for a in n.attribute if a.name == "softcap"}
+    assert caps == {2.0}
+    assert any(c["case"].startswith("decode step") for c in report["validation"]["comparisons"])
+
+
 def test_a_changed_folder_is_said(hf_folder, tmp_path):
     import shutil
 

@@ -83,3 +83,17 @@ def test_a_position_bias_is_added_by_every_form(kv_heads, kernel):
         padded = np.zeros((3, past + s), bool)
         padded[2, past + s - 1:] = s > 1  # a right-padded row where there are new tokens
         _check(model, meaning, past, s, padded if meaning.padded else None)
+
+
+@pytest.mark.parametrize("kv_heads, padded", [(4, False), (2, False), (2, True)])
+def test_soft_capping_is_kept_on_every_run(kv_heads, padded):
+    """Gemma 2's capped scores with a cache: the step and the prompt on GQA's ``softcap``, a
+    chunk after a past (and a padded batch) on the capped general form; a cap of 1 binds."""
+    meaning = Meaning(causal=True, alignment="bottom-right", kv_heads=kv_heads,
+                      softcap=1.0, padded=padded)
+    model, form, _ = _lowered(meaning)
+    assert "GroupQueryAttention with past" in form.kernel and "softcap 1" in form.kernel
+    for past, s in RUNS.values():
+        rows = np.zeros((3, past + s), bool)
+        rows[1, :2] = True  # a left-padded row
+        _check(model, meaning, past, s, rows if padded else None)

@@ -98,3 +98,18 @@ def test_gqa_refuses_what_it_cannot_compute():
     assert gqa_ok(info(Meaning(causal=True)))
     assert not gqa_ok(info(Meaning(causal=True, head=12)))
     assert not gqa_ok(info(Meaning(causal=False)))
+
+
+def test_soft_capping_holds_in_the_general_branch_too():
+    """Left-padded rows leave GQA for MultiHeadAttention + the dense mask, which has no
+    ``softcap``: that branch computes the capped scores itself. A cap of 1 binds on every
+    score (random weights keep Gemma's 50 from ever binding, so parity there proves nothing)."""
+    meaning = Meaning(causal=True, kv_heads=2, padded=True, softcap=1.0)
+    model, form = _lowered(meaning)
+    assert form.guard and "softcap 1" in form.kernel
+    right = np.zeros((4, 6), bool)
+    right[1, 4:] = True
+    _check(model, meaning, 6, 6, right)  # GQA
+    left = right.copy()
+    left[2, :2] = True
+    _check(model, meaning, 6, 6, left)  # the general branch

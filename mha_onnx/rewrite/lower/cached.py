@@ -31,7 +31,9 @@ from mha_onnx.rewrite.lower.common import (
     TapeOps,
     dense_mha,
     fix_all_padded,
+    general_kernel,
     int_const,
+    kernel_extras,
     kv_operands,
     new_key_kept,
     none_padded,
@@ -143,12 +145,10 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
         # prompt past GPT-OSS's window, where the appended form is exact)
         return lower_shared(op, info, q3, *cache)
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
-    biased = (", bias" if info.bias is not None else "") \
-        + (", sinks" if info.sink is not None else "")
-    rest = either("no past", f"GroupQueryAttention (causal{biased})", "MHA + attention_bias",
+    rest = either("no past", f"GroupQueryAttention (causal{kernel_extras(info)})", general_kernel(info),
                   cases=(NO_PAST,), reach=info.window) \
         if gqa_ok(dataclasses.replace(info, alignment="square")) \
-        else Form("MHA + attention_bias")  # (as _prefill chooses)
+        else Form(general_kernel(info))  # (as _prefill chooses)
     if cache is not None and info.padded is not None \
             and (info.kv_heads != info.heads or _gqa_only(info)):
         return _grouped_padded(op, info, q3, cache, decoding, rest)
@@ -158,7 +158,8 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
         kernel = "MultiHeadAttention" if info.kv_heads == info.heads and not _gqa_only(info) \
             else "GroupQueryAttention"
         added = " + attention_bias" if info.bias is not None else ""
-        form = either("one new token", f"{kernel} with past{added} (presents from it)", rest,
+        form = either("one new token", f"{kernel} with past{added}"
+                      f"{kernel_extras(info, bias=False)} (presents from it)", rest,
                       cases=(ONE_TOKEN,))
         return Lowered(outs[0], form, cache, (outs[1], outs[2]))
     out = if_forms(op, info, decoding, lambda o: _decode(o, info, q3),
@@ -190,13 +191,10 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache: Caches, decoding, rest: Form
                                  bias=None if half else padding_bias(ops, info))
 
     outs = if_forms(op, info, fast, step, padded, "decode", outputs=3)
-    over = "MHA + attention_bias" if _gqa_only(info) else "MHA key_padding_mask"
+    over = general_kernel(info) if _gqa_only(info) else "MHA key_padding_mask"
     padded = either("one new token", f"{over} over the cache", rest, cases=(ONE_TOKEN,),
                     reach=info.window)
-    extra = f", window {info.window}" if info.window else ""
-    extra += f", softcap {info.softcap:g}" if info.softcap else ""
-    extra += ", bias" if info.bias is not None else ""
-    extra += ", sinks" if info.sink is not None else ""
+    extra = kernel_extras(info)
     if half:
         form = either("one new token, no key padded",
                       f"GroupQueryAttention with past{extra} (presents from it)",

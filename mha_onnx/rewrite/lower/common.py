@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.irutil import MS_DOMAIN, dims, subgraphs
+from mha_onnx.rewrite.irutil import FORM, MS_DOMAIN, dims, subgraphs
 from mha_onnx.rewrite.sdpa import SdpaInfo, bsd_source, repeat_heads, seq_dim, to_bsd
 
 # A branch copies at most this many producer nodes of an outer value; beyond, it uses the
@@ -228,11 +228,51 @@ def dense_mha(op, info: SdpaInfo, q3: ir.Value, *, lazy: bool) -> ir.Value:
     bias = op.Expand(dense, full)
     if info.sink is not None:
         k, v, bias = _sink_key(op, info, q3, k, v, bias, 1 if k3d else 2)
-    out = op.MultiHeadAttention(q3, k, v, None, None, bias,
-                                num_heads=info.heads, scale=info.scale, _domain=MS_DOMAIN)
+    if info.softcap:
+        out = _capped_attention(op, info, q3, k, v, k3d, bias)
+    else:
+        out = op.MultiHeadAttention(q3, k, v, None, None, bias,
+                                    num_heads=info.heads, scale=info.scale, _domain=MS_DOMAIN)
     if info.nan_to_zero:
         out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)
     return out
+
+
+def kernel_extras(info: SdpaInfo, *, bias: bool = True) -> str:
+    """What a form's name lists after its kernel: ``, window 4, softcap 50, bias, sinks``."""
+    return ((f", window {info.window}" if info.window else "")
+            + (f", softcap {info.softcap:g}" if info.softcap else "")
+            + (", bias" if bias and info.bias is not None else "")
+            + (", sinks" if info.sink is not None else ""))
+
+
+def general_kernel(info: SdpaInfo) -> str:
+    """What :func:`dense_mha` runs for this block, as the forms name it."""
+    return "capped scores (MatMul, Tanh, Softmax) + attention_bias" if info.softcap \
+        else "MHA + attention_bias"
+
+
+def _capped_attention(op, info: SdpaInfo, q3: ir.Value, k: ir.Value, v: ir.Value, k3d: bool,
+                      bias: ir.Value) -> ir.Value:
+    """Soft-capped attention written out, as MultiHeadAttention has no ``softcap``:
+    ``softmax(c·tanh(scale·Q·K^T / c) + bias)·V``, the scores from the cap on in float32
+    (as GroupQueryAttention computes them, and Gemma's eager softmax); [B, S, H*Dv]."""
+    split = op.Constant(value_ints=[0, 0, info.heads, -1])  # [B, L, H*D] -> [B, L, H, D]
+    q = op.Transpose(op.Reshape(q3, split), perm=[0, 2, 1, 3])
+    if k3d:
+        kt = op.Transpose(op.Reshape(k, split), perm=[0, 2, 3, 1])
+        v = op.Transpose(op.Reshape(v, split), perm=[0, 2, 1, 3])
+    else:
+        kt = op.Transpose(k, perm=[0, 1, 3, 2])
+    f32 = ir.DataType.FLOAT
+    scores = op.Cast(op.MatMul(q, kt), to=f32)
+    cap = op.Constant(value=ir.tensor(np.array(info.softcap, np.float32)))
+    scale = op.Constant(value=ir.tensor(np.array(info.scale / info.softcap, np.float32)))
+    capped = op.Mul(op.Tanh(op.Mul(scores, scale)), cap)
+    probs = op.Softmax(op.Add(capped, op.Cast(bias, to=f32)), axis=-1)
+    probs.producer().metadata_props[FORM] = "capped scores"  # (fused: not a block to fuse)
+    out = op.MatMul(op.Cast(probs, to=info.query.dtype), v)  # [B, H, S, Dv]
+    return op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
 
 
 def _sink_key(op, info: SdpaInfo, q3: ir.Value, k: ir.Value, v: ir.Value, bias: ir.Value,

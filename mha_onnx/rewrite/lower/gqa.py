@@ -26,7 +26,9 @@ from mha_onnx.rewrite.lower.common import (
     TapeOps,
     branch,
     dense_mha,
+    general_kernel,
     int_const,
+    kernel_extras,
     name_values,
     none_padded,
     safe_name,
@@ -126,21 +128,17 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
     k3, v3 = to_bsd(op, info.key, info.kv_heads), to_bsd(op, info.value, info.kv_heads)
     label = "GroupQueryAttention (causal"
     label += f", {info.kv_heads} kv heads" if info.kv_heads != info.heads else ""
-    label += f", window {info.window}" if info.window else ""
-    label += f", softcap {info.softcap:g}" if info.softcap else ""
-    label += ", bias" if info.bias is not None else ""
-    label += ", sinks" if info.sink is not None else ""
-    label += ")"
+    label += kernel_extras(info) + ")"
+    general = general_kernel(info)
     if info.alignment == "top-left":
         out, form = _top_left(op, info, q3, k3, v3), either("S <= T", label, "MHA + causal bias")
     elif info.padded is None:
         out, form = gqa_call(op, info, q3, k3, v3), Form(label)
     elif half_precision(info) or not right_padded:
         out, form = _unpadded(op, info, q3, k3, v3), either(
-            "no key padded", label, "MHA + attention_bias", cases=(UNPADDED,))
+            "no key padded", label, general, cases=(UNPADDED,))
     else:
-        out, form = _right_padded(op, info, q3, k3, v3), either("right padding", label,
-                                                                "MHA + attention_bias")
+        out, form = _right_padded(op, info, q3, k3, v3), either("right padding", label, general)
     return out, dataclasses.replace(form, reach=info.window)
 
 

@@ -36,7 +36,9 @@ from mha_onnx.rewrite.irutil import insert_first, onehot_dim, replace_shape
 from mha_onnx.rewrite.lower.common import (
     TapeOps,
     dense_mha,
+    general_kernel,
     int_const,
+    kernel_extras,
     none_padded,
     scalar_shape,
 )
@@ -93,11 +95,10 @@ def lower_shared(op, info: SdpaInfo, q3: ir.Value, key: Appended, value: Appende
                     "shared", outputs=3)
     guard = "no past or one new token" + (", no key padded" if info.padded is not None else "")
     cases = (SHARED_RUN, NO_PAST, ONE_TOKEN) + ((UNPADDED,) if info.padded is not None else ())
-    extras = (f", window {info.window}" if info.window else "") + (
-        f", softcap {info.softcap:g}" if info.softcap else "")
+    extras = kernel_extras(info)
     form = either(guard, f"GroupQueryAttention on a shared cache buffer{extras}".replace(
         "buffer, ", "buffer (", 1) + (")" if extras else ""),
-        "MHA + attention_bias over the cache's valid part", cases=cases, reach=info.window)
+        f"{general_kernel(info)} over the cache's valid part", cases=cases, reach=info.window)
     return Lowered(outs[0], form, (key, value), (outs[1], outs[2]), shared=True)
 
 
