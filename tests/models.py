@@ -546,17 +546,18 @@ class CachedWrap(nn.Module):
 
 def hf_cached_decoder(family: str, attn: str = "eager", opset: int = 18, *, hidden: int = D,
                       heads: int = H, kv_heads: int | None = None,
-                      max_positions: int = 128) -> onnx.ModelProto:
+                      max_positions: int = 128, fields: dict | None = None
+                      ) -> onnx.ModelProto:
     """A one-layer Hugging Face decoder with a KV cache, as Optimum-style exports have it:
     ``input_ids`` [batch, seq], ``attention_mask`` [batch, past + seq], ``past_key`` and
     ``past_value`` [batch, kv_heads, past, head_dim]; outputs the hidden state and the
     presents (DynamicCache's concatenation). Positions and the causal mask come from the
-    cache's length inside the graph. Tiny by default; ``hidden``/``heads``/``kv_heads`` for
-    benchmarks."""
+    cache's length inside the graph. Tiny by default; ``hidden``/``heads``/``kv_heads`` and
+    config ``fields`` (over the family's own) for benchmarks."""
     import transformers as tf
 
     config_name, model_name, extra = DECODERS[family]
-    extra = dict(extra)
+    extra = {**extra, **(fields or {})}
     if kv_heads is not None:
         extra["num_key_value_heads"] = kv_heads
     common = {"vocab_size": 99, "hidden_size": hidden, "num_hidden_layers": 1,

@@ -3,6 +3,7 @@ as Optimum-style past/present inputs and outputs): unfused, fused with the appen
 interface kept, and fused with ``--kv-cache shared``, timed in turn.
 
     .venv/bin/python -m tools.benchmark kv [--family qwen2] [--kv-heads 2]
+        [--set head_dim=64 --set 'layer_types=["full_attention"]' ...]
         [--context 128,1024,4096,16384] [--batch 1,8] [--threads 2] [--out FILE.md]
 
 One layer, hidden 512, 8 query heads of 64 (``--kv-heads`` K/V heads), fp32, random
@@ -13,6 +14,7 @@ place. Both fused models are verified by fuse before they are timed.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,11 +28,12 @@ from tools import suite
 FORMS = ("unfused", "fused, appended", "fused, shared")
 
 
-def build(folder: Path, family: str, kv_heads: int, longest: int) -> dict[str, str]:
+def build(folder: Path, family: str, kv_heads: int, longest: int,
+          fields: dict | None = None) -> dict[str, str]:
     from tests.models import hf_cached_decoder
 
     model = hf_cached_decoder(family, hidden=512, heads=8, kv_heads=kv_heads,
-                              max_positions=longest + 8)
+                              max_positions=longest + 8, fields=fields)
     src = folder / "unfused.onnx"
     onnx.save(model, src)
     paths = {"unfused": str(src)}
@@ -48,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--context", type=suite.ints, default=(128, 1024, 4096, 16384))
     parser.add_argument("--batch", type=suite.ints, default=(1, 8))
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a config field over the family's (JSON: 64, 50.0, [\"a\"])")
     args = parser.parse_args(argv)
+    fields = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.set)}
     suite.quiet()
     with suite.scratch("kv") as folder:
-        paths = build(folder, args.family, args.kv_heads, max(args.context))
+        paths = build(folder, args.family, args.kv_heads, max(args.context), fields)
         config = ProfileConfig(batches=args.batch, seq_lens=args.context,
                                threads=(args.threads,), min_time=args.min_time, iters=None,
                                interleave=True, decode=True, op_breakdown=False,
@@ -61,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ms = {(form_of[p.model], p.batch, p.seq_len): p.p50_ms for p in report.points}
     lines = [suite.measured(suite.command("kv", argv),
                             f"{args.threads} threads; HF {args.family} layer, hidden 512, 8 "
-                            f"query heads, {args.kv_heads} K/V heads, fp32; p50 ms per step, "
-                            "models timed in turn"), "",
+                            f"query heads, {args.kv_heads} K/V heads, fp32"
+                            + "".join(f", {k} {v}" for k, v in fields.items())
+                            + "; p50 ms per step, models timed in turn"), "",
              "| batch | context | unfused | fused, appended | fused, shared | appended / unfused "
              "| shared / unfused |", "|---|---|---|---|---|---|---|"]
     for batch in args.batch:
