@@ -487,6 +487,10 @@ DECODERS: dict[str, tuple[str, str, dict]] = {
     "gptj": ("GPTJConfig", "GPTJModel", {"rotary_dim": 4}),
     # ALiBi folded into the scores with baddbmm on [B*H, S, T], softmax on [B, H, S, T]
     "bloom": ("BloomConfig", "BloomModel", {}),
+    # the mask added on a [B, H, S, T] view of bmm's scores, clamped at the lowest float
+    # (max(s + mask, finfo.min)), merged back for the Softmax, split and merged after it
+    "xglm": ("XGLMConfig", "XGLMModel", {"ffn_dim": 2 * D, "num_layers": 1,
+             "attention_heads": H, "d_model": D}),
     # ALiBi as a [H, 1, max_seq_len] table sliced to the keys; a float mask cast to bool
     "mpt": ("MptConfig", "MptModel", {"d_model": D, "n_layers": 1, "n_heads": H,
                                       "max_seq_len": 128}),

@@ -19,18 +19,11 @@ from onnxscript.rewriter import MatchResult, pattern
 
 from mha_onnx.rewrite.factors import strip_scale
 from mha_onnx.rewrite.irutil import FORM, dims, float_attr, int_attr, same_dim
-from mha_onnx.rewrite.masks import ScoreDims, Term
+from mha_onnx.rewrite.keys import broadcast_heads, key_dims, key_from_transposed, repeated_heads
+from mha_onnx.rewrite.masks import ABSORBING, ScoreDims, Term
 from mha_onnx.rewrite.meaning import Causal, MaskMeaning, Unsupported, plan
 from mha_onnx.rewrite.oracle import Oracle
-from mha_onnx.rewrite.scores import (
-    Reject,
-    broadcast_heads,
-    key_dims,
-    key_from_transposed,
-    probs_tail,
-    repeated_heads,
-    score_chain,
-)
+from mha_onnx.rewrite.scores import Reject, probs_tail, score_chain
 from mha_onnx.rewrite.sdpa import emit_sdpa
 from mha_onnx.rewrite.sinks import sink_values
 
@@ -105,13 +98,13 @@ class _Operands:
     dims: ScoreDims
 
 
-def _score_rank(softmax: ir.Node, opset: int, block: str) -> int:
-    score_dims = dims(softmax.inputs[0])
-    if score_dims is None or len(score_dims) not in (3, 4):
+def _score_rank(tail, opset: int, block: str) -> int:
+    score_dims, seen = dims(tail.scores), dims(tail.softmax.inputs[0])
+    if score_dims is None or seen is None or len(score_dims) not in (3, 4):
         raise Reject(block, "the scores' rank is unknown or not 3/4 (shape inference failed)")
     rank = len(score_dims)
-    axis = int_attr(softmax, "axis", -1 if opset >= 13 else 1)
-    if axis not in (-1, rank - 1):
+    axis = int_attr(tail.softmax, "axis", -1 if opset >= 13 else 1)
+    if axis not in (-1, len(seen) - 1):
         raise Reject(block, f"Softmax over axis {axis}, not over the keys (last axis)")
     return rank
 
@@ -170,7 +163,7 @@ def _split_operands(tail, chain, value: ir.Value, rank: int, block: str) -> _Ope
     if tail.merged != chain.split or rank != 4:
         raise Reject(tail.block, "heads are merged and split around the Softmax inconsistently")
     ops = _operands(chain.matmul, value, 3, tail.block)
-    score = dims(tail.softmax.inputs[0]) or [None] * 4
+    score = dims(tail.scores) or [None] * 4
     sd = ScoreDims(score[0], tail.merged, score[2], score[3], 4)
     return _Operands(ops.query, ops.key, ops.key_form, ops.value, tail.merged, tail.merged,
                      ops.scale, sd)
@@ -180,8 +173,8 @@ def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core
     """Recognise ``MatMul(probs, V)`` as an attention core or raise Reject(reason)."""
     tail = probs_tail(matmul)
     block = tail.block
-    rank = _score_rank(tail.softmax, opset, block)
-    chain = score_chain(tail.softmax, block)
+    rank = _score_rank(tail, opset, block)
+    chain = score_chain(tail.softmax, block, tail.scores)
     split = bool(tail.merged or chain.split)
     if split:
         ops = _split_operands(tail, chain, matmul.inputs[1], rank, block)
@@ -200,6 +193,10 @@ def parse_softmax_attention(matmul: ir.Node, opset: int, oracle: Oracle) -> Core
         mask = plan(list(chain.terms), ops.dims, oracle)
     except Unsupported as exc:
         raise Reject(block, str(exc)) from None
+    if chain.floor is not None and mask.terms \
+            and (mask.fill < chain.floor or mask.fill > ABSORBING):
+        raise Reject(block, f"masked scores ({mask.fill:g}) clamped at {chain.floor:g}: exact "
+                     "only where the fill absorbs the scores (float32)")
     sink = _sink(tail.sliced, chain.sink, ops.heads, rank, block)
     if chain.head_scale is not None and (split or rank != 4
                                          or chain.head_scale.size != ops.heads):

@@ -2,9 +2,8 @@
 
 Walking up from ``MatMul(probs, V)``: the probabilities tail (Softmax, then Cast, Dropout or a
 NaN guard), the score chain (Softmax <- masks <- soft-cap <- scale <- Q·K^T), the scale, the
-form K arrives in (transposed three ways) and grouped K/V (heads repeated by
-Unsqueeze/Expand/Reshape, or broadcast by the MatMul itself). Each recogniser returns a small
-frozen meaning or raises :class:`Reject` with the reason.
+form K arrives in and grouped K/V are keys.py's. Each recogniser returns a small frozen
+meaning or raises :class:`Reject` with the reason.
 
 Dims: B batch, H query heads, G K/V heads, S query length, T key length, D head size.
 """
@@ -22,10 +21,8 @@ from mha_onnx.rewrite.factors import head_factor, scalar_factor
 from mha_onnx.rewrite.irutil import (
     WALK_LIMIT,
     const_fill,
-    const_ints,
     const_scalar,
     dims,
-    ints_attr,
     producer,
     same_dim,
 )
@@ -54,10 +51,18 @@ class ProbsTail:
     nan_to_zero: bool
     merged: int = 0
     sliced: bool = False  # the last column (an attention sink's) dropped (rewrite/sinks.py)
+    # [B, H, S, T] scores the Softmax saw merged to [B*H, S, T], its output split back and
+    # merged again on the way to V (XGLM): the block reads as a Softmax over them
+    unmerged: ir.Value | None = None
 
     @property
     def block(self) -> str:
         return self.softmax.name or "softmax"
+
+    @property
+    def scores(self) -> ir.Value:
+        """The Softmax's input, in [B, H, S, T] where it was merged only for the Softmax."""
+        return self.unmerged if self.unmerged is not None else self.softmax.inputs[0]
 
 
 def _nan_guard(node: ir.Node) -> bool:
@@ -91,16 +96,24 @@ def heads_split(node: ir.Node) -> int:
 def probs_tail(matmul: ir.Node) -> ProbsTail:
     """The Softmax whose probabilities ``matmul`` multiplies with V."""
     chain: list[ir.Node] = [matmul]
-    nan_to_zero, merged, sliced = False, 0, False
+    nan_to_zero, merged, sliced, round_trip = False, 0, False, False
     current = matmul.inputs[0]
     for _ in range(6):
         node = producer(current)
         if node is None:
             break
         if node.op_type == "Softmax":
-            tail = ProbsTail(node, tuple(chain + [node]), nan_to_zero, merged, sliced)
+            unmerged = _unmerged(node, merged) if round_trip else None
+            tail = ProbsTail(node, tuple(chain + [node]), nan_to_zero, merged, sliced,
+                             unmerged)
             _check_private(tail)
             return tail
+        if merged and not round_trip and heads_split(node) == merged \
+                and producer(node.inputs[0], "Softmax") is not None:
+            round_trip = True  # [B*H, S, T] -> [B, H, S, T] -> [B*H, S, T]: the same tensor
+            chain.append(node)
+            current = node.inputs[0]
+            continue
         if not sliced and drops_last_column(node):
             sliced = True
             chain.append(node)
@@ -120,6 +133,16 @@ def probs_tail(matmul: ir.Node) -> ProbsTail:
         else:
             break
     raise Reject("", "not attention: the MatMul's left input is not a Softmax", candidate=False)
+
+
+def _unmerged(softmax: ir.Node, heads: int) -> ir.Value:
+    """The [B, H, S, T] scores a Softmax over [B*H, S, T] read (its input a Reshape merging
+    ``heads``), for probabilities split back to [B, H, S, T] after it."""
+    merge = producer(softmax.inputs[0], "Reshape")
+    if merge is None or heads_merged(merge) != heads:
+        raise Reject(softmax.name or "softmax", "the probabilities are split into heads "
+                     "after the Softmax, but its scores were not merged from them")
+    return merge.inputs[0]
 
 
 def _check_private(tail: ProbsTail) -> None:
@@ -149,6 +172,7 @@ class ScoreChain:
     split: int = 0  # heads a Reshape [B*H, S, T] -> [B, H, S, T] split out on the way
     sink: ir.Value | None = None  # the sink column concatenated to the scores (sinks.py)
     head_scale: np.ndarray | None = None  # [H] factors of Q·K^T, one per head (Swin-v2)
+    floor: float | None = None  # Max(scores, floor): masked scores clamped (XGLM)
 
 
 def reaches_matmul(value: ir.Value | None, depth: int = 0) -> bool:
@@ -196,6 +220,7 @@ class _ChainWalk:
         self.split = 0
         self.sink: ir.Value | None = None
         self.head_scale: np.ndarray | None = None
+        self.floor: float | None = None
         self.first = True  # (a sink's Concat and the max shifted out come before any term)
 
     def step(self, node: ir.Node) -> ir.Value:
@@ -225,6 +250,8 @@ class _ChainWalk:
             return self._where(node)
         if op == "Cast":
             return node.inputs[0]
+        if op == "Max":
+            return self._clamp(node)
         if not self.split and heads_split(node):  # terms above this are [B*H, ..] tensors
             self.split = heads_split(node)
             return node.inputs[0]
@@ -232,6 +259,19 @@ class _ChainWalk:
             raise Reject(self.block, "a Tanh between Q·K^T and Softmax that is not a soft-cap "
                          "c·tanh(s/c)")
         raise Reject(self.block, f"{op} between Q·K^T and Softmax is not an attention pattern")
+
+    def _clamp(self, node: ir.Node) -> ir.Value:
+        """``Max(scores, c)`` with c at or below float16's lowest finite value: no score of a
+        kept key is that low, so it only lifts masked scores to c (the fill, checked in
+        core.py, must not be below it)."""
+        for scores, bound in (node.inputs, node.inputs[::-1]):
+            c = const_scalar(bound)
+            if c is not None and c <= float(np.finfo(np.float16).min) \
+                    and reaches_matmul(scores):
+                self.floor = c if self.floor is None else max(self.floor, c)
+                return scores
+        raise Reject(self.block, "a Max between Q·K^T and Softmax that is not a clamp of the "
+                     "masked scores (a constant at or below float16's lowest value)")
 
     def _head_scale(self, inner: ir.Value, factors: np.ndarray) -> ir.Value:
         """A factor per head on Q·K^T (Swin-v2's learned logit scale): terms met after it
@@ -282,10 +322,11 @@ class _ChainWalk:
             raise Reject(self.block, "a mask inside a scale per head (scaled with the scores)")
 
 
-def score_chain(softmax: ir.Node, block: str) -> ScoreChain:
-    """Walk from the Softmax input up to Q·K^T, collecting scale, soft-cap and mask terms."""
+def score_chain(softmax: ir.Node, block: str, scores: ir.Value | None = None) -> ScoreChain:
+    """Walk from the Softmax input (``scores``: ProbsTail.scores) up to Q·K^T, collecting
+    scale, soft-cap and mask terms."""
     walk = _ChainWalk(block)
-    current = softmax.inputs[0]
+    current = scores if scores is not None else softmax.inputs[0]
     for _ in range(WALK_LIMIT):
         node = producer(current)
         if node is None:
@@ -293,81 +334,6 @@ def score_chain(softmax: ir.Node, block: str) -> ScoreChain:
         if node.op_type == "MatMul":
             # with a cap, the factors met before it were 1; walk.post holds those inside it
             return ScoreChain(node, tuple(walk.terms), walk.post, walk.softcap, walk.split,
-                              walk.sink, walk.head_scale)
+                              walk.sink, walk.head_scale, walk.floor)
         current = walk.step(node)
     raise Reject(block, "the Softmax input does not come from Q·K^T")
-
-
-# -- K, V and their heads ----------------------------------------------------------------------
-
-def key_from_transposed(kt: ir.Value, rank: int) -> tuple[ir.Value, str]:
-    """K as [B, H, T, D] ("bhtd"), its [B, T, H, D] source ("bthd"), or K^T itself ("kt")."""
-    node = producer(kt, "Transpose")
-    if node is not None:
-        perm = ints_attr(node, "perm")
-        if rank == 4 and perm == [0, 1, 3, 2]:
-            return node.inputs[0], "bhtd"
-        if rank == 4 and perm == [0, 2, 3, 1]:
-            return node.inputs[0], "bthd"
-        if rank == 3 and perm == [0, 2, 1]:
-            return node.inputs[0], "bhtd"
-    node = producer(kt, "Reshape")
-    if node is not None and rank == 4:
-        inner = producer(node.inputs[0], "Transpose")
-        flat = producer(inner.inputs[0], "Reshape") if inner is not None else None
-        if flat is not None and ints_attr(inner, "perm") == [0, 2, 1]:  # type: ignore[arg-type]
-            k4 = flat.inputs[0]
-            kd, ktd = dims(k4), dims(kt)
-            if (kd is not None and ktd is not None and len(kd) == 4
-                    and all(same_dim(kd[a], ktd[b]) for a, b in ((0, 0), (1, 1), (2, 3), (3, 2)))):
-                return k4, "bhtd"
-    return kt, "kt"
-
-
-def key_dims(key: ir.Value, form: str, kt: ir.Value, rank: int) -> list | None:
-    """K's dims in [B, H, T, D] order (rank 3: [N, T, D]), whichever form K was found in."""
-    if form == "bhtd":
-        kd = dims(key)
-    elif form == "bthd":
-        src = dims(key)
-        kd = None if src is None or len(src) != 4 else [src[0], src[2], src[1], src[3]]
-    else:
-        src = dims(kt)
-        kd = None if src is None else src[:-2] + [src[-1], src[-2]]
-    return kd if kd is not None and len(kd) == rank else None
-
-
-@dataclass(frozen=True)
-class Grouped:
-    """K or V with fewer heads than Q: ``source`` [B, G, T, D] repeated to [B, H, T, D]."""
-
-    source: ir.Value
-    kv_heads: int
-
-
-def repeated_heads(x4: ir.Value, heads: int) -> Grouped | None:
-    """``Reshape(Expand(Unsqueeze(x, 2), [B, G, H/G, T, D]), [B, H, T, D])``: each of the G
-    K/V heads serves H/G consecutive query heads (Hugging Face's ``repeat_kv``)."""
-    reshape = producer(x4, "Reshape")
-    expand = producer(reshape.inputs[0], "Expand") if reshape is not None else None
-    unsq = producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
-    if unsq is None or const_ints(unsq.inputs[1]) not in ([2], [-3]):
-        return None
-    src, wide, out = dims(unsq.inputs[0]), dims(expand.outputs[0]), dims(x4)  # type: ignore[union-attr]
-    if src is None or wide is None or out is None or len(src) != 4 or len(wide) != 5:
-        return None
-    groups, rep = src[1], wide[2]
-    if not (isinstance(groups, int) and isinstance(rep, int) and groups * rep == heads):
-        return None
-    same = all(same_dim(a, b) for a, b in ((src[0], wide[0]), (src[1], wide[1]), (src[2], wide[3]),
-                                           (src[3], wide[4]), (out[0], src[0]), (out[2], src[2]),
-                                           (out[3], src[3])))
-    return Grouped(unsq.inputs[0], groups) if same and out[1] == heads else None
-
-
-def broadcast_heads(x4: ir.Value, heads: int) -> Grouped | None:
-    """K/V with one head that the MatMul broadcasts over H query heads (multi-query)."""
-    shape = dims(x4)
-    if shape is None or len(shape) != 4 or shape[1] != 1 or heads == 1:
-        return None
-    return Grouped(x4, 1)

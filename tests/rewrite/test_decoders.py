@@ -69,6 +69,7 @@ FAMILIES = [
     ("phi3", "sdpa", 18, "float32", "kv heads"),
     ("opt", "eager", 18, "float32", ""),
     ("mpt", "eager", 18, "float32", "position bias"),  # ALiBi table, a float mask cast to bool
+    ("xglm", "eager", 18, "float32", ""),  # scores clamped, heads merged around the Softmax
     ("llama", "sdpa", 23, "float32", "4 q heads / 2 kv heads"),  # Attention-23, RotaryEmbedding
 ]
 
@@ -228,3 +229,14 @@ def test_differential_attention_is_one_attention_over_both_value_halves(decoders
     assert any("differential attention" in n for n in notes), notes
     _, results = fused_and_checked(original)  # every block fused, checked, verified
     assert [r.status for r in results] == ["fused"]
+
+
+def test_a_clamp_in_float16_is_left_with_its_reason(decoders):
+    """XGLM's clamp at float16's lowest value is exact for every query that keeps a key, not
+    for a fully masked one (s + fill rounds per score, then the clamp): left, said why."""
+    from mha_onnx.rewrite import fuse_model
+    from mha_onnx.rewrite.policy import FormPolicy
+
+    _, results, _ = fuse_model(decoders("xglm", "eager", 18, "float16"), FormPolicy())
+    assert [r.status for r in results] == ["left"]
+    assert "clamped at -65504" in results[0].reason

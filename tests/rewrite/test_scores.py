@@ -3,16 +3,11 @@ K's form and grouped K/V, each on graphs built with onnx.helper, near misses inc
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from mha_onnx.rewrite.scores import (
-    Reject,
-    broadcast_heads,
-    key_from_transposed,
-    probs_tail,
-    repeated_heads,
-    score_chain,
-)
+from mha_onnx.rewrite.keys import broadcast_heads, key_from_transposed, repeated_heads
+from mha_onnx.rewrite.scores import Reject, probs_tail, score_chain
 from tests.irgraphs import F, Graph, const, model, node, qkv_inputs, tensor
 
 
@@ -143,3 +138,19 @@ def test_a_scale_per_head_is_read_outside_the_masks_only():
     wrong_axis = _attention([const("c", [[0.5, 2.0]]), node("Mul", ["qk", "c"], "scores")])
     with pytest.raises(Reject, match="non-constant or zero"):
         score_chain(wrong_axis.node("p"), "b")
+
+
+def test_a_clamp_of_the_masked_scores_is_read_and_a_higher_max_is_not():
+    """XGLM's ``max(scores + mask, finfo.min)`` lifts only masked scores; a Max at -10 would
+    change kept ones."""
+    low = float(np.finfo(np.float32).min)
+    for bound, reads in ((low, True), (-10.0, False)):
+        between = [node("Add", ["qk", "m"], "s1"), const("lo", bound),
+                   node("Max", ["s1", "lo"], "scores")]
+        g = _attention(between, inputs=qkv_inputs() + [tensor("m", F, [1, 1, "S", "S"])])
+        if reads:
+            chain = score_chain(g.node("p"), "b")
+            assert chain.floor == low and len(chain.terms) == 1
+        else:
+            with pytest.raises(Reject, match="not a clamp"):
+                score_chain(g.node("p"), "b")
