@@ -629,5 +629,7 @@ ZOO: dict[str, Callable[[], onnx.ModelProto]] = {
     "cached_gpt2_style": cached_gpt2_style,
     "cached_grouped": lambda: cached_gpt2_style(kv_heads=H // 2),
     "hf_cached_llama": lambda: hf_cached_decoder("llama"),
+    # its caches reach the attention merged to [B*H, T, D] for a bmm (split back by fuse)
+    "hf_cached_xglm": lambda: hf_cached_decoder("xglm", max_positions=256),
     "relative_bias_causal": relative_bias_causal,
 }

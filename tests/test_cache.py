@@ -269,11 +269,13 @@ def test_the_shared_adapter_keeps_one_buffer_over_a_decode(export_cache, tmp_pat
             np.testing.assert_allclose(results["shared"][name], want, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["cached_gpt2_style", "cached_grouped", "hf_cached_llama"])
+@pytest.mark.parametrize("name", ["cached_gpt2_style", "cached_grouped", "hf_cached_llama",
+                                  "hf_cached_xglm"])
 def test_shared_cache_on_caches_written_elsewhere(zoo, tmp_path, name):
-    """Caches named by nobody's convention (found by structure), grouped K/V, and a Hugging
+    """Caches named by nobody's convention (found by structure), grouped K/V, a Hugging
     Face Llama decoder with DynamicCache, its positions and mask computed from the cache's
-    length (which must then read past_sequence_length, not the buffer's size)."""
+    length (which must then read past_sequence_length, not the buffer's size), and XGLM's,
+    whose caches reach the scores with the heads merged into the batch."""
     src = tmp_path / "src.onnx"
     onnx.save(zoo(name), src)
     out, report = _shared(tmp_path, src)

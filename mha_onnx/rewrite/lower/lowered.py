@@ -16,6 +16,7 @@ import onnx_ir as ir
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.irutil import ints_attr, onehot_dim, replace_shape
 from mha_onnx.rewrite.lower.rows import RowSource
+from mha_onnx.rewrite.scores import heads_merged, heads_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,19 @@ def undo_transposes(x: ir.Value) -> ir.Value:
     return inner.inputs[0] if [first[i] for i in second] == list(range(len(first))) else x
 
 
+def undo_head_merge(x: ir.Value) -> ir.Value:
+    """``x`` = [B*H, T, D] -> [B, H, T, D] of y = [B, H, T, D] -> [B*H, T, D] (heads merged
+    into the batch for a bmm, split back for the Sdpa: XGLM's caches) -> y."""
+    outer = x.producer()
+    inner = outer.inputs[0].producer() if outer is not None and outer.inputs \
+        and outer.inputs[0] is not None else None
+    if outer is None or inner is None or outer.domain not in ("", "ai.onnx") \
+            or inner.domain not in ("", "ai.onnx"):
+        return x
+    heads = heads_split(outer)
+    return inner.inputs[0] if heads and heads_merged(inner) == heads else x
+
+
 def appended(x: ir.Value) -> Appended | None:
     """``x`` as Concat(past, new) on the sequence axis of a rank-4 tensor, else None."""
     node = x.producer()
@@ -105,7 +119,7 @@ def prepare_caches(graph: ir.Graph, sdpa: ir.Node) -> None:
     computed from the Concat's inputs (Shape(past) + Shape(new) on the sequence axis), so
     that a mask built from the keys' length does not read the present the kernel returns."""
     for index in (1, 2):
-        source = undo_transposes(sdpa.inputs[index])
+        source = undo_head_merge(undo_transposes(sdpa.inputs[index]))
         if source is not sdpa.inputs[index]:
             sdpa.replace_input_with(index, source)
         cache = appended(source)
