@@ -145,8 +145,8 @@ def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
         # prompt past GPT-OSS's window, where the appended form is exact)
         return lower_shared(op, info, q3, *cache)
     decoding = op.Reshape(op.Equal(seq_dim(op, q3, 1), int_const(op, [1])), scalar_shape(op))
-    rest = either("no past", f"GroupQueryAttention (causal{kernel_extras(info)})", general_kernel(info),
-                  cases=(NO_PAST,), reach=info.window) \
+    rest = either("no past", f"GroupQueryAttention (causal{kernel_extras(info)})",
+                  general_kernel(info), cases=(NO_PAST,), reach=info.window) \
         if gqa_ok(dataclasses.replace(info, alignment="square")) \
         else Form(general_kernel(info))  # (as _prefill chooses)
     if cache is not None and info.padded is not None \
