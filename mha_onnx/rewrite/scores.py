@@ -264,6 +264,8 @@ class _ChainWalk:
         """``Max(scores, c)`` with c at or below float16's lowest finite value: no score of a
         kept key is that low, so it only lifts masked scores to c (the fill, checked in
         core.py, must not be below it)."""
+        if self.softcap or not math.isclose(self.post, 1.0, rel_tol=1e-6):
+            raise Reject(self.block, "scores clamped inside a soft-cap or before a scale")
         for scores, bound in (node.inputs, node.inputs[::-1]):
             c = const_scalar(bound)
             if c is not None and c <= float(np.finfo(np.float16).min) \

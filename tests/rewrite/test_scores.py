@@ -154,3 +154,8 @@ def test_a_clamp_of_the_masked_scores_is_read_and_a_higher_max_is_not():
         else:
             with pytest.raises(Reject, match="not a clamp"):
                 score_chain(g.node("p"), "b")
+    scaled = [node("Add", ["qk", "m"], "s1"), const("lo", low), node("Max", ["s1", "lo"], "s2"),
+              const("c", 0.5), node("Mul", ["s2", "c"], "scores")]  # the floor scaled after
+    g = _attention(scaled, inputs=qkv_inputs() + [tensor("m", F, [1, 1, "S", "S"])])
+    with pytest.raises(Reject, match="before a scale"):
+        score_chain(g.node("p"), "b")
