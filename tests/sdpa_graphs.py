@@ -39,6 +39,8 @@ class Meaning:
     self_attention: bool = True
     dtype: ir.DataType = ir.DataType.FLOAT
     bias: bool = False  # a position bias input [1, H, S, T] (ALiBi, T5's), added as it is
+    mask_terms: int = 1  # 2: the causal and the padding fill added (GPT-Neo: a key both
+    # hide gets 2 x fill, -inf for float32's lowest)
 
     @property
     def mask_kind(self) -> str:
@@ -81,7 +83,8 @@ def sdpa_model(m: Meaning, *, dense: bool = True, keys: str = "T") -> ir.Model:
              "softcap": m.softcap, "mask_kind": m.mask_kind, "causal": int(m.causal),
              "window": m.window, "alignment": m.alignment if m.causal else "", "fill": m.fill,
              "fill_mode": "add", "nan_to_zero": int(m.nan_to_zero),
-             "self_attention": int(m.self_attention), "block": "block0"}
+             "self_attention": int(m.self_attention), "block": "block0",
+             "mask_terms": m.mask_terms}
     node = ir.Node(FUSION_DOMAIN, "Sdpa", operands, attributes=[
         ir.convenience.convert_attribute(k, v) for k, v in attrs.items()], num_outputs=1)
     out = node.outputs[0]
@@ -147,7 +150,14 @@ def feeds(m: Meaning, batch: int, s: int, t: int, padded: np.ndarray | None = No
         out["bias"] = rng.standard_normal((1, m.heads, s, t)).astype(m.np_dtype)
     if m.mask_kind != "none":  # every term: the mask and the bias
         keep = np.broadcast_to(keep_mask(m, out.get("padded"), s, t), (batch, 1, s, t))
-        out["dense"] = (np.where(keep, 0.0, m.fill) + out.get("bias", 0.0)).astype(m.np_dtype)
+        if m.mask_terms == 2:  # the causal term, then the padding term added in the dtype
+            seen = keep_mask(m, None, s, t)
+            fill = m.np_dtype(m.fill)
+            with np.errstate(over="ignore"):
+                out["dense"] = (np.where(seen, 0, fill).astype(m.np_dtype) + np.where(
+                    out["padded"][:, None, None, :], fill, 0).astype(m.np_dtype))
+        else:
+            out["dense"] = (np.where(keep, 0.0, m.fill) + out.get("bias", 0.0)).astype(m.np_dtype)
     return out
 
 
@@ -163,7 +173,8 @@ def reference(m: Meaning, f: dict[str, np.ndarray]) -> np.ndarray:
     scores = scores + f.get("bias", 0.0)
     keep = keep_mask(m, f.get("padded"), q.shape[2], k.shape[2])
     if m.fill <= ABSORBING:  # float32 scores absorb it: every masked score is the fill
-        scores = np.where(keep, scores, m.fill)
+        # (or the fills that add up there)
+        scores = np.where(keep, scores, f["dense"] if m.mask_terms == 2 else m.fill)
     else:  # a finite fill added (softmax(s + fill) where every key is masked), rounded as
         added = (scores.astype(m.np_dtype) + m.np_dtype(m.fill)).astype(np.float64)  # the graph
         scores = np.where(keep, scores, added)

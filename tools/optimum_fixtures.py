@@ -52,6 +52,11 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     # cos/sin looked up in a table of n_positions rows (head 32: the kernel rotates 16 of it)
     "gptj": ("text-generation-with-past", "GPTJConfig", "GPTJForCausalLM",
              {"num_attention_heads": 2, "rotary_dim": 16, "n_inner": 128}),
+    # causal scores replaced by the fill (a local window every other layer), then the 4-D
+    # mask added: a key both hide gets -inf, a padded one the fill (two mask terms)
+    "gpt_neo": ("text-generation-with-past", "GPTNeoConfig", "GPTNeoForCausalLM",
+                {"num_layers": 2, "num_heads": 4, "attention_types": [[["global", "local"], 1]],
+                 "window_size": 16}),
     "bloom": ("text-generation-with-past", "BloomConfig", "BloomForCausalLM",
               {"n_layer": 2, "n_head": 4}),
     "opt": ("text-generation-with-past", "OPTConfig", "OPTForCausalLM",

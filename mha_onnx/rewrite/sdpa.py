@@ -45,6 +45,7 @@ class SdpaInfo:
     self_attention: bool
     block: str
     sink: ir.Value | None = None  # [H] logits in each row's denominator (rewrite/sinks.py)
+    mask_terms: int = 1  # the mask terms ``dense`` sums (more: a key's fills may add up)
 
     @property
     def dk(self) -> int:
@@ -73,7 +74,7 @@ class SdpaInfo:
             mask_kind=str(a["mask_kind"]), causal=bool(a["causal"]), window=int(a["window"]),
             alignment=str(a["alignment"]), fill=float(a["fill"]), fill_mode=str(a["fill_mode"]),
             nan_to_zero=bool(a["nan_to_zero"]), self_attention=bool(a["self_attention"]),
-            block=str(a["block"]), sink=inputs[6],
+            block=str(a["block"]), sink=inputs[6], mask_terms=int(a.get("mask_terms", 1)),
         )
 
     def all_masked_value(self) -> str | None:
@@ -124,6 +125,7 @@ def emit_sdpa(op, core) -> ir.Value:
         "window": causal.window if causal else 0, "alignment": causal.alignment if causal else "",
         "fill": float(mask.fill), "fill_mode": mask.mode, "nan_to_zero": int(core.nan_to_zero),
         "self_attention": int(core.self_attention), "block": core.block,
+        "mask_terms": len(mask.terms),
     }
     sink = None
     if core.sink is not None:  # in the kernel's dtype: the query's

@@ -56,3 +56,16 @@ def test_openvino_gets_every_head_its_own_kv():
     model, _ = _check(Meaning(causal=True, kv_heads=2), 5, 5, ungroup=True)
     attention = next(n for n in model.graph if n.op_type == "Attention")
     assert attention.inputs[1].producer() is not None  # K repeated before the op
+
+
+def test_fully_masked_rows_where_two_fills_add_up():
+    """GPT-Neo's causal scores replaced by the lowest float, then its padding mask added: a
+    key both hide is -inf, a padded one the fill, so a fully padded row's query reads the
+    mean of V over the keys up to it (its window), not over every key."""
+    padded = np.zeros((4, 6), bool)
+    padded[1, :3] = True  # left padding: its first queries see no kept key
+    padded[3, :] = True  # every key padded
+    for window in (0, 2):
+        meaning = Meaning(causal=True, window=window, padded=True, fill=MIN32, mask_terms=2)
+        _, form = _check(meaning, 6, 6, padded)
+        assert form.kernel == "Attention + attention bias"

@@ -24,6 +24,7 @@ from tests.sdpa_graphs import (
 )
 
 MAX = 16
+MIN32 = float(np.finfo(np.float32).min)
 
 
 def _shared(meaning: Meaning):
@@ -59,3 +60,28 @@ def test_steps_and_prompts_run_gqa_on_the_buffer_and_chunks_the_general_form(kv_
     assert str(past_k.shape[2]) == "max_sequence_length"
     for past, s in ((0, 5), (6, 1), (4, 3)):  # prompt, decode step (GQA), chunk (general)
         _check(model, meaning, past, s)
+
+
+@pytest.mark.parametrize("mask_terms, fill", [(1, MIN32), (2, MIN32), (1, -1e4)],
+                         ids=["one-term", "two-terms", "finite-fill"])
+def test_left_padded_queries_of_a_prompt_get_what_the_masks_add_up_to(mask_terms, fill):
+    """Per-row lengths (a padding input): a prompt's queries before their row's first kept
+    key see only masked keys. With one mask term each key has the fill once (the mean of
+    V); with two added (GPT-Neo) a causally hidden padded key is -inf, so the mean runs
+    over the keys up to the query; with a finite fill the scores still count: both
+    computed from the mask's rows when a row is left-padded."""
+    meaning = Meaning(causal=True, alignment="bottom-right", kv_heads=2, padded=True,
+                      fill=fill, mask_terms=mask_terms)
+    model = cached_model(meaning)
+    stage = lower_for_ort(model, FormPolicy(kv_cache="shared"))
+    share_interface(model.graph, stage.layers)
+    assert "per-row lengths" in stage.forms["block0"].kernel
+    padded = np.zeros((3, 6), bool)
+    padded[1, :2] = True
+    padded[2, :5] = True
+    f = cached_feeds(meaning, 3, 0, 6, padded)
+    for name in ("k", "v"):
+        f[f"past_{name}"] = np.zeros((3, 2, MAX, meaning.head), np.float32)
+    f[LENGTH_INPUT] = np.array(0, np.int64)
+    got = run_all(model, f)
+    assert_matches(got["out"], reference(meaning, f))

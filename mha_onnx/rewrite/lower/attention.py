@@ -13,7 +13,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from mha_onnx.rewrite.forms import Form
-from mha_onnx.rewrite.lower.common import causal_bias, mean_over_keys
+from mha_onnx.rewrite.lower.common import absorbed_mean, causal_bias, mean_over_keys
 from mha_onnx.rewrite.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN, SdpaInfo, repeat_heads, seq_dim
 
@@ -78,7 +78,11 @@ def _dense(op, info: SdpaInfo) -> ir.Value:
     out = _attention(op, info, bias)
     row_max = op.ReduceMax(bias, op.Constant(value_ints=[-1]), keepdims=1)
     neg_inf = op.Equal(row_max, info.const(op, -math.inf))
-    special = op.Where(neg_inf, _nan_or_zero(op, info), _mean_of_values(op, info))
+    # one term: every key of a fully masked row has the one fill (uniform); more: fills may
+    # add up (GPT-Neo: a key both hide is -inf), so the keys at the row's highest mask value
+    mean = _mean_of_values(op, info) if info.mask_terms == 1 else \
+        absorbed_mean(op, info, dense, info.value)
+    special = op.Where(neg_inf, _nan_or_zero(op, info), mean)
     out = op.Where(op.LessOrEqual(row_max, info.const(op, ABSORBING)), special, out)
     if info.nan_to_zero:
         out = op.Where(op.IsNaN(out), info.const(op, 0.0), out)

@@ -175,6 +175,24 @@ def mean_over_keys(op, v: ir.Value, axis: int) -> ir.Value:
     return op.Div(total, op.CastLike(seq_dim(op, v, axis), v))
 
 
+def absorbed_mean(op, info: SdpaInfo, dense: ir.Value, v: ir.Value) -> ir.Value:
+    """softmax(s + dense)·V, [B, H, S, Dv], for query rows whose every score the mask's fill
+    absorbs (s + fill == fill): uniform weights over each row's keys at the row's highest
+    mask value (a key two fills hide, at -inf or far below, gets none); NaN for a row of
+    -inf only. ``dense`` [B|1, 1|H, S, T], ``v`` [B, G, T, Dv]."""
+    top = op.ReduceMax(dense, op.Constant(value_ints=[-1]), keepdims=1)
+    chosen = op.And(op.Equal(dense, top), op.Greater(top, info.const(op, -math.inf)))
+    weights = op.Cast(chosen, to=v.dtype)
+    count = op.ReduceSum(weights, op.Constant(value_ints=[-1]), keepdims=1)
+    rep = info.heads // info.kv_heads
+    shape = dims(dense)
+    one_head = shape is not None and shape[1] == 1
+    if not one_head:  # a mask per head (or unknown): V repeated to every head first
+        v = repeat_heads(op, v, rep)
+    out = op.Div(op.MatMul(weights, v), count)  # [B, G|H, S, Dv]
+    return repeat_heads(op, out, rep) if one_head else out
+
+
 def fully_masked_value(op, info: SdpaInfo, v: ir.Value, v_axis: int) -> ir.Value | None:
     """What the original gives a query whose keys are all masked, broadcastable onto the
     kernel's output; None when the kernel itself computes it (an additive finite fill)."""

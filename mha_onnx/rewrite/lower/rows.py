@@ -15,7 +15,8 @@ At run time an ``If`` picks the form:
 - a prompt (no past) whose rows each keep one run of positions (left, right or no
   padding, at least one kept): the rows gathered kept-first (one ``Gather`` per Q, K, V and
   one back), GQA on that as right padding; queries before a row's first kept key (left
-  padding) get what the original gives a query with every key masked;
+  padding) get what the original gives them, computed from its mask's rows (only when a
+  row is left-padded);
 - otherwise: the cache's kept keys put back at their logical positions (and the padded ones
   behind them), the original mask as a dense bias over past ++ new, and the new positions
   written at ``[n_b, n_b + S)``: exact, not fast.
@@ -33,6 +34,8 @@ from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
 from mha_onnx.rewrite.irutil import const_scalar
 from mha_onnx.rewrite.lower.common import (
     TapeOps,
+    absorbed_mean,
+    clone_into,
     dense_mha,
     fully_masked_value,
     general_kernel,
@@ -43,6 +46,7 @@ from mha_onnx.rewrite.lower.common import (
     scalar_shape,
 )
 from mha_onnx.rewrite.lower.gqa import gqa_with_past, half_precision, if_forms
+from mha_onnx.rewrite.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
 
@@ -114,9 +118,6 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
             cond = ops.And(cond, ops.Or(ops.LessOrEqual(new32, int_const(ops, info.window,
                                                                         np.int32)),
                                         none_padded(ops, info)))
-        if info.all_masked_value() is None:  # left-padded queries not reproducible: right only
-            first = ops.Slice(keep, int_const(ops, [0]), int_const(ops, [1]), int_const(ops, [1]))
-            cond = ops.And(cond, ops.Equal(ops.ReduceMin(first, keepdims=0), one))
         return if_forms(ops, info, cond,
                         lambda o: _prompt(o, info, q3, k3, v3, key, value, keep, seqlens),
                         lambda o: _general(o, info, q3, key, value, keep, past),
@@ -213,15 +214,47 @@ def _prompt(ops, info: SdpaInfo, q3, k3, v3, key, value, keep, seqlens):
         ops, info, gather_rows(ops, q3, src), gather_rows(ops, k3, src),
         gather_rows(ops, v3, src), key.past, value.past, seqlens, total)
     out = gather_rows(ops, out, dest)
-    special = fully_masked_value(ops, info, value.new, 2)
-    if special is not None:  # a query before its row's first kept key sees no key
-        if info.all_masked_value() == "mean":  # mean of V: [B, G, 1, D] -> [B, 1, H*D]
+    unseen = ops.Equal(ops.CumSum(keep, int_const(ops, 1)), int_const(ops, 0, np.int32))
+    mode = info.all_masked_value()
+    if mode in ("nan", "zero") or (mode == "mean" and info.mask_terms == 1):
+        # every score -inf (a constant), or one mask term whose fill every key gets once
+        # (uniform weights: the mean of V)
+        special = fully_masked_value(ops, info, value.new, 2)
+        if mode == "mean":  # [B, G, 1, D] -> [B, 1, H*D]
             wide = repeat_heads(ops, special, info.heads // info.kv_heads)
             special = ops.Reshape(ops.Transpose(wide, perm=[0, 2, 1, 3]),
                                   int_const(ops, [0, 1, -1]))
-        unseen = ops.Equal(ops.CumSum(keep, int_const(ops, 1)), int_const(ops, 0, np.int32))
-        out = ops.Where(ops.Unsqueeze(unseen, int_const(ops, [2])), special, out)
+        return (ops.Where(ops.Unsqueeze(unseen, int_const(ops, [2])), special, out),
+                present_key, present_value)
+    most = ops.ReduceMax(ops.ReduceSum(ops.Cast(unseen, to=ir.DataType.INT64),
+                                       int_const(ops, [1]), keepdims=0), keepdims=1)  # [1]
+    out = if_forms(ops, info, ops.Greater(ops.Reshape(most, scalar_shape(ops)), int_const(ops, 0)),
+                   lambda o: _unseen_queries(o, info, q3, key.new, value.new, unseen, most, out),
+                   lambda o: o.Identity(out), "rows_unseen")
     return out, present_key, present_value
+
+
+def _unseen_queries(ops, info: SdpaInfo, q3, k, v, unseen, most, out):
+    """``out`` [B, S, H*Dv] with the queries before their row's first kept key (left padding)
+    as the original computes them, over the first ``most`` query rows, where the mask has
+    more than one term or a finite fill. What a query with every key masked gets then
+    depends on how the terms add up (GPT-Neo replaces causally hidden scores by the fill and
+    then adds its padding mask, which makes them -inf and leaves the padded keys up to the
+    query at the fill: a mean over those, not over every key), so it is computed from the
+    original mask's rows: where the fill absorbs the scores, the mean of V over
+    each row's highest-masked keys (:func:`absorbed_mean`); else (a finite fill, a sink)
+    MultiHeadAttention with the original mask on those rows."""
+    axis, zero = int_const(ops, [1]), int_const(ops, [0])
+    dense = ops.Slice(clone_into(ops, info.dense), zero, most, int_const(ops, [2]))
+    if info.sink is None and info.fill <= ABSORBING:
+        first = ops.Reshape(ops.Transpose(absorbed_mean(ops, info, dense, v), perm=[0, 2, 1, 3]),
+                            int_const(ops, [0, 0, -1]))
+    else:
+        first = dense_mha(ops, dataclasses.replace(info, key=k, value=v, dense=dense),
+                          ops.Slice(q3, zero, most, axis), lazy=False)
+    mine = ops.Unsqueeze(ops.Slice(unseen, zero, most, axis), int_const(ops, [2]))
+    return ops.Concat(ops.Where(mine, first, ops.Slice(out, zero, most, axis)),
+                      ops.Slice(out, most, int_const(ops, [2 ** 62]), axis), axis=1)
 
 
 def _general(ops, info: SdpaInfo, q3, key, value, keep, past):
