@@ -155,6 +155,12 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
     "t5": ("text2text-generation-with-past", "T5Config", "T5ForConditionalGeneration",
            {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2,
             "num_heads": 4}),
+    # local attention over blocks of 9 (radius 8): Q [B, blocks, 9, H, D] against each
+    # block's 27 neighbouring keys, both products 5-D Einsums (its encoder only)
+    "longt5": ("text2text-generation", "LongT5Config", "LongT5ForConditionalGeneration",
+               {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2,
+                "num_decoder_layers": 2, "num_heads": 4, "encoder_attention_type": "local",
+                "local_radius": 8, "decoder_start_token_id": 0}),
 }
 
 # families whose folders keep only some of Optimum's files (the rest is what other fixtures
@@ -162,6 +168,7 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
 KEEP = {
     "moonshine": ("encoder_model.onnx", "decoder_with_past_model.onnx", "config.json"),
     "speech_to_text": ("encoder_model.onnx",),
+    "longt5": ("encoder_model.onnx",),
     "whisper": ("decoder_model_merged.onnx", "config.json"),
 }
 

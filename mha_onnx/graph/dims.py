@@ -228,12 +228,15 @@ def _trial_array(spec, sizes: dict) -> np.ndarray:
 
 _FLOORS: dict[str, dict[str, int]] = {}  # graph structure -> {dim: least size}
 FLOOR_LIMIT = 4096  # wav2vec2-base needs 400 samples
-WINDOWED = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"}
+# ops of graphs that cut their lengths into windows or blocks, which may need a least length:
+# convolutions and pooling; Einsum (LongT5's transient-global attention sums blocks of
+# global_block_size tokens and fails below one block)
+WINDOWED = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "Einsum"}
 
 
 def floor_dims(model: onnx.ModelProto, specs: Sequence) -> list:
     """``specs`` with the floors of the length dims the graph does not run at size 1 (see
-    the module docstring); as they are for graphs without convolutions or pooling."""
+    the module docstring); as they are for graphs without convolutions, pooling or Einsums."""
     leading = {s.dims[0] for s in specs if s.dims}
     names = sorted({d for s in specs for d in s.dims[1:] if isinstance(d, str) and "+" not in d}
                    - leading)

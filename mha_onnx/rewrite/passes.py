@@ -7,19 +7,17 @@ going in, the blocks and forms found coming out.
 
     prepare -> normalise -> recognise -> lower (ORT | ONNX) -> tighten -> cache record -> tidy
 
-``pipeline(run)`` gives the list. The ORT target lowers onto ORT's contrib kernels, then
-tightens the layer around them (below); passes measured on the CPU kernels only (the
-residual Sum, the rotary fold, the packed Q/K/V) are on the list for ``ep == "cpu"`` alone,
-so that what a GPU gets is read off the list, not off a switch inside a function. The ONNX
-target (and OpenVINO, which reads the same standard ops) lowers onto ONNX's Attention.
+``pipeline(run)`` gives the list. The ORT target lowers onto ORT's contrib kernels and
+tightens the layer around them (below); passes measured on the CPU kernels only (residual
+Sum, rotary fold, packed Q/K/V) are listed for ``ep == "cpu"`` alone: what a GPU gets is read
+off the list. The ONNX target (and OpenVINO: the same ops) lowers onto ONNX's Attention.
 
-Tightening the rest of the layer, where a decode step's time goes once attention is fast,
-in order: RMS norms onto SimplifiedLayerNormalization and, for the CPU, residual Adds before
-a float32 LayerNormalization written as Sum (norms.py); the exporter's rotary folded into
-GroupQueryAttention, its Q/K/V projections packed into one MatMul (rotary.py, packing.py);
-the guards (Guards, below); last, any other GQA's projections packed too (packing.py,
-after the sinking: a branch's own copies are what its kernel alone reads). What the guards
-still cost a decode step: tools/experiments/guard_cost.py.
+Tightening the rest of the layer (a decode step's time once attention is fast), in order:
+RMS norms onto SimplifiedLayerNormalization, for the CPU residual Adds before a float32
+LayerNormalization as Sum (norms.py); the exporter's rotary folded into GQA, its Q/K/V
+projections packed into one MatMul (rotary.py, packing.py); the guards (Guards, below); any
+other GQA's projections packed (packing.py; after the sinking, a branch's own copies are
+what its kernel alone reads). The guards' cost: tools/experiments/guard_cost.py.
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ from onnxscript.rewriter import RewriteRuleSet
 from mha_onnx.graph.cache import LENGTH_INPUT
 from mha_onnx.rewrite.blocks import find_blocks
 from mha_onnx.rewrite.core import BlockLog, OnnxAttention, SoftmaxAttention
+from mha_onnx.rewrite.einsums import BLOCKED_NOTE, blocked_einsums
 from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.forms import Form, rotating_kernels
 from mha_onnx.rewrite.irutil import MS_DOMAIN, all_graphs, opset
@@ -179,9 +178,9 @@ def unique_node_names(model: ir.Model) -> int:
 
 class Normalise(FusionPass):
     """Repairs ORT needs and attention spelt so that each Softmax is one block: RotaryEmbedding
-    caches broadcast over the batch expanded, masks added on a view of the scores made biases
-    on them (windows.py), a sink scaling the output made a column of the scores (sinks.py),
-    Softmax weights applied to several value tensors made one attention each."""
+    caches over the batch expanded, masks on a view of the scores made biases on them
+    (windows.py), a sink scaling the output a column of the scores (sinks.py), weights applied
+    to several values one attention each, Einsum attention over blocks 4-D MatMuls (einsums.py)."""
 
     NOTES = {
         "repaired": "repaired {n} RotaryEmbedding node(s) that onnxruntime 1.31 refuses "
@@ -191,7 +190,8 @@ class Normalise(FusionPass):
         "scaled_sinks": SCALED_NOTE,
         "shared_probabilities": "{n} differential attention(s) (Softmax weights applied to "
                                 "several value tensors, or combined before V) made one "
-                                "attention per Softmax"}
+                                "attention per Softmax",
+        "blocked": BLOCKED_NOTE}
 
     def apply(self, model: ir.Model) -> dict[str, int]:
         repaired, windows, scaled = [], [], []  # type: ignore[var-annotated]
@@ -200,10 +200,11 @@ class Normalise(FusionPass):
         if windows or scaled:
             remove_unused_nodes(model)  # the views and their Adds, the logsumexp
         merged = merge_value_matmuls(model) + distribute_combinations(model)
-        if merged:
-            remove_unused_nodes(model)  # the scaled weights now read by nothing
+        blocked = blocked_einsums(model)
+        if merged or blocked:
+            remove_unused_nodes(model)  # the scaled weights, the Einsums now read by nothing
         return {"repaired": len(repaired), "views": len(windows), "scaled_sinks": len(scaled),
-                "shared_probabilities": merged}
+                "shared_probabilities": merged, "blocked": blocked}
 
 
 class Recognise(FusionPass):
@@ -325,9 +326,8 @@ class Guards(FusionPass):
 
 
 class PackKernelInputs(FusionPass):
-    """Any other GroupQueryAttention's projections packed into one MatMul, Q, K and V read
-    as one tensor (packing.py; after the guards: a branch's own copies are what its kernel
-    alone reads)."""
+    """Any other GQA's projections packed into one MatMul, Q, K and V read as one tensor
+    (packing.py; after the guards: a branch's own copies are what its kernel alone reads)."""
 
     TARGETS, EPS = ("ort",), ("cpu",)
     NOTES = {"kernels": "{n} GroupQueryAttention kernel(s) read Q, K and V as one packed "

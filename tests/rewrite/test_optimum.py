@@ -86,6 +86,9 @@ def test_optimum_exports_fuse_every_block(path, tmp_path):
         assert any("mask(s) added on a view" in n for n in report.notes), report.notes
     if path.parent.name == "siglip_vision":  # the pooling head (a probe query of batch 1)
         assert len(report.blocks) == 3 and "head/attention" in report.blocks[-1].block
+    if path.parent.name == "longt5":  # local attention: 5-D Einsums over blocks, merged
+        assert any("written as Einsums" in n for n in report.notes), report.notes
+        assert all(f == "MultiHeadAttention + attention_bias" for f in forms), forms
     if path.parent.name == "swinv2":  # its learned logit scale per head, folded into Q
         assert len(meanings) == 4 and all("a scale per head" in m for m in meanings), meanings
     if path.name == "decoder_model_merged.onnx":  # both branches fused, both verified

@@ -1,0 +1,67 @@
+"""blocked_einsums: attention over blocks written as 5-D Einsums (LongT5's local attention)
+rewritten as 4-D MatMuls over the blocks stacked on the batch; the same values, and blocks
+spelt otherwise left as they are."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+from mha_onnx.rewrite.einsums import blocked_einsums
+
+B, NB, BL, KL, H, D = 2, 3, 4, 12, 2, 8
+
+
+def _model(qk: str = "...qhd,...khd->...hqk", pv: str = "...hqk,...khd->...qhd",
+           axis: int = -1) -> onnx.ModelProto:
+    nodes = [helper.make_node("Einsum", ["q", "k"], ["s"], equation=qk),
+             helper.make_node("Add", ["s", "mask"], ["masked"]),
+             helper.make_node("Softmax", ["masked"], ["p"], axis=axis),
+             helper.make_node("Einsum", ["p", "v"], ["out"], equation=pv)]
+    inputs = [helper.make_tensor_value_info("q", TP.FLOAT, [B, NB, BL, H, D]),
+              helper.make_tensor_value_info("k", TP.FLOAT, [B, NB, KL, H, D]),
+              helper.make_tensor_value_info("v", TP.FLOAT, [B, NB, KL, H, D]),
+              helper.make_tensor_value_info("mask", TP.FLOAT, [B, NB, 1, BL, KL])]
+    out = helper.make_tensor_value_info("out", TP.FLOAT, None)
+    graph = helper.make_graph(nodes, "blocks", inputs, [out])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def _feeds():
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((B, NB, L, H, D)).astype(np.float32)
+             for n, L in (("q", BL), ("k", KL), ("v", KL))}
+    keep = rng.random((B, NB, 1, BL, KL)) > 0.3
+    feeds["mask"] = np.where(keep, 0.0, -1e10).astype(np.float32)
+    return feeds
+
+
+def test_blocks_become_4d_matmuls_with_the_same_values():
+    original = _model()
+    model = ir.from_proto(original)
+    assert blocked_einsums(model) == 1
+    rewritten = ir.to_proto(model)
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert ops.count("MatMul") == 2 and "Softmax" in ops
+    feeds = _feeds()
+    np.testing.assert_allclose(_run(rewritten, feeds), _run(original, feeds), atol=1e-5)
+
+
+@pytest.mark.parametrize("change", [
+    {"qk": "...qhd,...khd->...hkq"},  # scores as [.., h, k, q]: the Softmax is not over keys
+    {"axis": 2},  # a Softmax over another axis
+    {"pv": "...hqk,...qhd->...khd"},  # the weights contracted over the queries
+])
+def test_other_spellings_are_left(change):
+    model = ir.from_proto(_model(**change))
+    assert blocked_einsums(model) == 0
