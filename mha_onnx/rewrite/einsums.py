@@ -1,4 +1,4 @@
-"""Attention over blocks spelt with Einsums, as 4-D MatMuls over the blocks stacked on the batch.
+"""Attention written with Einsums, as 4-D MatMuls over every other axis stacked on the batch.
 
 LongT5's local attention (and its transient-global kin) splits the sequence into blocks and
 keeps one more axis than attention kernels take: Q [B, nb, bl, H, D], K and V [B, nb, kl, H,
@@ -8,76 +8,117 @@ D] (each block's keys: itself and its neighbours), and writes the products as Ei
     p = Softmax(s + m)                                  # m: position bias + local mask
     o = Einsum("...hqk,...khd->...qhd", p, V)          # [B, nb, bl, H, D]
 
-Each block is an attention of its own, so with the leading axes merged into one batch
-(``B' = B * nb``) the same values are ``Q'·K'^T`` and ``p'·V'`` with Q' [B', H, bl, D],
-K'^T [B', H, D, kl], V' [B', H, kl, D]: Reshapes and Transposes only move elements, and
-each score is the same sum over ``d`` (up to the kernels' summation order). The masks added
-on the 5-D scores are expanded over them and merged the same way, so the recogniser reads
-an ordinary block with an additive bias. Only the Einsums of one block are rewritten: Q·K^T,
-the Adds, Casts and the Softmax over its last axis between them, and the weights' Einsum
-with V; anything else between them leaves the block as it is.
+Each block is an attention of its own, so with the axes that are neither the heads nor the
+queries, keys or head size merged into one batch (``B' = B * nb``) the same values are
+``Q'·K'^T`` and ``p'·V'`` with Q' [B', H, bl, D], K'^T [B', H, D, kl], V' [B', H, kl, D]:
+Transposes and Reshapes only move elements, and each score is the same sum over ``d`` (up
+to the kernels' summation order). The masks added on the scores are expanded over them and
+moved the same way, so the recogniser reads an ordinary block with an additive bias. The
+heads are the one axis every operand shares whose size is fixed (Pegasus-X writes its
+blocks after the heads, ``BHNKF``: the blocks join the batch there too).
+
+Pegasus-X's local attention also reads global tokens beside each block: the scores against
+the global keys (one Einsum, broadcast over the blocks) and against the block's keys (a
+second) concatenated before the Softmax, the weights sliced apart for their two values and
+the two products added. That is one attention over the keys concatenated (the global ones
+expanded over the blocks) and the values likewise: :func:`_join_keys` writes it so first.
+
+Only a block made of those Einsums, Adds, Casts and one Softmax over its keys is rewritten;
+anything else between them leaves it as it is.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
+from onnxscript.optimizer import remove_unused_nodes
 
-from mha_onnx.rewrite.irutil import all_graphs, dims, int_attr, take_output
+from mha_onnx.rewrite.irutil import all_graphs, const_ints, dims, int_attr, take_output
 
 _STEPS = ("Add", "Cast")
-BLOCKED_NOTE = ("{n} attention(s) written as Einsums (LongT5's local attention over 5-D blocks) "
-                "made 4-D MatMuls, the axes before the last three merged into the batch")
-MERGED = "batch_x_blocks"  # the batch dim of the merged tensors (batch times blocks)
+BLOCKED_NOTE = ("{n} attention(s) written as Einsums (LongT5's local attention over 5-D blocks, "
+                "Pegasus-X's) made 4-D MatMuls, every axis but heads, queries, keys and head "
+                "size merged into the batch")
+MERGED = "batch_x_blocks"  # the batch dims of the merged tensors (batch times blocks), _n
+_ELLIPSIS = "0123456789"  # letters standing for the axes an equation's ``...`` covers
 
 
 def blocked_einsums(model: ir.Model) -> int:
     """Every Q·K^T Einsum whose scores reach a weights-times-V Einsum through Adds, Casts and
-    one Softmax, rewritten as 4-D MatMuls; returns how many blocks."""
+    one Softmax, rewritten as 4-D MatMuls (joined keys first); returns how many blocks."""
+    joined = [_join_keys(graph, node) for graph in all_graphs(model.graph)
+              for node in list(graph) if node.op_type == "Concat" and node.graph is graph]
+    if any(joined):
+        remove_unused_nodes(model)  # the slices and products the joined ones replace
     done = 0
     for graph in all_graphs(model.graph):
         for node in list(graph):
-            if node.op_type == "Einsum" and node.domain in ("", "ai.onnx"):
+            if _is_einsum(node):
                 found = _block(node)
                 if found is not None:
-                    _rewrite(graph, node, *found)
                     done += 1
+                    _rewrite(graph, node, *found, merged=f"{MERGED}_{done}")
     return done
 
 
-def _terms(node: ir.Node) -> tuple[str, str, str] | None:
-    """The three trailing axes of each operand and the output, when all share their leading
-    (batch) axes, written ``...`` or the same letters."""
+def _is_einsum(node: ir.Node | None) -> bool:
+    return node is not None and node.op_type == "Einsum" and node.domain in ("", "ai.onnx") \
+        and len(node.inputs) == 2
+
+
+def _equation(node: ir.Node) -> tuple[str, str, str] | None:
+    """The letters of each operand and the output, ``...`` written out as digits (both
+    operands' of one rank), no letter twice in one term."""
     equation = node.attributes.get("equation")
-    if equation is None or len(node.inputs) != 2:
+    if equation is None:
         return None
     text = equation.as_string().replace(" ", "")
     if "->" not in text or text.count(",") != 1:
         return None
     left, out = text.split("->")
-    a, b = left.split(",")
-    if any(len(t) < 3 for t in (a, b, out)) or not a[:-3] == b[:-3] == out[:-3]:
+    terms = [*left.split(","), out]
+    if "..." in text:
+        ranks = [len(dims(v) or []) for v in node.inputs]  # (0: unknown)
+        spans = {r - len(t.replace("...", "")) for r, t in zip(ranks, terms, strict=False) if r}
+        if len(spans) != 1 or not all("..." in t for t in terms):
+            return None
+        span = spans.pop()
+        terms = [t.replace("...", _ELLIPSIS[:span]) for t in terms]
+    if any(len(set(t)) != len(t) for t in terms):
         return None
-    return a[-3:], b[-3:], out[-3:]
+    return terms[0], terms[1], terms[2]
 
 
-def _roles(a: str, b: str, out: str) -> tuple[str, str, str, str] | None:
-    """(shared, a's own, b's own, contracted) letters of ``a, b -> out`` over three axes."""
-    if len(set(a)) != 3 or len(set(b)) != 3 or len(set(out)) != 3:
+def _roles(node: ir.Node, terms, heads: str | None = None
+           ) -> tuple[str, str, str, str, str] | None:
+    """(batch letters, heads, a's own, b's own, contracted) of a product ``a, b -> out``:
+    one letter each of a's own, b's own and contracted; the heads the last shared axis whose
+    size is fixed; the other shared axes the batch, in the output's order."""
+    a, b, out = terms
+    contracted = [c for c in a if c in b and c not in out]
+    own_a = [c for c in a if c in out and c not in b]
+    own_b = [c for c in b if c in out and c not in a]
+    shared = [c for c in out if c in a and c in b]
+    if len(contracted) != 1 or len(own_a) != 1 or len(own_b) != 1 \
+            or len(a) + len(b) + len(out) != 3 * len(shared) + 6:
         return None
-    shared = set(a) & set(b) & set(out)
-    contracted = (set(a) & set(b)) - set(out)
-    own_a, own_b = (set(a) & set(out)) - shared, (set(b) & set(out)) - shared
-    if not all(len(s) == 1 for s in (shared, contracted, own_a, own_b)):
+    if heads is None:  # (the weights' Einsum: the scores')
+        size = dims(node.inputs[0])
+        fixed = [c for c in shared if size is not None and isinstance(size[a.index(c)], int)]
+        if not fixed:
+            return None
+        heads = fixed[-1]
+    if heads not in shared:
         return None
-    return shared.pop(), own_a.pop(), own_b.pop(), contracted.pop()
+    return "".join(c for c in shared if c != heads), heads, own_a[0], own_b[0], contracted[0]
 
 
 def _block(qk: ir.Node):
-    """(the chain of Adds/Casts/Softmax/Casts, the V Einsum) when ``qk`` is Q·K^T of a
-    block whose weights reach V through an Einsum; None otherwise."""
-    terms = _terms(qk)
-    roles = _roles(*terms) if terms else None
-    if roles is None or terms[2] != roles[0] + roles[1] + roles[2]:  # out: [.., h, q, k]
+    """(roles, the chain of Adds/Casts/Softmax/Casts, the V Einsum, its terms) when ``qk`` is
+    Q·K^T of a block whose weights reach V through an Einsum; None otherwise."""
+    terms = _equation(qk)
+    roles = _roles(qk, terms) if terms else None
+    if roles is None or terms[2][-1] != roles[3]:  # the Softmax's axis: the keys, last
         return None
     chain, value, softmax = [], qk.outputs[0], None
     while True:
@@ -85,40 +126,52 @@ def _block(qk: ir.Node):
         if len(users) != 1 or value.is_graph_output():
             return None
         user = users[0][0]
-        if user.op_type == "Einsum" and softmax is not None and user.inputs[0] is value:
+        if _is_einsum(user) and softmax is not None and user.inputs[0] is value:
             break
         if user.op_type == "Softmax" and softmax is None:
-            rank = len(dims(value) or []) or None
-            if int_attr(user, "axis", -1) not in (-1, (rank or 0) - 1):
+            if int_attr(user, "axis", -1) not in (-1, len(terms[2]) - 1):
                 return None
             softmax = user
         elif user.op_type not in _STEPS or (user.op_type == "Add" and softmax is not None):
             return None
         chain.append(user)
         value = user.outputs[0]
-    pv_terms = _terms(user)
-    pv_roles = _roles(*pv_terms) if pv_terms else None
-    if pv_roles is None or pv_terms[0] != pv_roles[0] + pv_roles[1] + pv_roles[3]:
-        return None  # the weights as [.., h, q, k], k contracted with V's keys
-    return terms, chain, user, pv_terms, pv_roles
+    pv_terms = _equation(user)
+    if pv_terms is None or len(pv_terms[0]) != len(terms[2]):
+        return None
+    rename = dict(zip(pv_terms[0], terms[2], strict=True))  # the weights' letters -> scores'
+    if any(c in terms[2] for c in pv_terms[1] + pv_terms[2] if c not in rename):
+        return None  # V's own letter reads like one of the scores' axes once renamed
+    batch, heads, q, k, _ = roles
+    pv_roles = _roles(user, (terms[2], "".join(rename.get(c, c) for c in pv_terms[1]),
+                             "".join(rename.get(c, c) for c in pv_terms[2])), heads)
+    if pv_roles is None or pv_roles[:3] != (batch, heads, q) or pv_roles[4] != k:
+        return None  # the weights' keys contracted with V's, the other axes kept
+    return roles, chain, user, rename, pv_roles[3]
 
 
-def _rewrite(graph: ir.Graph, qk: ir.Node, terms, chain, pv: ir.Node, pv_terms, pv_roles):
+def _rewrite(graph: ir.Graph, qk: ir.Node, roles, chain, pv: ir.Node, rename, dv: str, *,
+             merged: str) -> None:
+    """The block as MatMuls over [``merged``, H, ..] (a batch dim named for this block:
+    ORT reuses buffers across values whose dims share a name)."""
     tape = ir.tape.Tape()
-    shared, own_q, own_k, inner = _roles(*terms)  # type: ignore[misc]
-    q4 = _merged(tape, qk.inputs[0], terms[0], shared + own_q + inner)  # [B', H, q, D]
-    kt = _merged(tape, qk.inputs[1], terms[1], shared + inner + own_k)  # [B', H, D, k]
+    a, b, out = _equation(qk)  # type: ignore[misc]
+    batch, heads, q, k, d = roles
+    query, key = qk.inputs
+    q4 = _merged(tape, query, a, batch, heads + q + d, merged)  # [B', H, q, D]
+    kt = _merged(tape, key, b, batch, heads + d + k, merged)  # [B', H, D, k]
     scores = _like(tape.op("MatMul", [q4, kt]), q4, kt)
-    batch = tape.op("Shape", [qk.inputs[0]], {"end": -3})
-    whole = tape.op("Shape", [scores], {"start": 1})
-    shape5 = tape.op("Concat", [batch, whole], {"axis": 0})
-    shape4 = tape.op("Concat", [_ints(tape, [-1]), whole], {"axis": 0})
+    shape4 = tape.op("Concat", [_ints(tape, [-1]), tape.op("Shape", [scores], {"start": 1})],
+                     {"axis": 0})
+    both = tape.op("Concat", [tape.op("Shape", [query]), tape.op("Shape", [key])], {"axis": 0})
+    whole = _picked(tape, both, [a.index(c) if c in a else len(a) + b.index(c) for c in out])
+    to_merged = [out.index(c) for c in batch + heads + q + k]
     value, old = scores, qk.outputs[0]
     for step in chain:
         if step.op_type == "Add":
             mask = step.inputs[1] if step.inputs[0] is old else step.inputs[0]
-            bias = tape.op("Reshape", [tape.op("Expand", [mask, shape5]), shape4])
-            value = _like(tape.op("Add", [value, bias]), value)
+            moved = tape.op("Transpose", [tape.op("Expand", [mask, whole])], {"perm": to_merged})
+            value = _like(tape.op("Add", [value, tape.op("Reshape", [moved, shape4])]), value)
         elif step.op_type == "Softmax":  # over the keys, the last axis of either rank
             value = _like(tape.op("Softmax", [value], {"axis": -1}), value)
             value.producer().name, step.name = step.name, f"{step.name}@einsum"  # the block's
@@ -126,13 +179,16 @@ def _rewrite(graph: ir.Graph, qk: ir.Node, terms, chain, pv: ir.Node, pv_terms, 
             to = step.attributes["to"].value
             value = _like(tape.op("Cast", [value], {"to": to}), value, dtype=ir.DataType(to))
         old = step.outputs[0]
-    h, q, k, d = pv_roles[0], pv_roles[1], pv_roles[3], pv_roles[2]
-    v4 = _merged(tape, pv.inputs[1], pv_terms[1], h + k + d)  # [B', H, k, D]
-    out4 = _like(tape.op("MatMul", [value, v4]), value, v4)  # [B', h, q, d]
-    order = [(h + q + d).index(c) for c in pv_terms[2]]
-    out = tape.op("Transpose", [out4], {"perm": [0, *(i + 1 for i in order)]})
-    back = tape.op("Concat", [batch, tape.op("Shape", [out], {"start": 1})], {"axis": 0})
-    result = tape.op("Reshape", [out, back])
+    back = {v: c for c, v in rename.items()}  # scores' letters -> the V Einsum's
+    _, vb, vout = _equation(pv)  # type: ignore[misc]
+    v_letters = "".join(rename.get(c, c) for c in vb)
+    v4 = _merged(tape, pv.inputs[1], v_letters, batch, heads + k + dv, merged)  # [B', H, k, Dv]
+    out4 = _like(tape.op("MatMul", [value, v4]), value, v4)  # [B', H, q, D]
+    unmerged = tape.op("Reshape", [out4, tape.op("Concat", [
+        _picked(tape, tape.op("Shape", [query]), [a.index(c) for c in batch]),
+        tape.op("Shape", [out4], {"start": 1})], {"axis": 0})])
+    layout = [back.get(c, c) for c in batch + heads + q + dv]
+    result = tape.op("Transpose", [unmerged], {"perm": [layout.index(c) for c in vout]})
     if pv.outputs[0].dtype is not None:
         result.dtype, result.shape = pv.outputs[0].dtype, pv.outputs[0].shape
     graph.insert_before(pv, tape.nodes)
@@ -140,18 +196,24 @@ def _rewrite(graph: ir.Graph, qk: ir.Node, terms, chain, pv: ir.Node, pv_terms, 
     ir.convenience.replace_all_uses_with(pv.outputs[0], result)
 
 
-def _merged(tape: ir.tape.Tape, x: ir.Value, axes: str, want: str) -> ir.Value:
-    """``x`` [batch.., three axes named ``axes``] -> [B', the axes in the order ``want``]."""
-    flat = tape.op("Reshape", [x, tape.op("Concat", [
-        _ints(tape, [-1]), tape.op("Shape", [x], {"start": -3})], {"axis": 0})])
-    perm = [0, *(axes.index(c) + 1 for c in want)]
-    out = tape.op("Transpose", [flat], {"perm": perm})
+def _merged(tape: ir.tape.Tape, x: ir.Value, axes: str, batch: str, want: str, name: str
+            ) -> ir.Value:
+    """``x`` (axes named ``axes``) -> [B', the axes ``want`` in that order], B' the
+    ``batch`` axes merged (in that order)."""
+    moved = tape.op("Transpose", [x], {"perm": [axes.index(c) for c in batch + want]})
+    flat = tape.op("Reshape", [moved, tape.op("Concat", [
+        _ints(tape, [-1]), tape.op("Shape", [moved], {"start": len(batch)})], {"axis": 0})])
     shape = dims(x)
-    if x.dtype is not None and shape is not None and len(shape) >= 3:  # heads, head size
-        trailing = shape[-3:]  # (both typed: the recogniser reads K under its Transpose)
-        flat.dtype, flat.shape = x.dtype, ir.Shape([MERGED, *trailing])
-        out.dtype, out.shape = x.dtype, ir.Shape([MERGED, *(trailing[axes.index(c)] for c in want)])
-    return out
+    if x.dtype is not None and shape is not None:  # the recogniser reads the heads and head
+        flat.dtype, flat.shape = x.dtype, ir.Shape([name, *(shape[axes.index(c)] for c in want)])
+    return flat
+
+
+def _picked(tape: ir.tape.Tape, shape: ir.Value, indices: list[int]) -> ir.Value:
+    """The dims of ``shape`` at ``indices`` (an empty list: none, [0] int64)."""
+    if not indices:
+        return tape.op("Constant", [], {"value": ir.tensor(np.zeros(0, np.int64))})
+    return tape.op("Gather", [shape, _ints(tape, indices)], {"axis": 0})
 
 
 def _like(new: ir.Value, a: ir.Value, b: ir.Value | None = None, *,
@@ -167,3 +229,133 @@ def _like(new: ir.Value, a: ir.Value, b: ir.Value | None = None, *,
 
 def _ints(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
     return tape.op("Constant", [], {"value_ints": values})
+
+
+# -- Pegasus-X: global keys beside each block's, joined into one attention -------------------
+
+def _join_keys(graph: ir.Graph, concat: ir.Node) -> bool:
+    """``Concat(Q·Kg^T, Q·Kl^T)`` on the keys' axis, its Softmax's weights sliced at the
+    join for ``·Vg`` and ``·Vl`` added: rewritten as ``Q·[Kg; Kl]^T`` and ``·[Vg; Vl]``
+    (Kg, Vg expanded over the axes they lack). Returns whether it did."""
+    found = _joined(concat)
+    if found is None:
+        return False
+    (glob, local), (left, right), (pv_glob, pv_local), add = found
+    tape = ir.tape.Tape()
+    a, b_local, out = _equation(local)  # type: ignore[misc]
+    key_axis = b_local.index(out[-1])
+    keys = tape.op("Concat", [_spread(tape, glob, local, out[-1]), local.inputs[1]],
+                   {"axis": key_axis})
+    scores = tape.op("Einsum", [local.inputs[0], keys],
+                     {"equation": local.attributes["equation"].as_string()})
+    _, v_local, _ = _equation(pv_local)  # type: ignore[misc]
+    joined_key = _equation(pv_local)[0][-1]  # type: ignore[index]
+    values = tape.op("Concat", [_spread(tape, pv_glob, pv_local, joined_key), pv_local.inputs[1]],
+                     {"axis": v_local.index(joined_key)})
+    weights = left.inputs[0]
+    joined = tape.op("Einsum", [weights, values],
+                     {"equation": pv_local.attributes["equation"].as_string()})
+    g_terms, pg_terms = _equation(glob), _equation(pv_glob)
+    _joined_shape(keys, local.inputs[1], glob.inputs[1], key_axis,
+                  g_terms[1].index(g_terms[2][-1]))  # type: ignore[index]
+    _joined_shape(values, pv_local.inputs[1], pv_glob.inputs[1], v_local.index(joined_key),
+                  pg_terms[1].index(pg_terms[0][-1]))  # type: ignore[index]
+    for new, old in ((scores, concat.outputs[0]), (joined, add.outputs[0])):
+        if old.dtype is not None:
+            new.dtype, new.shape = old.dtype, old.shape
+    graph.insert_before(add, tape.nodes)
+    ir.convenience.replace_all_uses_with(concat.outputs[0], scores)
+    take_output(graph, add.outputs[0], joined, "joined")
+    ir.convenience.replace_all_uses_with(add.outputs[0], joined)
+    return True
+
+
+def _joined_shape(new: ir.Value, local: ir.Value, small: ir.Value, axis: int, width_axis: int
+                  ) -> None:
+    """``new`` (the local keys or values with ``small``'s before them on ``axis``) typed as
+    the local ones, that axis the sum of both lengths where both are known."""
+    shape, small_dims = dims(local), dims(small)
+    if shape is None or local.dtype is None:
+        return
+    width = small_dims[width_axis] if small_dims is not None else None
+    shape = list(shape)
+    shape[axis] = shape[axis] + width if isinstance(shape[axis], int) \
+        and isinstance(width, int) else None
+    new.dtype, new.shape = local.dtype, ir.Shape(shape)
+
+
+def _joined(concat: ir.Node):
+    """The parts of a joined-keys attention at ``concat`` (see :func:`_join_keys`)."""
+    if len(concat.inputs) != 2 or not all(_is_einsum(v.producer()) for v in concat.inputs):
+        return None
+    glob, local = (v.producer() for v in concat.inputs)
+    if glob.inputs[0] is not local.inputs[0]:
+        return None
+    terms = _equation(local)
+    if terms is None or _roles(local, terms) is None or terms[2][-1] not in terms[1] \
+            or int_attr(concat, "axis", 0) not in (-1, len(terms[2]) - 1):
+        return None
+    split = dims(glob.inputs[1])
+    g_terms = _equation(glob)
+    if g_terms is None or split is None or g_terms[2][:-1] != terms[2][:-1] \
+            or g_terms[0] != terms[0] or not set(g_terms[1]) - {g_terms[2][-1]} <= set(terms[1]):
+        return None
+    width = split[g_terms[1].index(g_terms[2][-1])]
+    softmax = _only_user(_after_adds(concat.outputs[0]), "Softmax")
+    if softmax is None or not isinstance(width, int):
+        return None
+    slices = [u for u, _ in softmax.outputs[0].uses()]
+    if len(slices) != 2 or not all(s.op_type == "Slice" for s in slices):
+        return None
+    left, right = sorted(slices, key=lambda s: (const_ints(s.inputs[1]) or [1 << 62])[0])
+    last = ([-1], [len(terms[2]) - 1])
+    if const_ints(left.inputs[1]) != [0] or const_ints(left.inputs[2]) != [width] \
+            or const_ints(right.inputs[1]) != [width] or any(
+                len(s.inputs) < 4 or const_ints(s.inputs[3]) not in last
+                or (len(s.inputs) > 4 and const_ints(s.inputs[4]) != [1]) for s in slices):
+        return None  # the weights cut on the keys' axis at the join
+    pvs = [_only_user(s.outputs[0], "Einsum") for s in (left, right)]
+    if not all(pvs) or _equation(pvs[1]) is None or any(
+            p.inputs[0] is not s.outputs[0] for p, s in zip(pvs, (left, right), strict=True)):
+        return None
+    add = _only_user(pvs[0].outputs[0], "Add")
+    if add is None or _only_user(pvs[1].outputs[0], "Add") is not add:
+        return None
+    return (glob, local), (left, right), (pvs[0], pvs[1]), add
+
+
+def _after_adds(value: ir.Value) -> ir.Value:
+    """``value`` past the Adds and Casts that follow it alone (the masks)."""
+    while True:
+        user = _only_user(value, "Add") or _only_user(value, "Cast")
+        if user is None:
+            return value
+        value = user.outputs[0]
+
+
+def _only_user(value: ir.Value, op_type: str) -> ir.Node | None:
+    users = value.uses()
+    if len(users) != 1 or users[0][0].op_type != op_type or value.is_graph_output():
+        return None
+    return users[0][0]
+
+
+def _spread(tape: ir.tape.Tape, small: ir.Node, like: ir.Node, key: str) -> ir.Value:
+    """``small``'s second operand laid out as ``like``'s: its axes moved to ``like``'s
+    order (its keys, the one axis ``like`` names ``key`` and ``small`` otherwise, in their
+    place), the axes it lacks added and expanded to the sizes of ``like``'s."""
+    s_terms, l_terms = _equation(small), _equation(like)
+    s_own, l_own = s_terms[1], l_terms[1]  # type: ignore[index]
+    theirs = [c for c in s_own if c not in l_own]
+    if len(theirs) != 1:
+        raise ValueError("not one joined axis")  # (checked by _joined)
+    named = s_own.replace(theirs[0], key)
+    present = [c for c in l_own if c in named]
+    x = tape.op("Transpose", [small.inputs[1]], {"perm": [named.index(c) for c in present]})
+    missing = [i for i, c in enumerate(l_own) if c not in named]
+    if not missing:
+        return x
+    x = tape.op("Unsqueeze", [x, _ints(tape, missing)])
+    sizes = [_picked(tape, tape.op("Shape", [like.inputs[1]]), [i]) if i in missing
+             else _ints(tape, [1]) for i in range(len(l_own))]
+    return tape.op("Expand", [x, tape.op("Concat", sizes, {"axis": 0})])

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper
+from onnxscript.optimizer import remove_unused_nodes
 
 from mha_onnx.rewrite.einsums import blocked_einsums
 
@@ -65,3 +66,45 @@ def test_blocks_become_4d_matmuls_with_the_same_values():
 def test_other_spellings_are_left(change):
     model = ir.from_proto(_model(**change))
     assert blocked_einsums(model) == 0
+
+
+def _joined_model() -> onnx.ModelProto:
+    """Pegasus-X's local attention: each block's queries against the global keys (one
+    Einsum, broadcast over the blocks) and the block's keys (another), concatenated before
+    the Softmax, the weights sliced apart for their two values, the products added."""
+    g, x = 2, 6
+    const = [helper.make_node("Constant", [], [name], value=helper.make_tensor(
+        name, TP.INT64, [1], [v])) for name, v in (("zero", 0), ("cut", g), ("end", 1 << 40),
+                                                     ("last", -1))]
+    nodes = [*const,
+             helper.make_node("Einsum", ["q", "kg"], ["sg"], equation="BHNKF,BHGF->BHNKG"),
+             helper.make_node("Einsum", ["q", "kl"], ["sl"], equation="BHNKF,BHNXF->BHNKX"),
+             helper.make_node("Concat", ["sg", "sl"], ["s"], axis=-1),
+             helper.make_node("Add", ["s", "mask"], ["masked"]),
+             helper.make_node("Softmax", ["masked"], ["p"], axis=-1),
+             helper.make_node("Slice", ["p", "zero", "cut", "last"], ["pg"]),
+             helper.make_node("Slice", ["p", "cut", "end", "last"], ["pl"]),
+             helper.make_node("Einsum", ["pg", "vg"], ["og"], equation="BHNKG,BHGF->BHNKF"),
+             helper.make_node("Einsum", ["pl", "vl"], ["ol"], equation="BHNKX,BHNXF->BHNKF"),
+             helper.make_node("Add", ["og", "ol"], ["out"])]
+    shapes = {"q": [B, H, NB, BL, D], "kg": [B, H, g, D], "vg": [B, H, g, D],
+              "kl": [B, H, NB, x, D], "vl": [B, H, NB, x, D], "mask": [B, 1, NB, BL, g + x]}
+    inputs = [helper.make_tensor_value_info(n, TP.FLOAT, s) for n, s in shapes.items()]
+    graph = helper.make_graph(nodes, "joined", inputs,
+                              [helper.make_tensor_value_info("out", TP.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_global_keys_beside_each_block_become_one_attention():
+    original = _joined_model()
+    model = ir.from_proto(original)
+    assert blocked_einsums(model) == 1
+    remove_unused_nodes(model)  # (as the Normalise pass does)
+    rewritten = ir.to_proto(model)
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "Slice" not in ops and ops.count("MatMul") == 2 and ops.count("Softmax") == 1
+    rng = np.random.default_rng(1)
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]
+                                         ).astype(np.float32) for i in original.graph.input}
+    feeds["mask"] = np.where(feeds["mask"] > -0.5, 0.0, -1e9).astype(np.float32)
+    np.testing.assert_allclose(_run(rewritten, feeds), _run(original, feeds), atol=1e-5)
