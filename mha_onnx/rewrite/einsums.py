@@ -158,20 +158,15 @@ def _rewrite(graph: ir.Graph, qk: ir.Node, roles, chain, pv: ir.Node, rename, dv
     a, b, out = _equation(qk)  # type: ignore[misc]
     batch, heads, q, k, d = roles
     query, key = qk.inputs
-    q4 = _merged(tape, query, a, batch, heads + q + d, merged)  # [B', H, q, D]
-    kt = _merged(tape, key, b, batch, heads + d + k, merged)  # [B', H, D, k]
+    q4 = _merged(tape, query, a, batch + q + heads + d, merged)  # [B', H, q, D]
+    kt = _merged(tape, key, b, batch + k + heads + d, merged, key=True)  # [B', H, D, k]
     scores = _like(tape.op("MatMul", [q4, kt]), q4, kt)
-    shape4 = tape.op("Concat", [_ints(tape, [-1]), tape.op("Shape", [scores], {"start": 1})],
-                     {"axis": 0})
-    both = tape.op("Concat", [tape.op("Shape", [query]), tape.op("Shape", [key])], {"axis": 0})
-    whole = _picked(tape, both, [a.index(c) if c in a else len(a) + b.index(c) for c in out])
-    to_merged = [out.index(c) for c in batch + heads + q + k]
     value, old = scores, qk.outputs[0]
     for step in chain:
         if step.op_type == "Add":
             mask = step.inputs[1] if step.inputs[0] is old else step.inputs[0]
-            moved = tape.op("Transpose", [tape.op("Expand", [mask, whole])], {"perm": to_merged})
-            value = _like(tape.op("Add", [value, tape.op("Reshape", [moved, shape4])]), value)
+            bias = _bias(tape, mask, (query, a), (key, b), out, roles)
+            value = _like(tape.op("Add", [value, bias]), value)
         elif step.op_type == "Softmax":  # over the keys, the last axis of either rank
             value = _like(tape.op("Softmax", [value], {"axis": -1}), value)
             value.producer().name, step.name = step.name, f"{step.name}@einsum"  # the block's
@@ -182,12 +177,13 @@ def _rewrite(graph: ir.Graph, qk: ir.Node, roles, chain, pv: ir.Node, rename, dv
     back = {v: c for c, v in rename.items()}  # scores' letters -> the V Einsum's
     _, vb, vout = _equation(pv)  # type: ignore[misc]
     v_letters = "".join(rename.get(c, c) for c in vb)
-    v4 = _merged(tape, pv.inputs[1], v_letters, batch, heads + k + dv, merged)  # [B', H, k, Dv]
+    v4 = _merged(tape, pv.inputs[1], v_letters, batch + k + heads + dv, merged)  # [B', H, k, Dv]
     out4 = _like(tape.op("MatMul", [value, v4]), value, v4)  # [B', H, q, D]
-    unmerged = tape.op("Reshape", [out4, tape.op("Concat", [
+    rows = tape.op("Transpose", [out4], {"perm": [0, 2, 1, 3]})  # [B', q, H, D]: as a kernel
+    unmerged = tape.op("Reshape", [rows, tape.op("Concat", [  # writes it (Transposes cancel)
         _picked(tape, tape.op("Shape", [query]), [a.index(c) for c in batch]),
-        tape.op("Shape", [out4], {"start": 1})], {"axis": 0})])
-    layout = [back.get(c, c) for c in batch + heads + q + dv]
+        tape.op("Shape", [rows], {"start": 1})], {"axis": 0})])
+    layout = [back.get(c, c) for c in batch + q + heads + dv]
     result = tape.op("Transpose", [unmerged], {"perm": [layout.index(c) for c in vout]})
     if pv.outputs[0].dtype is not None:
         result.dtype, result.shape = pv.outputs[0].dtype, pv.outputs[0].shape
@@ -196,17 +192,46 @@ def _rewrite(graph: ir.Graph, qk: ir.Node, roles, chain, pv: ir.Node, rename, dv
     ir.convenience.replace_all_uses_with(pv.outputs[0], result)
 
 
-def _merged(tape: ir.tape.Tape, x: ir.Value, axes: str, batch: str, want: str, name: str
-            ) -> ir.Value:
-    """``x`` (axes named ``axes``) -> [B', the axes ``want`` in that order], B' the
-    ``batch`` axes merged (in that order)."""
-    moved = tape.op("Transpose", [x], {"perm": [axes.index(c) for c in batch + want]})
+def _merged(tape: ir.tape.Tape, x: ir.Value, axes: str, order: str, name: str, *,
+            key: bool = False) -> ir.Value:
+    """``x`` (axes named ``axes``) moved to ``order`` (the batch axes, then sequence, heads,
+    head size), the batch axes merged: [B', S, H, D], then as attention reads it: [B', H,
+    S, D], or K^T [B', H, D, S] (``key``). The last Transpose is what a kernel's lowering
+    undoes, so that only the first one moves data."""
+    moved = tape.op("Transpose", [x], {"perm": [axes.index(c) for c in order]})
     flat = tape.op("Reshape", [moved, tape.op("Concat", [
-        _ints(tape, [-1]), tape.op("Shape", [moved], {"start": len(batch)})], {"axis": 0})])
+        _ints(tape, [-1]), tape.op("Shape", [moved], {"start": len(order) - 3})], {"axis": 0})])
+    out = tape.op("Transpose", [flat], {"perm": [0, 2, 3, 1] if key else [0, 2, 1, 3]})
     shape = dims(x)
     if x.dtype is not None and shape is not None:  # the recogniser reads the heads and head
-        flat.dtype, flat.shape = x.dtype, ir.Shape([name, *(shape[axes.index(c)] for c in want)])
-    return flat
+        seq, heads, dim = (shape[axes.index(c)] for c in order[-3:])  # size from these
+        flat.dtype, flat.shape = x.dtype, ir.Shape([name, seq, heads, dim])
+        out.dtype, out.shape = x.dtype, ir.Shape([name, heads, dim, seq] if key
+                                                 else [name, heads, seq, dim])
+    return out
+
+
+def _bias(tape: ir.tape.Tape, mask: ir.Value, q_side, k_side, out: str, roles) -> ir.Value:
+    """``mask`` (added on the scores laid out as ``out``) expanded over them and moved to the
+    merged scores' [B', H, q, k]; [B', 1, q, k] where it is one for every head (as the
+    original broadcast it), not copied per head."""
+    batch, heads, q, k, _ = roles
+    (query, a), (key, b) = q_side, k_side
+    md = dims(mask)
+    pad = len(out) - len(md) if md is not None else 0
+    at = out.index(heads) - pad
+    one_head = md is not None and pad >= 0 and (at < 0 or md[at] == 1)
+    sizes = tape.op("Concat", [tape.op("Shape", [query]), tape.op("Shape", [key]),
+                               _ints(tape, [1])], {"axis": 0})
+    whole = _picked(tape, sizes, [len(a) + len(b) if one_head and c == heads
+                                  else a.index(c) if c in a else len(a) + b.index(c)
+                                  for c in out])
+    moved = tape.op("Transpose", [tape.op("Expand", [mask, whole])],
+                    {"perm": [out.index(c) for c in batch + heads + q + k]})
+    shape4 = tape.op("Concat", [_ints(tape, [-1]), _picked(tape, sizes, [
+        len(a) + len(b) if one_head else a.index(heads), a.index(q), len(a) + b.index(k)])],
+        {"axis": 0})  # (sizes read from Q and K, not from the scores: they stay unmade)
+    return tape.op("Reshape", [moved, shape4])
 
 
 def _picked(tape: ir.tape.Tape, shape: ir.Value, indices: list[int]) -> ir.Value:
