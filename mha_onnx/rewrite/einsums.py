@@ -114,8 +114,10 @@ def _roles(node: ir.Node, terms, heads: str | None = None
 
 
 def _block(qk: ir.Node):
-    """(roles, the chain of Adds/Casts/Softmax/Casts, the V Einsum, its terms) when ``qk`` is
-    Q·K^T of a block whose weights reach V through an Einsum; None otherwise."""
+    """(roles, the chain of Adds/Casts/Softmax/Casts, the V Einsum, its letters renamed to
+    the scores', V's head-size letter) when ``qk`` is Q·K^T of a block whose weights reach V
+    through an Einsum that keeps the batch, heads and query axes in the scores' order; None
+    otherwise."""
     terms = _equation(qk)
     roles = _roles(qk, terms) if terms else None
     if roles is None or terms[2][-1] != roles[3]:  # the Softmax's axis: the keys, last
@@ -340,9 +342,13 @@ def _joined(concat: ir.Node):
                 or (len(s.inputs) > 4 and const_ints(s.inputs[4]) != [1]) for s in slices):
         return None  # the weights cut on the keys' axis at the join
     pvs = [_only_user(s.outputs[0], "Einsum") for s in (left, right)]
-    if not all(pvs) or _equation(pvs[1]) is None or any(
+    if not all(pvs) or any(
             p.inputs[0] is not s.outputs[0] for p, s in zip(pvs, (left, right), strict=True)):
         return None
+    pg, pl = _equation(pvs[0]), _equation(pvs[1])
+    if pg is None or pl is None or pg[2] != pl[2] or pg[0][:-1] != pl[0][:-1] \
+            or pg[0][-1] in pl[0] or not set(pg[1]) - {pg[0][-1]} <= set(pl[1]):
+        return None  # each part's weights times its values over its own keys, alike
     add = _only_user(pvs[0].outputs[0], "Add")
     if add is None or _only_user(pvs[1].outputs[0], "Add") is not add:
         return None
