@@ -182,7 +182,7 @@ def absorbed_mean(op, info: SdpaInfo, dense: ir.Value, v: ir.Value) -> ir.Value:
     -inf only. ``dense`` [B|1, 1|H, S, T], ``v`` [B, G, T, Dv]."""
     top = op.ReduceMax(dense, op.Constant(value_ints=[-1]), keepdims=1)
     chosen = op.And(op.Equal(dense, top), op.Greater(top, info.const(op, -math.inf)))
-    weights = op.Cast(chosen, to=v.dtype)
+    weights = op.Cast(chosen, to=v.dtype or info.query.dtype)
     count = op.ReduceSum(weights, op.Constant(value_ints=[-1]), keepdims=1)
     rep = info.heads // info.kv_heads
     shape = dims(dense)
