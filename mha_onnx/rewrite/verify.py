@@ -26,6 +26,7 @@ from mha_onnx.graph.inputs import (
 )
 from mha_onnx.graph.roles import length_limit
 from mha_onnx.rewrite.forms import COUNTED, LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED
+from mha_onnx.rewrite.routes import chosen_as_inputs, chosen_as_outputs, routes
 from mha_onnx.runtime.ort import OrtRunner
 from mha_onnx.stats import ErrorStats, compare
 
@@ -47,6 +48,7 @@ class Verification:
     results: tuple[CaseResult, ...]
     reference: str = "onnxruntime CPU"
     skipped: tuple[str, ...] = ()  # optional cases the original itself cannot run
+    routes_held: tuple[str, ...] = ()  # routers fed the original's choice (routes.py)
 
     @property
     def passed(self) -> bool:
@@ -64,7 +66,8 @@ class Verification:
 
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "reference": self.reference,
-                "results": [r.to_dict() for r in self.results], "skipped": list(self.skipped)}
+                "results": [r.to_dict() for r in self.results], "skipped": list(self.skipped),
+                "routes_held": list(self.routes_held)}
 
 
 def verify(
@@ -84,12 +87,25 @@ def verify(
     interface."""
     specs = input_specs(original)
     runs = _runs(specs, cases, given)
-    results, skipped = [], []
-    before = _Original(original, threads, levels[0])
-    runner = OrtRunner(fused.SerializeToString(), "cpu", threads=threads,
-                       optimization=levels[1])
+    held = routes(original, fused)
+    with chosen_as_outputs(original, held) as added, chosen_as_inputs(fused, held):
+        before = _Original(original, threads, levels[0])
+        runner = OrtRunner(fused.SerializeToString(), "cpu", threads=threads,
+                           optimization=levels[1])
+        _loads(runner, before)
+        with runner:
+            after = SharedCache(runner, specs, cache_pairs(fused), rows=row_layout(fused)) \
+                if is_shared(fused) else runner
+            results, skipped = _compare(runs, before, after, [r.chosen for r in held], added,
+                                        atol, rtol)
+    return Verification(tuple(results), before.label, tuple(skipped),
+                        tuple(r.node.name or r.chosen for r in held))
+
+
+def _loads(runner: OrtRunner, before: _Original) -> None:
+    """A fused graph ORT refuses to load is fuse's bug, unless it refuses the original too."""
     try:
-        runner.session  # noqa: B018 - a fused graph ORT refuses to load is fuse's bug
+        runner.session  # noqa: B018
     except MhaOnnxError as exc:
         if before.runner is not None:
             try:  # unless ORT refuses the original too: then the input is what is broken
@@ -101,25 +117,32 @@ def verify(
                     hint="re-export it (a float16 TorchScript export may mix float32 and "
                          "float16 inputs of one op); nothing was written") from exc
         raise _fuse_bug("does not load in ORT", exc) from exc
-    with runner:
-        after = SharedCache(runner, specs, cache_pairs(fused), rows=row_layout(fused)) \
-            if is_shared(fused) else runner
-        for case, feeds in runs:
-            try:
-                want = before.infer(feeds, fall_back=not case.optional)
-            except MhaOnnxError as exc:
-                if not case.optional:
-                    raise
-                skipped.append(f"{case.describe()}: the original does not run there ({exc})")
-                continue
-            try:
-                got = after.infer(feeds)
-            except MhaOnnxError as exc:  # fuse wrote a graph ORT cannot run: our bug
-                raise _fuse_bug(f"does not run on ORT CPU at {case.describe()}", exc) from exc
-            for name, expected in want.items():
-                stats = compare(got[name], expected, atol=atol, rtol=rtol)
-                results.append(CaseResult(case.describe(), name, stats))
-    return Verification(tuple(results), before.label, tuple(skipped))
+
+
+def _compare(runs, before: _Original, after, chosen: list[str], added: list[str],
+             atol: float | None, rtol: float | None) -> tuple[list, list]:
+    """Every case's outputs compared; ``chosen``: the routers' indices the original gives
+    and the fused graph is fed (routes.py), ``added``: those not outputs of the model."""
+    results, skipped = [], []
+    for case, feeds in runs:
+        try:
+            want = before.infer(feeds, fall_back=not case.optional)
+        except MhaOnnxError as exc:
+            if not case.optional:
+                raise
+            skipped.append(f"{case.describe()}: the original does not run there ({exc})")
+            continue
+        held = {name: want[name] for name in chosen}
+        for name in added:
+            del want[name]
+        try:
+            got = after.infer({**feeds, **held})
+        except MhaOnnxError as exc:  # fuse wrote a graph ORT cannot run: our bug
+            raise _fuse_bug(f"does not run on ORT CPU at {case.describe()}", exc) from exc
+        for name, expected in want.items():
+            stats = compare(got[name], expected, atol=atol, rtol=rtol)
+            results.append(CaseResult(case.describe(), name, stats))
+    return results, skipped
 
 
 def _runs(specs, cases: Sequence[ShapeCase] | None, given: Mapping[str, np.ndarray] | None):
@@ -294,19 +317,24 @@ def verify_on_openvino(original: onnx.ModelProto, fused: onnx.ModelProto, on_ort
     from mha_onnx.runtime.openvino import OpenVinoRunner
 
     runs = _runs(input_specs(original), cases, given)
-    before = _Original(original, None, "all")
     results = list(on_ort.results)
-    for case, feeds in runs:
-        try:
-            want = before.infer(feeds, fall_back=not case.optional)
-        except MhaOnnxError:
-            continue  # said by the ORT pass already
-        with OpenVinoRunner(fused.SerializeToString(), "openvino") as runner:
-            got = runner.infer(feeds)
-        for name, expected in want.items():
-            results.append(CaseResult(f"{case.describe()} on OpenVINO f32", name,
-                                      compare(got[name], expected, atol=atol, rtol=rtol)))
-    return Verification(tuple(results), on_ort.reference, on_ort.skipped)
+    held = routes(original, fused)
+    with chosen_as_outputs(original, held) as added, chosen_as_inputs(fused, held):
+        before, graph = _Original(original, None, "all"), fused.SerializeToString()
+        for case, feeds in runs:
+            try:
+                want = before.infer(feeds, fall_back=not case.optional)
+            except MhaOnnxError:
+                continue  # said by the ORT pass already
+            chosen = {r.chosen: want[r.chosen] for r in held}
+            with OpenVinoRunner(graph, "openvino") as runner:
+                got = runner.infer({**feeds, **chosen})
+            for name, expected in want.items():
+                if name not in added:
+                    results.append(CaseResult(f"{case.describe()} on OpenVINO f32", name,
+                                              compare(got[name], expected, atol=atol,
+                                                      rtol=rtol)))
+    return Verification(tuple(results), on_ort.reference, on_ort.skipped, on_ort.routes_held)
 
 
 def refuse_mismatch(verification: Verification, unguarded: list[str]) -> None:
