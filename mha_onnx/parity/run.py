@@ -38,6 +38,7 @@ from mha_onnx.parity.golden import (
     load_golden,
     save_golden,
 )
+from mha_onnx.parity.held import held_note, hold_routes, router_indices, with_router_outputs
 from mha_onnx.parity.kernels import attention_kernels, describe
 from mha_onnx.parity.references import references_for
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
@@ -139,11 +140,15 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     rows = cache.row_layout(model)  # per-row lengths: buffers hold each row's kept keys first
     probe = cache.to_shared(runs[0][1], specs, pairs, rows=rows,
                             length_input=cache.takes_length(model)) if shared else runs[0][1]
-    runners, statuses = _start_providers(str(path), config, probe, level)
+    routers = router_indices(model) if "pytorch" in references else []
+    source = with_router_outputs(model, routers) if routers else None
+    routers = routers if source is not None else []
+    runners, statuses = _start_providers(str(path), config, probe, level, source)
     if shared:
         steps = PROMPT + config.decode_steps + 1
         runners = {p: cache.SharedCache(r, specs, pairs, steps, rows=rows)
                    for p, r in runners.items()}
+    held = hold_routes(runners, references, routers, [o.name for o in model.graph.output])
     try:
         comparisons, masked, saved = _compare_runs(model, specs, runs, references, ref_specs,
                                                    runners, config, set(pairs.values()))
@@ -168,7 +173,8 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         model=str(path), references=tuple(labels), providers=tuple(statuses),
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
-        notes=tuple(placement_notes(model, statuses)), bisect=bisected,
+        notes=tuple([*placement_notes(model, statuses), *held_note(held, runners)]),
+        bisect=bisected,
         decode_kernels=tuple(kernels),
     )
 
@@ -238,7 +244,8 @@ def _decode(path, model, specs, pairs, references, runners, config: ValidateConf
     which attention kernels ORT CPU ran at the prompt, the first and the last step."""
     out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
                 for o in model.graph.output}
-    runtimes = {**{f"reference:{k}": r for k, r in references.items()}, **runners}
+    runtimes = {**runners, **{f"reference:{k}": r for k, r in references.items()}}
+    # (the runners first: a reference holding routes takes them from the step just run)
     comparisons: list[Comparison] = []
     chains = [("decode ", True)]  # left-padded rows, as batched generation pads prompts
     if has_padding_mask(specs):  # and the branch a batch without padding takes
@@ -289,9 +296,9 @@ def _compare_runs(model, specs, runs, references, ref_specs, runners, config: Va
     masked: list[MaskedRows] = []
     saved: list[GoldenRun] = []
     for case, feeds in runs:
+        gots = {p: r.infer(feeds) for p, r in runners.items()}  # (first: held.py)
         wants = {key: ref.infer(_cast_feeds(feeds, ref_specs) if key == "reference" else feeds)
                  for key, ref in references.items()}
-        gots = {p: r.infer(feeds) for p, r in runners.items()}
         special = _fully_masked(specs, feeds)
         if special is not None:
             masked += _masked_rows(case, gots, wants, special, out_dims)
@@ -305,10 +312,11 @@ def _compare_runs(model, specs, runs, references, ref_specs, runners, config: Va
 
 
 def _start_providers(path: str, config: ValidateConfig, probe_feeds: dict[str, np.ndarray],
-                     level: str):
+                     level: str, source: bytes | None = None):
     """A runner per provider that starts; a status per provider (ORT's reason when it does
     not, or the crash a child process saw; the nodes ORT put on the CPU under another
-    provider when it does). ``level``: the optimisation level the model needs."""
+    provider when it does). ``level``: the optimisation level the model needs; ``source``:
+    the first provider's model (the file with its routers' indices as outputs: held.py)."""
     statuses: list[ProviderStatus] = []
     runners: dict[str, OrtRunner] = {}
     for provider in config.providers:
@@ -317,7 +325,8 @@ def _start_providers(path: str, config: ValidateConfig, probe_feeds: dict[str, n
         if checked is not None and checked.crashed:
             statuses.append(ProviderStatus(provider, False, checked.message()))
             continue
-        runner = make_runner(path, provider, threads=config.threads,
+        model = source if source is not None and not runners else path
+        runner = make_runner(model, provider, threads=config.threads,
                              io_binding=provider != "cpu", strict=False, optimization=level)
         try:
             runner.session  # noqa: B018
