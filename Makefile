@@ -33,7 +33,7 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed $(GENAI_RT)/.installed
 	$(VENV)/bin/ruff check mha_onnx tests tools
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 # ONNX Runtime GenAI's generator alone (it pulls onnxruntime 1.32; ours is pinned at 1.31), so
 # that the tests run it on the folders export and fuse write (tests/genai.py); a few seconds.

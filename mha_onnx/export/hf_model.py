@@ -277,9 +277,11 @@ def cache_shape(config: Any) -> tuple[int, int]:
 
 
 def _has_experts(folder: str | Path) -> bool:
-    """Is the folder's model a mixture of experts (by its config's expert count)?"""
+    """Is the folder's model a mixture of experts (by its config's expert count: num_experts,
+    n_routed_experts, num_local_experts, ERNIE's moe_num_experts, ...)?"""
     config = json.loads((Path(folder) / "config.json").read_text())
-    return any(config.get(k) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+    return any(key.endswith("_experts") and type(value) is int and value > 0
+               for key, value in config.items())
 
 
 def layer_cache_shapes(model: Any, config: Any) -> list[tuple[int, int, int, int]]:

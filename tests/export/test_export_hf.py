@@ -180,3 +180,16 @@ def test_what_it_cannot_export_is_refused_with_the_reason(hf_folder, tmp_path):
     clash = CliRunner().invoke(main, ["export", "--model", str(empty), "--preset", "base",
                                       "-o", str(tmp_path / "y.onnx")])
     assert clash.exit_code == 2 and "--model excludes --preset" in clash.output
+
+
+@pytest.mark.parametrize(("fields", "routed"), [
+    ({"num_local_experts": 4}, True), ({"n_routed_experts": 4}, True),
+    ({"moe_num_experts": 4}, True),  # ERNIE 4.5 MoE: loaded with bmm experts since
+    ({"num_experts": 0}, False), ({"num_experts_per_tok": 2}, False), ({}, False)])
+def test_experts_are_found_by_any_count_of_them(tmp_path, fields, routed):
+    """A mixture of experts loads with batched-matmul experts (torch.export cannot lower
+    transformers' grouped_mm): found by any `*_experts` count in its config."""
+    from mha_onnx.export.hf_model import _has_experts
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", **fields}))
+    assert _has_experts(tmp_path) is routed
