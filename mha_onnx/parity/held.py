@@ -30,6 +30,14 @@ def router_indices(model: onnx.ModelProto) -> list[str]:
             and n.output[1]]
 
 
+def routed_source(model: onnx.ModelProto, references: dict) -> tuple[list[str], bytes | None]:
+    """The routers to hold and the model to run for them (with_router_outputs), where a
+    PyTorch reference can take them; ([], None) otherwise."""
+    routers = router_indices(model) if "pytorch" in references else []
+    source = with_router_outputs(model, routers) if routers else None
+    return (routers, source) if source is not None else ([], None)
+
+
 def with_router_outputs(model: onnx.ModelProto, names: Sequence[str]) -> bytes | None:
     """The serialized model with ``names`` added to its outputs (the proto is put back);
     None past protobuf's 2 GB (its weights inline): then nothing is held."""

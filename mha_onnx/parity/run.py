@@ -38,7 +38,7 @@ from mha_onnx.parity.golden import (
     load_golden,
     save_golden,
 )
-from mha_onnx.parity.held import held_note, hold_routes, router_indices, with_router_outputs
+from mha_onnx.parity.held import held_note, hold_routes, routed_source
 from mha_onnx.parity.kernels import attention_kernels, describe
 from mha_onnx.parity.references import references_for
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
@@ -121,7 +121,6 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     model = read_model(path)
     if "quantization" in metadata.read(model):  # accuracy against its float original
         from mha_onnx.quantize.validate import validate_quantized
-
         return validate_quantized(path, config)
     shared = cache.is_shared(model)  # then fed and compared through the appended interface
     specs, pairs = cache.shared_view(model)
@@ -140,9 +139,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     rows = cache.row_layout(model)  # per-row lengths: buffers hold each row's kept keys first
     probe = cache.to_shared(runs[0][1], specs, pairs, rows=rows,
                             length_input=cache.takes_length(model)) if shared else runs[0][1]
-    routers = router_indices(model) if "pytorch" in references else []
-    source = with_router_outputs(model, routers) if routers else None
-    routers = routers if source is not None else []
+    routers, source = routed_source(model, references)  # (held.py)
     runners, statuses = _start_providers(str(path), config, probe, level, source)
     if shared:
         steps = PROMPT + config.decode_steps + 1
@@ -174,8 +171,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
         notes=tuple([*placement_notes(model, statuses), *held_note(held, runners)]),
-        bisect=bisected,
-        decode_kernels=tuple(kernels),
+        bisect=bisected, decode_kernels=tuple(kernels),
     )
 
 
