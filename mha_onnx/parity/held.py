@@ -20,14 +20,14 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+
+from mha_onnx.rewrite.routes import chosen_values, indices_as_outputs
 
 
 def router_indices(model: onnx.ModelProto) -> list[str]:
-    """The chosen-indices values of the main graph's TopK nodes, in graph order."""
-    return [n.output[1] for n in model.graph.node
-            if n.op_type == "TopK" and n.domain in ("", "ai.onnx") and len(n.output) > 1
-            and n.output[1]]
+    """The chosen-indices values of the main graph's TopK nodes, in graph order (PyTorch's
+    ``topk`` is what can be held)."""
+    return chosen_values(model, ("TopK",))
 
 
 def routed_source(model: onnx.ModelProto, references: dict) -> tuple[list[str], bytes | None]:
@@ -43,14 +43,8 @@ def with_router_outputs(model: onnx.ModelProto, names: Sequence[str]) -> bytes |
     None past protobuf's 2 GB (its weights inline): then nothing is held."""
     if model.ByteSize() >= (1 << 31) - (1 << 20):
         return None
-    before = len(model.graph.output)
-    outputs = {o.name for o in model.graph.output}
-    model.graph.output.extend(helper.make_tensor_value_info(name, TensorProto.INT64, None)
-                              for name in names if name not in outputs)
-    try:
+    with indices_as_outputs(model, list(names)):
         return model.SerializeToString()
-    finally:
-        del model.graph.output[before:]
 
 
 def hold_routes(runners: dict, references: dict, routers: Sequence[str], kept: Sequence[str]

@@ -43,18 +43,31 @@ def _indices(node: onnx.NodeProto) -> str:
     return node.output[1] if node.op_type == "TopK" else node.output[0]
 
 
+def chosen_values(model: onnx.ModelProto, ops: tuple[str, ...] = CHOICES) -> list[str]:
+    """The chosen-indices values of the main graph's routers of ``ops``, in graph order."""
+    return [_indices(n) for n in model.graph.node if n.op_type in ops
+            and n.domain in ("", "ai.onnx") and len(n.output) > (n.op_type == "TopK")
+            and _indices(n)]
+
+
+def chosen_as_outputs(original: onnx.ModelProto, held: list[Route]):
+    """``original`` with the routers' indices added to its outputs, while inside."""
+    return indices_as_outputs(original, [r.chosen for r in held])
+
+
 @contextmanager
-def chosen_as_outputs(original: onnx.ModelProto, held: list[Route]) -> Iterator[list[str]]:
-    """``original`` with the routers' indices added to its outputs, while inside (the proto
-    is changed in place and put back: a copy of a large model would double its memory)."""
-    names = [r.chosen for r in held if r.chosen not in {o.name for o in original.graph.output}]
-    before = len(original.graph.output)
-    original.graph.output.extend(
-        helper.make_tensor_value_info(name, TensorProto.INT64, None) for name in names)
+def indices_as_outputs(model: onnx.ModelProto, names: list[str]) -> Iterator[list[str]]:
+    """``model`` with the int64 values ``names`` added to its outputs, while inside (the
+    proto is changed in place and put back: a copy of a large model would double its
+    memory); yields the names added (those not outputs already)."""
+    added = [name for name in names if name not in {o.name for o in model.graph.output}]
+    before = len(model.graph.output)
+    model.graph.output.extend(
+        helper.make_tensor_value_info(name, TensorProto.INT64, None) for name in added)
     try:
-        yield names
+        yield added
     finally:
-        del original.graph.output[before:]
+        del model.graph.output[before:]
 
 
 @contextmanager
