@@ -81,9 +81,10 @@ def command(suite: str, argv: list[str] | None) -> str:
 
 def measured(cmd: str, details: str) -> str:
     """The first line of every table: when, with what, on which machine, and how."""
-    from mha_onnx.profile.roofline import cpu_name
+    from mha_onnx.profile.roofline import cpu_isa, cpu_name
 
-    return (f"Measured {datetime.date.today()} with `{cmd}` on {cpu_name()}, "
+    isa = f" ({cpu_isa()})" if cpu_isa() else ""
+    return (f"Measured {datetime.date.today()} with `{cmd}` on {cpu_name()}{isa}, "
             f"{os.cpu_count()} CPUs ({details}).")
 
 

@@ -91,7 +91,8 @@ def _share(value: float) -> str:
 def _machine(data: dict[str, Any]) -> str:
     machine = data.get("machine", {})
     gpu = machine.get("gpu")
-    base = f"{machine.get('processor', '?')} x{machine.get('cpus', '?')}"
+    isa = f" ({machine['isa']})" if machine.get("isa") else ""
+    base = f"{machine.get('processor', '?')}{isa} x{machine.get('cpus', '?')}"
     return f"{base} + {gpu['name']}" if gpu else base
 
 

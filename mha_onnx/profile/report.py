@@ -163,8 +163,9 @@ class ProfileReport:
 
     def render(self) -> str:
         label = short_names([*self.models, *(p.model for p in self.points)])
+        isa = f", {self.machine['isa']}" if self.machine.get("isa") else ""
         lines = [f"profile on {self.machine.get('processor') or self.machine.get('machine')} "
-                 f"({self.machine.get('cpus')} CPUs), onnxruntime {self.machine.get('onnxruntime')}"
+                 f"({self.machine.get('cpus')} CPUs{isa}), onnxruntime {self.machine.get('onnxruntime')}"
                  + (f", openvino {self.machine['openvino']}" if self.machine.get("openvino")
                     and any(capabilities(p.provider).runtime == "openvino" for p in self.points) else "")
                  + (", models interleaved in one process" if self.interleaved else "")]

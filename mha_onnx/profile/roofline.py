@@ -22,6 +22,24 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa(cpuinfo: str | None = None) -> str | None:
+    """The widest vector extension the CPU reports (AMX, AVX-512 VNNI, AVX-512, AVX2), None
+    where /proc/cpuinfo does not say: two machines of one model name can differ here, and
+    ONNX Runtime's int8 and 4-bit kernels with them (the same 'AMD EPYC' read a 1024-token
+    int4 prompt 1.27x and 0.81x of float32). `cpuinfo`: the text to read, /proc/cpuinfo's by default."""
+    try:
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    for flag, name in (("amx_tile", "AMX"), ("avx512_vnni", "AVX-512 VNNI"),
+                       ("avx512f", "AVX-512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return None
+
+
 def gpu_info() -> dict[str, Any] | None:
     """Name and memory of GPU 0 (NVML), or None where there is none."""
     try:
@@ -46,8 +64,8 @@ def machine_info() -> dict[str, Any]:
         openvino = dist.version("openvino")
     except dist.PackageNotFoundError:
         openvino = None
-    return {"machine": platform.machine(), "processor": cpu_name(), "cpus": os.cpu_count(),
-            "gpu": gpu_info(), "onnxruntime": ort.__version__, "openvino": openvino,
+    return {"machine": platform.machine(), "processor": cpu_name(), "isa": cpu_isa(),
+            "cpus": os.cpu_count(), "gpu": gpu_info(), "onnxruntime": ort.__version__, "openvino": openvino,
             "python": platform.python_version(), "hostname": platform.node()}
 
 

@@ -105,7 +105,7 @@ def test_a_model_that_needs_an_optimisation_level_says_so(export_cache, tmp_path
 def test_report_merges_two_targets(export_cache, tmp_path):
     first = _profile(export_cache, tmp_path)
     data = json.loads(first.read_text())
-    data["machine"] = {**data["machine"], "processor": "Other CPU", "cpus": 64}
+    data["machine"] = {**data["machine"], "processor": "Other CPU", "isa": "AVX2", "cpus": 64}
     for point in data["points"]:
         point["p50_ms"] *= 0.5
     second = tmp_path / "other.json"
@@ -119,7 +119,7 @@ def test_report_merges_two_targets(export_cache, tmp_path):
     assert len(merged["targets"]) == 2 * len(threads) and len(merged["rows"]) == 2
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and " ms / " in line]
-    assert "Other CPU x64 / cpu" in text and len(rows) == 2
+    assert "Other CPU (AVX2) x64 / cpu" in text and len(rows) == 2  # (ISA: one model name, two kernels)
     assert plot.read_bytes()[:4] == b"\x89PNG"
     stale = tmp_path / "stale.json"
     stale.write_text(json.dumps({"points": []}))
