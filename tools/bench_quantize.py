@@ -6,7 +6,7 @@ fusion and ORT GenAI's int4 graph of the same weights: size, prompt and decode s
     .venv-genai/bin/python -m tools.bench_optimum genai DIR --precision int4
     .venv/bin/python -m tools.benchmark quantize DIR [--prompt 16,64,1024] [--context 1024]
         [--threads 2] [--min-time 1] [--reverse] [--accuracy-levels 0,1] [--spinning]
-        [--out FILE.md]
+        [--steps 20] [--out FILE.md]
 
 The float model: the Optimum export fused with --kv-cache shared; ours: it quantized (int4
 block 32 symmetric accuracy level 4, as GenAI's CPU default; int8 the same); GenAI's graph
@@ -96,8 +96,10 @@ def timing_rows(models: dict[str, Path], args) -> list[tuple]:
             kind = "genai" if "GenAI" in label else "shared"
             feeds, pasts = _feeds(kind, runner.input_names, 1, new, past,
                                   np.random.default_rng(0))
-            runs[label] = _step(runner, kind, feeds, pasts)[0]
-        times[phase] = _time(runs, args.min_time)
+            runs[label] = _in_a_row(_step(runner, kind, feeds, pasts)[0],
+                                    args.steps if past else 1)
+        steps = args.steps if past else 1
+        times[phase] = {k: ms / steps for k, ms in _time(runs, args.min_time).items()}
     base = next(iter(models))
     rows = []
     for label, path in models.items():
@@ -107,6 +109,19 @@ def timing_rows(models: dict[str, Path], args) -> list[tuple]:
                     f"{times[phase][label] / times[phase][base]:.2f}x"]
         rows.append(tuple(row))
     return rows
+
+
+def _in_a_row(run, steps: int):
+    """``run`` ``steps`` times in a row: the graphs still take turns (one turn = ``steps``
+    steps), but each step follows its own graph's last, as in a generation loop, instead of
+    another graph's (whose weights evict this one's from the caches)."""
+    if steps == 1:
+        return run
+
+    def many() -> None:
+        for _ in range(steps):
+            run()
+    return many
 
 
 def kernel_times(models: dict[str, Path], args) -> list[str]:
@@ -154,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spinning", action="store_true",
                         help="thread pools spin within a run and stop after it (ORT's default "
                              "within a run, as generate runs); else they sleep")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="decode steps each graph runs in a row per turn (1: the graphs "
+                             "alternate every step; a generation loop runs its own in a row)")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps: at least 1")
     suite.quiet()
     models = graphs(args.folder, args.accuracy_levels)
     if args.kernels:
@@ -164,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     accurate = accuracy_rows(models)
     command = suite.command("quantize", argv)
     pools = ", pools spinning within a run" if args.spinning else ", pools sleeping"
+    pools += f", decode steps {args.steps} in a row per turn" if args.steps > 1 else ""
     lines = [suite.measured(command, f"batch 1, {args.threads} threads{pools}, timed in turn "
                                      "in one process" + (", sessions made in reverse order"
                                                          if args.reverse else "")), "",

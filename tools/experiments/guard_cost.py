@@ -13,8 +13,9 @@ every round, medians of the rounds, 2 threads, sleeping thread pools:
   still computed, nothing reads them);
 - no guards: the same, with the nodes nothing reads removed (GenAI's graph's work);
 
-and, with ``--memory``, each graph's session memory (resident set growth while the session
-is made, each in a process of its own):
+``--also`` times more fusions of the same weights as written beside them; and, with
+``--memory``, each graph's session memory (resident set growth while the session is made,
+each in a process of its own):
 
     .venv/bin/python -m tools.experiments.guard_cost FUSED.onnx --genai GENAI.onnx --memory
 """
@@ -98,6 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("fused", type=Path)
     parser.add_argument("--genai", type=Path, help="ORT GenAI's graph of the same weights")
+    parser.add_argument("--also", type=Path, action="append", default=[],
+                        help="another fusion of the same weights, timed as written beside "
+                             "them (e.g. the same export fused by an earlier commit)")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--memory", action="store_true")
@@ -108,6 +112,7 @@ def main() -> None:
     inlined = inline_ifs(written)
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"as written": args.fused}
+        paths.update({f"as written: {path}": path for path in args.also})
         for label, model in (("Ifs inlined", inlined), ("no guards", without_unread(inlined))):
             paths[label] = Path(tmp) / f"{label.replace(' ', '_')}.onnx"
             onnx.save(model, paths[label])
