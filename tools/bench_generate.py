@@ -190,17 +190,18 @@ def run(args, command: str) -> list[str]:
 
 
 def _quantized_runners(folder: Path, model: Path, args) -> dict:
-    """The float fusion, it quantized to int4 (tools/bench_quantize), its prompt in float
-    compute (the generator's default) and as written, and GenAI's generator on it and on
+    """The float fusion, it quantized to int4 (tools/bench_quantize): as the generator runs
+    it by default (prompt in float compute, steps through the decode graph: generate/
+    decode.py) and as written (--prompt-as-written), and GenAI's generator on it and on
     GenAI's int4 graph (``bench_optimum genai DIR --precision int4``)."""
     from tools.bench_quantize import graphs
 
     q4 = graphs(folder)["mha-onnx quantize --weights int4"]
     return {"mha-onnx generate, fp32 fused": lambda p: in_child(
                 "ours", model, p, args.new, args.threads),
-            "mha-onnx generate, int4 (its prompt in float compute)": lambda p: in_child(
+            "mha-onnx generate, int4 (prompt in float compute, steps on the decode graph)": lambda p: in_child(
                 "ours", q4, p, args.new, args.threads),
-            "mha-onnx generate, int4 (its prompt as written: level 4)": lambda p: in_child(
+            "mha-onnx generate, int4 (--prompt-as-written: the file as written)": lambda p: in_child(
                 "ours-as-written", q4, p, args.new, args.threads),
             "GenAI generator, same int4 graph": lambda p: genai(q4.parent, p, args.new,
                                                                 args.threads),

@@ -44,7 +44,9 @@ def _progress():
 @click.option("--threads", type=int, default=None, help="Intra-op threads for ORT.")
 @click.option("--prompt-as-written", is_flag=True,
               help="A quantized model's long prompts at its MatMulNBits' own accuracy level "
-                   "(by default in float compute, faster on the CPU from 64 tokens).")
+                   "and its steps through the file as written (by default: prompts in float "
+                   "compute, faster on the CPU from 64 tokens; a shared-cache fusion's every "
+                   "prompt so, and its steps through its fast form alone, Ifs taken apart).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def generate_command(model, prompts_path, max_new_tokens, sample, temperature, top_k, top_p,
                      seed, eos, max_length, tokenizer_dir, threads, prompt_as_written, as_json):

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mha_onnx.errors import ConfigError, ModelFileError
+from mha_onnx.generate.decode import GUARD, decode_graph
 from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 from mha_onnx.generate.prompt import PROMPT_ROWS
 from mha_onnx.generate.sampling import Sampling, next_tokens
@@ -147,10 +148,19 @@ class Generator:
         level = session_options(proto).get("optimization", "all")
         made = floated(model, proto) if provider == "cpu" and float_prompt else None
         shared = made.initializers if made else {}
+        # with a float prompt's session, every prompt runs there and the steps through the
+        # fused graph's fast form alone (decode.py), where the fusion has one guard for it
+        steps = decode_graph(proto) if made is not None and self.interface.shared else None
         # with a second session, neither's pool threads spin past its runs: they would take
         # the cores from the other's (a 128-token prompt 1.3x slower after steps, AMD EPYC)
-        self.runner = OrtRunner(str(model), provider, threads=threads, optimization=level,
-                                initializers=shared, stop_spinning=made is not None)
+        self.runner = OrtRunner(str(model) if steps is None else steps.SerializeToString(),
+                                provider, threads=threads, optimization=level,
+                                initializers=shared, stop_spinning=made is not None,
+                                external_data_dir=None if steps is None else made.folder)
+        if steps is not None:
+            self.runner.session  # noqa: B018 (made now, then the bytes let go)
+            self.runner.model = b""
+        self.steps_only = steps is not None
         self.prompt_runner: OrtRunner | None = None  # (made on the first long prompt)
         self._threads, self._level = threads, level
         self.float_prompt = made
@@ -166,7 +176,7 @@ class Generator:
         from mha_onnx.runtime.ort import OrtRunner
 
         made = self.float_prompt
-        if made is None or rows < PROMPT_ROWS:
+        if made is None or (rows < PROMPT_ROWS and not self.steps_only):
             return None
         if self.prompt_runner is None:
             self.prompt_runner = OrtRunner(made.model, "cpu", threads=self._threads,
@@ -221,7 +231,7 @@ class Generator:
         rng = np.random.default_rng(config.sampling.seed)
         feeds = prompt_feeds(prompts, iface, pad)
         run = _BoundRuns(self.runner.session, iface, len(prompts), capacity, self.device,
-                         self._prompt_session(feeds[IDS].shape[1]))
+                         self._prompt_session(feeds[IDS].shape[1]), self.steps_only)
         started = time.perf_counter()
         logits = run(feeds, new=feeds[IDS].shape[1], past=0)
         token = next_tokens(logits, config.sampling, rng)
@@ -261,11 +271,12 @@ class Generator:
             time_to_first_token_ms=1e3 * (first - started), seconds=done - started,
             steps=steps, decode_seconds=done - first, ort_seconds=run.ort_seconds,
             interface=iface, eos=eos, sampling=config.sampling,
-            notes=tuple(_notes(iface, eos, config, run.float_prompts and self.float_prompt)))
+            notes=tuple(_notes(iface, eos, config, run.float_prompts and self.float_prompt,
+                               self.steps_only and steps > 0)))
 
 
 def _notes(iface: DecoderInterface, eos: tuple[int, ...], config: GenerationConfig,
-           floated: Any = None) -> list[str]:
+           floated: Any = None, steps_only: bool = False) -> list[str]:
     notes = []
     if not eos and config.eos is None:
         notes.append("the model names no end-of-sequence token inside its vocabulary: every "
@@ -273,8 +284,12 @@ def _notes(iface: DecoderInterface, eos: tuple[int, ...], config: GenerationConf
     if floated:
         levels = "/".join(map(str, floated.levels))
         notes.append(f"the prompt ran with the MatMulNBits in float compute (accuracy level 1; "
-                     f"the steps at the file's level {levels}): faster from {PROMPT_ROWS} "
-                     "tokens on the CPU")
+                     f"the steps at the file's level {levels})"
+                     + ("" if steps_only else f": faster from {PROMPT_ROWS} tokens on the CPU"))
+    if steps_only:
+        notes.append("the steps ran the fusion's fast form alone (its run-time If taken apart, "
+                     "its guard checked after each step; --prompt-as-written runs the file as "
+                     "written)")
     return notes
 
 
@@ -283,11 +298,14 @@ class _BoundRuns:
     copy, the logits written into arrays allocated here; returns each row's last logits."""
 
     def __init__(self, session: Any, iface: DecoderInterface, batch: int, capacity: int,
-                 device: str, prompt: Any = None) -> None:
+                 device: str, prompt: Any = None, steps_only: bool = False) -> None:
+        """``steps_only``: ``session`` is a decode graph (decode.py): every prompt runs
+        through ``prompt``, and each step's guard output is read."""
         import onnxruntime as ort
 
         self.ort, self.session, self.iface = ort, session, iface
         self.prompt, self.float_prompts = prompt, 0  # (prompt.py's session, its runs)
+        self.steps_only, self.guard = steps_only, np.zeros((), np.bool_)
         self.binding = session.io_binding()
         self.device, self.batch, self.ort_seconds = device, batch, 0.0
         self.outputs = [o.name for o in session.get_outputs()]
@@ -308,7 +326,7 @@ class _BoundRuns:
         return self.logits[rows]
 
     def __call__(self, feeds: dict[str, np.ndarray], new: int, past: int) -> np.ndarray:
-        if self.prompt is not None and new >= PROMPT_ROWS:  # float compute (prompt.py)
+        if self.prompt is not None and (new >= PROMPT_ROWS or (self.steps_only and not past)):
             self.float_prompts += 1
             return self._run(self.prompt, self.prompt.io_binding(), feeds, new, past, 0)[0]
         logits, self.bound_rows = self._run(self.session, self.binding, feeds, new, past,
@@ -337,6 +355,10 @@ class _BoundRuns:
                                         logits.ctypes.data)
                 elif name in self.presents and iface.shared:
                     binding.bind_ortvalue_output(name, self.cache[self.presents[name]])
+                elif name == GUARD:  # (the decode graph's alone, not the prompt's)
+                    if session is self.session:
+                        binding.bind_output(name, "cpu", 0, np.bool_, [],
+                                            self.guard.ctypes.data)
                 else:  # ORT allocates them (an appended cache's presents: every run anew)
                     binding.bind_output(name, self.device, 0)
         started = time.perf_counter()
@@ -347,6 +369,10 @@ class _BoundRuns:
                 raise ModelFileError(f"onnxruntime failed to run the model: {exc}") from exc
             raise
         self.ort_seconds += time.perf_counter() - started
+        if session is self.session and self.steps_only and not self.guard:
+            raise ModelFileError("a step the decode graph does not admit (its guard is false: "
+                                 "not one new, kept token per row inside the position tables)",
+                                 hint="run with --prompt-as-written (the file as written)")
         if not iface.shared:
             values = binding.get_outputs()
             for name, value in zip(self.outputs, values, strict=True):

@@ -9,6 +9,7 @@ import onnx
 import pytest
 
 from mha_onnx.generate import GenerationConfig, Generator, prompt_feeds
+from mha_onnx.generate import decode as decode_graph_module
 from mha_onnx.generate import prompt as float_prompt
 from mha_onnx.generate.loop import _BoundRuns
 from mha_onnx.graph.walk import attr
@@ -56,14 +57,17 @@ def test_a_long_prompt_runs_in_float_compute_and_the_steps_as_written(quantized,
         short = level4.generate([long[:20]], GenerationConfig(8, eos=())).sequences
     with Generator(quantized[form, 4]) as generator:
         generator.generate([long[:20]], GenerationConfig(2, eos=()))
-        assert generator.prompt_runner is None  # (made for the first long prompt only)
+        # appended: made for the first long prompt only; shared: every prompt runs there,
+        # the steps through the decode graph (test_decode_graph_*)
+        assert (generator.prompt_runner is None) is (form == "appended")
+        assert generator.steps_only is (form == "shared")
         got, floated = _prompt_logits(generator, long)
         assert floated == 1
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         assert np.abs(got - as_written).max() > 1e-4  # (level 4: int8 activations)
-        # a short prompt and every step: the file as written
         result = generator.generate([long[:20]], GenerationConfig(8, eos=()))
-        assert result.sequences == short and not result.notes
+        if form == "appended":  # a short prompt and every step: the file as written
+            assert result.sequences == short and not result.notes
         result = generator.generate([long], GenerationConfig(8, eos=()))
         assert len(result.sequences[0]) == 8
         assert any("float compute" in n for n in result.notes)
@@ -124,3 +128,73 @@ def test_the_cli_says_when_the_prompt_ran_in_float_compute_and_can_run_it_as_wri
         assert result.exit_code == 0, result.output
         notes = json.loads(result.output)["notes"]
         assert any("float compute" in n for n in notes) == floated, notes
+
+
+def _same_step(full, decode, feeds: dict, buffers: dict) -> None:
+    """One step of each from copies of one cache: the same logits, the same cache after."""
+    names = [o.name for o in decode.get_outputs()]
+    want = full.run(None, {**feeds, **{k: v.copy() for k, v in buffers.items()}})
+    got = decode.run(None, {**feeds, **{k: v.copy() for k, v in buffers.items()}})
+    assert bool(got[names.index(decode_graph_module.GUARD)])
+    for name, a, b in zip(names[:len(want)], want, got, strict=False):
+        np.testing.assert_array_equal(b, a, err_msg=name)
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("weights", ["float", 4])
+def test_decode_graph_steps_as_the_file_does_and_its_guard_refuses_other_runs(quantized, weights):
+    """Every If taken apart for its fast branch, the guard left as an output: a step of one
+    kept token per row (rows left-padded or not) gives the file's outputs bit for bit; five
+    new tokens is no step of a generation loop, and the guard says so."""
+    from mha_onnx.runtime.ort import OrtRunner
+
+    model = onnx.load(quantized["shared", weights])
+    decode = decode_graph_module.decode_graph(model)
+    assert decode is not None and not [n for n in decode.graph.node if n.op_type == "If"]
+    assert len(decode.graph.node) < len(model.graph.node) + 8  # (the guards' nodes shared)
+    full = OrtRunner(model.SerializeToString(), "cpu").session
+    steps = OrtRunner(decode.SerializeToString(), "cpu").session
+    rng = np.random.default_rng(3)
+    for batch, pad in ((1, 0), (3, 4)):
+        past = 12
+        mask = np.ones((batch, past + 1), np.int64)
+        for b in range(batch):
+            mask[b, :pad * b // 2] = 0  # (row b left-padded by pad*b/2 positions)
+        kept = mask[:, :past].sum(1)
+        feeds = {"input_ids": rng.integers(3, 100, (batch, 1)), "attention_mask": mask,
+                 "position_ids": kept[:, None]}
+        buffers = {i.name: rng.standard_normal([batch, 2, 32, 16]).astype(np.float32)
+                   for i in full.get_inputs() if i.name.startswith("past")}
+        _same_step(full, steps, feeds, buffers)
+    feeds = {"input_ids": rng.integers(3, 100, (1, 5)), "attention_mask": np.ones((1, 17),
+             np.int64), "position_ids": np.arange(12, 17)[None]}
+    out = steps.run([decode_graph_module.GUARD], {**feeds, **{
+        k: v[:1] for k, v in buffers.items()}})
+    assert not bool(out[0])
+
+
+@pytest.mark.models
+def test_decode_graph_generates_what_the_steps_as_written_do(quantized, monkeypatch):
+    """The generator's steps through the decode graph: the tokens of the same generator
+    with its steps through the file as written; a step its guard refuses is an error."""
+    from mha_onnx.errors import ModelFileError
+    from mha_onnx.generate import loop
+
+    prompts = [list(np.random.default_rng(2).integers(3, 120, n)) for n in (70, 40, 66)]
+    settings = GenerationConfig(10, eos=())
+    with Generator(quantized["shared", 4]) as generator:
+        got = generator.generate(prompts, settings)
+        assert any("fast form alone" in n for n in got.notes)
+        run = _BoundRuns(generator.runner.session, generator.interface, 1, 50,
+                         generator.device, generator._prompt_session(1), steps_only=True)
+        run(prompt_feeds([prompts[1]], generator.interface, 0), new=40, past=0)
+        two = {**prompt_feeds([[5, 6]], generator.interface, 0),
+               "attention_mask": np.ones((1, 42), np.int64), "position_ids": np.array([[40, 41]])}
+        with pytest.raises(ModelFileError, match="guard is false"):
+            run(two, new=2, past=40)
+    monkeypatch.setattr(loop, "decode_graph", lambda model: None)
+    with Generator(quantized["shared", 4]) as as_written:
+        assert not as_written.steps_only
+        want = as_written.generate(prompts, settings)
+    assert got.sequences == want.sequences
+    assert not any("fast form alone" in n for n in want.notes)

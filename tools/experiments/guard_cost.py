@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from mha_onnx.generate.decode import inline_ifs, without_unread
+
 _RSS = """
 import sys, onnxruntime as ort
 def rss():
@@ -40,50 +42,6 @@ before = rss()
 ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])
 print((rss() - before) / 1024)
 """
-
-
-def inline_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Every If of the main graph replaced by the nodes of its then branch."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph, nodes = out.graph, []
-    for node in graph.node:
-        if node.op_type != "If":
-            nodes.append(node)
-            continue
-        branch = next(a.g for a in node.attribute if a.name == "then_branch")
-        names = {o.name: target for o, target in zip(branch.output, node.output, strict=True)}
-        graph.initializer.extend(branch.initializer)
-        made = set()
-        for inner in branch.node:
-            for i, name in enumerate(inner.output):
-                if name in names:
-                    inner.output[i] = names[name]
-                    made.add(name)
-            for i, name in enumerate(inner.input):
-                if name in names:
-                    inner.input[i] = names[name]
-            nodes.append(inner)
-        nodes += [onnx.helper.make_node("Identity", [name], [target])
-                  for name, target in names.items() if name not in made]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return out
-
-
-def without_unread(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The nodes of the main graph that no output depends on, removed."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    needed = {o.name for o in out.graph.output}
-    kept = []
-    for node in reversed(out.graph.node):
-        if any(name in needed for name in node.output):
-            kept.append(node)
-            needed.update(node.input)
-    del out.graph.node[:]
-    out.graph.node.extend(reversed(kept))
-    return out
 
 
 def _memory(path: Path) -> float:

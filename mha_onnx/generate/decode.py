@@ -1,0 +1,95 @@
+"""A shared-cache decoder's decode steps without its run-time choice of form.
+
+A model fused with ``--kv-cache shared`` runs each layer's attention inside an ``If``: the
+GroupQueryAttention form when one guard (computed once per run, shared by every layer's
+``If``) says the inputs allow it, the exact general form otherwise. ONNX Runtime pays each
+``If`` a fixed cost beyond its kernels (about 40 us on a 2-core AMD EPYC; 16 layers: the
+int4 step 1.065x of GenAI's graph of the same weights as written, 0.98x with the branches
+inlined and the guard's nodes gone: docs/bench.md). A generation loop's steps are the case
+the guard admits by construction (one new, kept token per row, positions inside the tables
+the generator checks first), so the generator can run them through :func:`decode_graph`:
+every ``If`` replaced by its then branch, the nodes nothing reads any more removed, and the
+guard itself kept as one more output (:data:`GUARD`), read after every step: a step it does
+not admit is an error, never a token from the wrong form.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from mha_onnx.graph.walk import all_nodes, subgraphs
+
+GUARD = "mha_onnx_decode_fast_form"  # bool []: the step met the fast form's guard
+
+
+def shared_guard(model: onnx.ModelProto) -> str | None:
+    """The one condition every ``If`` of the main graph tests (a shared-cache fusion's
+    guard), or None where there is no ``If`` or they test different ones."""
+    conditions = {n.input[0] for n in model.graph.node
+                  if n.op_type == "If" and n.domain in ("", "ai.onnx")}
+    return next(iter(conditions)) if len(conditions) == 1 else None
+
+
+def inline_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` with every ``If`` of its main graph replaced by the nodes of its
+    then branch (their outputs renamed to the ``If``'s; an output the branch passes through
+    from outside becomes an Identity)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph, nodes = out.graph, []
+    for node in graph.node:
+        if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        branch = next(a.g for a in node.attribute if a.name == "then_branch")
+        names = {o.name: target for o, target in zip(branch.output, node.output, strict=True)}
+        graph.initializer.extend(branch.initializer)
+        made = set()
+        for inner in branch.node:
+            for i, name in enumerate(inner.output):
+                if name in names:
+                    inner.output[i] = names[name]
+                    made.add(name)
+            for inner_node in [inner, *(n for g in subgraphs(inner) for n in all_nodes(g))]:
+                for i, name in enumerate(inner_node.input):
+                    if name in names:
+                        inner_node.input[i] = names[name]
+            nodes.append(inner)
+        nodes += [onnx.helper.make_node("Identity", [name], [target])
+                  for name, target in names.items() if name not in made]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return out
+
+
+def without_unread(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` without the main-graph nodes no output depends on (a value read
+    inside a kept node's subgraph counts as read)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    needed = {o.name for o in out.graph.output}
+    kept = []
+    for node in reversed(out.graph.node):
+        if any(name in needed for name in node.output):
+            kept.append(node)
+            needed.update(node.input)
+            needed.update(name for g in subgraphs(node) for n in all_nodes(g) for name in n.input)
+    del out.graph.node[:]
+    out.graph.node.extend(reversed(kept))
+    used = needed | {name for n in kept for name in n.input}
+    kept_inits = [t for t in out.graph.initializer if t.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept_inits)
+    return out
+
+
+def decode_graph(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``model``'s decode-step graph (module doc), or None where its Ifs do not all test
+    one guard (nothing to take apart, or not a shared-cache fusion's form)."""
+    guard = shared_guard(model)
+    if guard is None:
+        return None
+    out = inline_ifs(model)
+    out.graph.node.append(onnx.helper.make_node("Identity", [guard], [GUARD]))
+    out.graph.output.append(onnx.helper.make_tensor_value_info(GUARD, onnx.TensorProto.BOOL, []))
+    return without_unread(out)
