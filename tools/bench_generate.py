@@ -53,7 +53,7 @@ def fused(folder: Path, logits: str = "all") -> Path:
     return out
 
 
-def ours(model: Path, prompts, new: int, threads: int | None, float_prompt: bool = True
+def ours(model: Path, prompts, new: int, threads: int | None, float_prompt: bool | None = None
          ) -> dict:
     from mha_onnx.generate import GenerationConfig, Generator
 
@@ -162,7 +162,8 @@ def _child(argv: list[str]) -> int:
     runner, model, prompts, new, threads = argv
     prompts = json.loads(Path(prompts).read_text())
     chosen = {"ours": ours, "bare": bare,
-              "ours-as-written": lambda *a: ours(*a, float_prompt=False)}[runner]
+              "ours-as-written": lambda *a: ours(*a, float_prompt=False),
+              "ours-float": lambda *a: ours(*a, float_prompt=True)}[runner]
     out = chosen(Path(model), prompts, int(new), int(threads) or None)
     print(json.dumps(out))
     return 0
@@ -191,18 +192,23 @@ def run(args, command: str) -> list[str]:
 
 def _quantized_runners(folder: Path, model: Path, args) -> dict:
     """The float fusion, it quantized to int4 (tools/bench_quantize): as the generator runs
-    it by default (prompt in float compute, steps through the decode graph: generate/
-    decode.py) and as written (--prompt-as-written), and GenAI's generator on it and on
-    GenAI's int4 graph (``bench_optimum genai DIR --precision int4``)."""
+    it by default (its prompt in float compute and its steps on the decode graph on a CPU
+    without VNNI, else the file as written), with the float prompt asked for (Generator(
+    float_prompt=True): the default without VNNI, on any CPU), as written
+    (--prompt-as-written), and GenAI's generator on it and on GenAI's int4 graph
+    (``bench_optimum genai DIR --precision int4``)."""
     from tools.bench_quantize import graphs
 
     q4 = graphs(folder)["mha-onnx quantize --weights int4"]
-    return {"mha-onnx generate, fp32 fused": lambda p: in_child(
-                "ours", model, p, args.new, args.threads),
-            "mha-onnx generate, int4 (prompt in float compute, steps on the decode graph)": lambda p: in_child(
-                "ours", q4, p, args.new, args.threads),
-            "mha-onnx generate, int4 (--prompt-as-written: the file as written)": lambda p: in_child(
-                "ours-as-written", q4, p, args.new, args.threads),
+
+    def ours_as(runner: str, path: Path):
+        return lambda p: in_child(runner, path, p, args.new, args.threads)
+
+    return {"mha-onnx generate, fp32 fused": ours_as("ours", model),
+            "mha-onnx generate, int4 (the default on this CPU)": ours_as("ours", q4),
+            "mha-onnx generate, int4 (float prompt, steps on the decode graph)": ours_as(
+                "ours-float", q4),
+            "mha-onnx generate, int4 (--prompt-as-written)": ours_as("ours-as-written", q4),
             "GenAI generator, same int4 graph": lambda p: genai(q4.parent, p, args.new,
                                                                 args.threads),
             "GenAI generator, GenAI's int4 graph": lambda p: genai(

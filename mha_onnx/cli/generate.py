@@ -43,10 +43,10 @@ def _progress():
               help="A HF folder with tokenizer files: prompts as text, output as text.")
 @click.option("--threads", type=int, default=None, help="Intra-op threads for ORT.")
 @click.option("--prompt-as-written", is_flag=True,
-              help="A quantized model's long prompts at its MatMulNBits' own accuracy level "
-                   "and its steps through the file as written (by default: prompts in float "
-                   "compute, faster on the CPU from 64 tokens; a shared-cache fusion's every "
-                   "prompt so, and its steps through its fast form alone, Ifs taken apart).")
+              help="Every run of a quantized model through the file as written, one "
+                   "session (by default: long prompts in float compute on a CPU without "
+                   "VNNI, faster there from 64 tokens; a shared-cache fusion's steps "
+                   "through its fast form alone, its Ifs taken apart).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def generate_command(model, prompts_path, max_new_tokens, sample, temperature, top_k, top_p,
                      seed, eos, max_length, tokenizer_dir, threads, prompt_as_written, as_json):
@@ -60,7 +60,8 @@ def generate_command(model, prompts_path, max_new_tokens, sample, temperature, t
                               eos=tuple(eos) or None, max_length=max_length)
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     prompts = load_prompts(prompts_path, tokenizer)
-    with Generator(model, threads=threads, float_prompt=not prompt_as_written) as generator:
+    floated = False if prompt_as_written else None  # (None: by the CPU, prompt.py)
+    with Generator(model, threads=threads, float_prompt=floated) as generator:
         if tokenizer is not None and config.eos is None and not generator.interface.tokens.eos \
                 and tokenizer.eos_token_id is not None:  # the model's own, else the tokenizer's
             config = replace(config, eos=(int(tokenizer.eos_token_id),))

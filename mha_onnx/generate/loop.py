@@ -130,14 +130,33 @@ def prompt_feeds(prompts: Sequence[Sequence[int]], interface: DecoderInterface,
     return {k: v.astype(interface.dtypes[k]) for k, v in feeds.items() if k in interface.dtypes}
 
 
+def _sessions(model: str | Path, proto: Any, shared: bool, second: bool,
+              float_prompt: bool | None) -> tuple[Any, Any]:
+    """(the float prompt's session's model, prompt.py, or None; the decode graph, decode.py,
+    or None). Where the prompt runs in float compute (a CPU without fast int8, or asked
+    for) a shared-cache fusion's prompts all run there and its steps through its decode
+    graph (two sessions either way); another file's long prompts only. With fast int8 the
+    file as written, one session: a second one for the decode graph alone read a 2-layer
+    step no faster and its first token 1.45x slower (pool threads; docs/bench.md)."""
+    from mha_onnx.generate import prompt
+
+    floated = float_prompt if float_prompt is not None else not prompt.fast_int8()
+    if not second or not floated:
+        return None, None
+    made = prompt.float_prompt(model, proto)
+    return made, decode_graph(proto) if made is not None and shared else None
+
+
 class Generator:
     """A decoder file and one ONNX Runtime session for it; :meth:`generate` runs a batch."""
 
     def __init__(self, model: str | Path, *, provider: str = "cpu", threads: int | None = None,
-                 interface: DecoderInterface | None = None, float_prompt: bool = True) -> None:
-        """``float_prompt``: a quantized file's long prompts in float compute (prompt.py)."""
+                 interface: DecoderInterface | None = None,
+                 float_prompt: bool | None = None) -> None:
+        """``float_prompt``: a quantized file's long prompts in float compute (prompt.py;
+        None: where the CPU has no int8 dot-product instructions); False: every run through
+        the file as written, one session."""
         from mha_onnx.generate.interface import read_interface
-        from mha_onnx.generate.prompt import float_prompt as floated
         from mha_onnx.graph.files import read_model
         from mha_onnx.graph.metadata import session_options
         from mha_onnx.runtime.ort import OrtRunner
@@ -146,13 +165,12 @@ class Generator:
         self.path = Path(model)
         self.interface = interface or read_interface(proto, model)
         level = session_options(proto).get("optimization", "all")
-        made = floated(model, proto) if provider == "cpu" and float_prompt else None
+        made, steps = _sessions(model, proto, self.interface.shared,
+                                provider == "cpu" and float_prompt is not False, float_prompt)
         shared = made.initializers if made else {}
-        # with a float prompt's session, every prompt runs there and the steps through the
-        # fused graph's fast form alone (decode.py), where the fusion has one guard for it
-        steps = decode_graph(proto) if made is not None and self.interface.shared else None
         # with a second session, neither's pool threads spin past its runs: they would take
-        # the cores from the other's (a 128-token prompt 1.3x slower after steps, AMD EPYC)
+        # the cores from the other's (a 128-token prompt 1.3x slower after steps, AMD EPYC;
+        # 1.45x after a decode graph's steps whose threads spun on)
         self.runner = OrtRunner(str(model) if steps is None else steps.SerializeToString(),
                                 provider, threads=threads, optimization=level,
                                 initializers=shared, stop_spinning=made is not None,
@@ -177,7 +195,7 @@ class Generator:
 
         made = self.float_prompt
         if made is None or (rows < PROMPT_ROWS and not self.steps_only):
-            return None
+            return None  # (a file's own level: only a decode graph's prompts run there)
         if self.prompt_runner is None:
             self.prompt_runner = OrtRunner(made.model, "cpu", threads=self._threads,
                                            optimization=self._level,
@@ -285,7 +303,8 @@ def _notes(iface: DecoderInterface, eos: tuple[int, ...], config: GenerationConf
         levels = "/".join(map(str, floated.levels))
         notes.append(f"the prompt ran with the MatMulNBits in float compute (accuracy level 1; "
                      f"the steps at the file's level {levels})"
-                     + ("" if steps_only else f": faster from {PROMPT_ROWS} tokens on the CPU"))
+                     + ("" if steps_only else f": faster from {PROMPT_ROWS} tokens on a CPU "
+                                              "without int8 dot-product instructions"))
     if steps_only:
         notes.append("the steps ran the fusion's fast form alone (its run-time If taken apart, "
                      "its guard checked after each step; --prompt-as-written runs the file as "

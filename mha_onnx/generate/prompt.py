@@ -1,15 +1,17 @@
-"""A 4- or 8-bit decoder's prompt in float compute.
+"""A 4- or 8-bit decoder's prompt in float compute, where the CPU's int8 is slow.
 
 ONNX Runtime's MatMulNBits at accuracy level 4 (int8 activations: GenAI's CPU default and
-``quantize``'s) makes a decode step fast and a long prompt slow; level 1 (float compute)
-the other way round. On the bench's 2-layer Llama in int4 (AMD EPYC, 2 threads;
-docs/bench.md): a 1024-token prompt at level 4 1.28x the float model's time, at level 1
-1.00x; a decode step at level 4 0.45x, at level 1 1.24x; level 1 behind at 16 tokens and
-ahead from 64. So the generator runs a prompt of ``PROMPT_ROWS`` tokens or more through a
-second session of the same file with every MatMulNBits at level 1 and every other run
-through the file as written. The two sessions share the cache buffers (bound to both) and
-every large float initializer (one OrtValue given to both: the embeddings are not held
-twice); each packs its own copy of the quantized weights, in its own layout.
+``quantize``'s) makes a decode step fast; on a CPU without int8 dot-product instructions a
+long prompt slow, level 1 (float compute) the other way round. On the bench's 2-layer Llama
+in int4 (AMD EPYC without VNNI, 2 threads; docs/bench.md): a 1024-token prompt at level 4
+1.28x the float model's time, at level 1 1.00x; a decode step at level 4 0.45x, at level 1
+1.24x; level 1 behind at 16 tokens and ahead from 64. So there (``fast_int8`` false) the
+generator runs a prompt of ``PROMPT_ROWS`` tokens or more through a second session of the
+same file with every MatMulNBits at level 1 (a shared-cache fusion: every prompt, and its
+steps through its decode graph, decode.py). With VNNI (a 1024-token prompt 0.81x of float
+at level 4) every run goes through the file as written. The two sessions share the cache buffers (bound to both) and every large
+float initializer (one OrtValue given to both: the embeddings are not held twice); each
+packs its own copy of the quantized weights, in its own layout.
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ def _array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
 def _quantized(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in all_nodes(model.graph)
             if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+
+
+def fast_int8() -> bool:
+    """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI, AMX), with
+    which MatMulNBits at level 4 reads a long prompt faster than float compute (the
+    second EPYC: a 1024-token int4 prompt 0.81x of the float model's time, float compute
+    1.0x; without them 1.27x: docs/bench.md)."""
+    from mha_onnx.profile.roofline import cpu_isa
+
+    return cpu_isa() in ("AMX", "AVX-512 VNNI", "AVX-VNNI")
 
 
 def float_prompt(path: str | Path, read: onnx.ModelProto | None = None) -> FloatPrompt | None:

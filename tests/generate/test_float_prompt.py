@@ -55,7 +55,7 @@ def test_a_long_prompt_runs_in_float_compute_and_the_steps_as_written(quantized,
     with Generator(quantized[form, 4], float_prompt=False) as level4:
         as_written, _ = _prompt_logits(level4, long)
         short = level4.generate([long[:20]], GenerationConfig(8, eos=())).sequences
-    with Generator(quantized[form, 4]) as generator:
+    with Generator(quantized[form, 4], float_prompt=True) as generator:
         generator.generate([long[:20]], GenerationConfig(2, eos=()))
         # appended: made for the first long prompt only; shared: every prompt runs there,
         # the steps through the decode graph (test_decode_graph_*)
@@ -105,14 +105,16 @@ def test_a_file_with_external_data_is_not_read_whole(quantized, tmp_path):
     assert all(uses_external_data(t) for t in inside if t.name.endswith("_Q4"))
     long = [list(np.random.default_rng(1).integers(3, 120, float_prompt.PROMPT_ROWS + 2))]
     settings = GenerationConfig(6, eos=())
-    with Generator(path) as outside, Generator(quantized["shared", 4]) as inline:
+    with Generator(path, float_prompt=True) as outside, \
+            Generator(quantized["shared", 4], float_prompt=True) as inline:
+        assert outside.float_prompt is not None and outside.steps_only
         assert outside.generate(long, settings).sequences == \
             inline.generate(long, settings).sequences
 
 
 @pytest.mark.models
 def test_the_cli_says_when_the_prompt_ran_in_float_compute_and_can_run_it_as_written(
-        quantized, tmp_path):
+        quantized, tmp_path, monkeypatch):
     import json
 
     from click.testing import CliRunner
@@ -121,6 +123,7 @@ def test_the_cli_says_when_the_prompt_ran_in_float_compute_and_can_run_it_as_wri
 
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([list(range(3, 3 + float_prompt.PROMPT_ROWS))]))
+    monkeypatch.setattr(float_prompt, "fast_int8", lambda: False)  # (as on a CPU without VNNI)
     args = ["generate", str(quantized["shared", 4]), "--prompts", str(prompts),
             "--max-new-tokens", "4", "--json"]
     for extra, floated in (([], True), (["--prompt-as-written"], False)):
@@ -182,7 +185,7 @@ def test_decode_graph_generates_what_the_steps_as_written_do(quantized, monkeypa
 
     prompts = [list(np.random.default_rng(2).integers(3, 120, n)) for n in (70, 40, 66)]
     settings = GenerationConfig(10, eos=())
-    with Generator(quantized["shared", 4]) as generator:
+    with Generator(quantized["shared", 4], float_prompt=True) as generator:
         got = generator.generate(prompts, settings)
         assert any("fast form alone" in n for n in got.notes)
         run = _BoundRuns(generator.runner.session, generator.interface, 1, 50,
@@ -193,8 +196,29 @@ def test_decode_graph_generates_what_the_steps_as_written_do(quantized, monkeypa
         with pytest.raises(ModelFileError, match="guard is false"):
             run(two, new=2, past=40)
     monkeypatch.setattr(loop, "decode_graph", lambda model: None)
-    with Generator(quantized["shared", 4]) as as_written:
+    with Generator(quantized["shared", 4], float_prompt=True) as as_written:
         assert not as_written.steps_only
         want = as_written.generate(prompts, settings)
     assert got.sequences == want.sequences
     assert not any("fast form alone" in n for n in want.notes)
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("fast", [False, True])
+def test_the_prompt_runs_in_float_compute_only_where_the_cpu_has_no_fast_int8(
+        quantized, monkeypatch, fast):
+    """With int8 dot-product instructions a level-4 prompt is faster than float compute
+    (docs/bench.md): one session, the file as written; without them the float prompt's
+    session, and a shared-cache fusion's steps on its decode graph."""
+    monkeypatch.setattr(float_prompt, "fast_int8", lambda: fast)
+    long = [list(np.random.default_rng(4).integers(3, 120, float_prompt.PROMPT_ROWS + 1))]
+    for form in ("shared", "appended"):
+        with Generator(quantized[form, 4]) as generator:
+            assert (generator.float_prompt is None) is fast
+            assert generator.steps_only is (form == "shared" and not fast)
+            notes = generator.generate(long, GenerationConfig(3, eos=())).notes
+            assert any("float compute" in n for n in notes) is not fast
+    with Generator(quantized["shared", 4], float_prompt=True) as asked:  # (whatever the CPU)
+        assert asked.float_prompt is not None and asked.steps_only
+    with Generator(quantized["shared", 4], float_prompt=False) as as_written:
+        assert as_written.float_prompt is None and not as_written.steps_only
