@@ -13,6 +13,7 @@ def _cpuinfo(flags: str) -> str:
 def test_the_widest_extension_is_named():
     assert cpu_isa(_cpuinfo("avx2 avx512f avx512_vnni amx_tile")) == "AMX"
     assert cpu_isa(_cpuinfo("avx2 avx512f avx512_vnni")) == "AVX-512 VNNI"
+    assert cpu_isa(_cpuinfo("avx2 avx_vnni")) == "AVX-VNNI"  # (256-bit int8 dot products)
     assert cpu_isa(_cpuinfo("avx2 avx512f")) == "AVX-512"
     assert cpu_isa(_cpuinfo("avx avx2")) == "AVX2"
 
@@ -24,5 +25,5 @@ def test_a_machine_that_does_not_say_gives_none():
 
 def test_machine_info_carries_the_isa():
     info = machine_info()
-    assert info["isa"] in {None, "AMX", "AVX-512 VNNI", "AVX-512", "AVX2"}
+    assert info["isa"] in {None, "AMX", "AVX-512 VNNI", "AVX-VNNI", "AVX-512", "AVX2"}
     assert info["isa"] == cpu_isa()
