@@ -24,10 +24,10 @@ def cpu_name() -> str:
 
 def cpu_isa(cpuinfo: str | None = None) -> str | None:
     """The widest vector extension the CPU reports (AMX, AVX-512 VNNI, AVX-VNNI, AVX-512,
-    AVX2), None
-    where /proc/cpuinfo does not say: two machines of one model name can differ here, and
-    ONNX Runtime's int8 and 4-bit kernels with them (the same 'AMD EPYC' read a 1024-token
-    int4 prompt 1.27x and 0.81x of float32). `cpuinfo`: the text to read, /proc/cpuinfo's by default."""
+    AVX2), None where /proc/cpuinfo does not say: two machines of one model name can differ
+    here, and ONNX Runtime's int8 and 4-bit kernels with them (the same 'AMD EPYC' read a
+    1024-token int4 prompt 1.27x and 0.81x of float32). ``cpuinfo``: the text to read,
+    /proc/cpuinfo's by default."""
     try:
         text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     except OSError:
