@@ -17,7 +17,8 @@ RMS norms onto SimplifiedLayerNormalization, for the CPU residual Adds before a 
 LayerNormalization as Sum (norms.py); the exporter's rotary folded into GQA, its Q/K/V
 projections packed into one MatMul (rotary.py, packing.py); the guards (Guards, below); any
 other GQA's projections packed (packing.py; after the sinking, a branch's own copies are
-what its kernel alone reads). The guards' cost: tools/experiments/guard_cost.py."""
+what its kernel alone reads). The guards' cost: tools/experiments/guard_cost.py.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from onnxscript.optimizer import remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx.graph.cache import LENGTH_INPUT
-from mha_onnx.rewrite import sink
 from mha_onnx.rewrite.blocks import find_blocks
 from mha_onnx.rewrite.core import BlockLog, OnnxAttention, SoftmaxAttention
 from mha_onnx.rewrite.einsums import BLOCKED_NOTE, blocked_einsums
@@ -51,6 +51,7 @@ from mha_onnx.rewrite.rotary import Folded, fold_rotary
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from mha_onnx.rewrite.shapes import fold_static_dims, probability_shapes
 from mha_onnx.rewrite.shared_probs import distribute_combinations, merge_value_matmuls
+from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
 from mha_onnx.rewrite.sinks import SCALED_NOTE, scaled_sink_rules
 from mha_onnx.rewrite.tidy import share_guards
 from mha_onnx.rewrite.windows import window_mask_rules
@@ -317,10 +318,10 @@ class Guards(FusionPass):
         run = self.run
         run.from_shapes = bool(run.shared) and run.rows is not None and length_from_shapes(
             model.graph, run.rows, set(run.pairs))
-        sink.merge_nested_guards(model.graph)
+        merge_nested_guards(model.graph)
         share_guards(model)  # (also drops the readers the rewrites left)
-        sink.sink_into_branches(model.graph, run.rotating.copyable(model.graph))
-        sink.hoist_by_condition(model.graph)
+        sink_into_branches(model.graph, run.rotating.copyable(model.graph))
+        hoist_by_condition(model.graph)
         return {}
 
 
@@ -367,12 +368,11 @@ class RecordCache(FusionPass):
 
 
 class Tidy(FusionPass):
-    """Internal domain dropped, what an If's branches compute alike hoisted (sink.py), nodes
-    nothing reads removed, names fixed, unread outputs (LayerNorm's statistics) unwritten."""
+    """The internal domain dropped, nodes nothing reads removed, names fixed, outputs nothing
+    reads left unwritten (LayerNormalization's mean and inverse deviation)."""
 
     def apply(self, model: ir.Model) -> dict[str, int]:
         model.opset_imports.pop(FUSION_DOMAIN, None)
-        sink.hoist_common(model.graph)
         remove_unused_nodes(model)
         common_passes.NameFixPass()(model)
         omit_unread_outputs(model.graph)

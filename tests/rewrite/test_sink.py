@@ -12,12 +12,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from mha_onnx.rewrite.sink import (
-    hoist_by_condition,
-    hoist_common,
-    merge_nested_guards,
-    sink_into_branches,
-)
+from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
 from mha_onnx.runtime.ort import OrtRunner
 
 X = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
@@ -159,43 +154,3 @@ def test_hoisted_placeholders_do_not_take_names_the_model_has():
     after, moved = _apply(model, hoist_by_condition)
     assert moved == 2
     _same_outputs(model, after, ["c"])  # ORT loads it
-
-
-def test_what_both_branches_compute_alike_runs_once_ahead_of_the_if():
-    """Relu(x) and Exp of it in both branches: hoisted, one each; Neg / Abs differ and a
-    Relu of a branch's own value is not the same computation: they stay."""
-    then = [helper.make_node("Relu", ["x"], ["r1"]), helper.make_node("Exp", ["r1"], ["e1"]),
-            helper.make_node("Neg", ["e1"], ["t"])]
-    other = [helper.make_node("Relu", ["x"], ["r2"]), helper.make_node("Exp", ["r2"], ["e2"]),
-             helper.make_node("Abs", ["e2"], ["a"]), helper.make_node("Relu", ["a"], ["o"])]
-    model = _model([_if("c", "y", then, "t", other, "o")], ["c"], ["y"])
-    after, hoisted = _apply(model, hoist_common)
-    assert hoisted == 2 and _main_ops(after) == ["Relu", "Exp", "If"]
-    branches = {a.name: [n.op_type for n in a.g.node] for a in after.graph.node[-1].attribute}
-    assert branches == {"then_branch": ["Neg"], "else_branch": ["Abs", "Relu"]}
-    _same_outputs(model, after, ["c"])
-
-
-def test_nodes_alike_but_for_an_attribute_or_an_input_stay():
-    then = [helper.make_node("Softmax", ["x"], ["s1"], axis=0),
-            helper.make_node("Add", ["x", "s1"], ["t"])]
-    other = [helper.make_node("Softmax", ["x"], ["s2"], axis=-1),
-             helper.make_node("Add", ["s2", "x"], ["e"])]
-    model = _model([_if("c", "y", then, "t", other, "e")], ["c"], ["y"])
-    after, hoisted = _apply(model, hoist_common)
-    assert hoisted == 0 and _main_ops(after) == ["If"]
-    _same_outputs(model, after, ["c"])
-
-
-def test_equal_constants_are_alike_and_what_reads_them_follows():
-    def branch(n: int, value: float) -> list:
-        return [helper.make_node("Constant", [], [f"k{n}"], value=helper.make_tensor(
-                    "v", TensorProto.FLOAT, [1], [value])),
-                helper.make_node("Mul", ["x", f"k{n}"], [f"m{n}"]),
-                helper.make_node("Neg" if n else "Abs", [f"m{n}"], [f"o{n}"])]
-    model = _model([_if("c", "y", branch(0, 2.0), "o0", branch(1, 2.0), "o1")], ["c"], ["y"])
-    after, hoisted = _apply(model, hoist_common)
-    assert hoisted == 2 and _main_ops(after) == ["Constant", "Mul", "If"]
-    _same_outputs(model, after, ["c"])
-    model = _model([_if("c", "y", branch(0, 2.0), "o0", branch(1, 3.0), "o1")], ["c"], ["y"])
-    assert _apply(model, hoist_common)[1] == 0
