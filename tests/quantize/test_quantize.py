@@ -202,3 +202,37 @@ def test_export_model_with_int8_weights(hf_folder, tmp_path):
     report = json.loads(checked.output[checked.output.index("{"):])  # (after transformers'
     # loading bar)
     assert report["reference"].startswith("PyTorch") and report["accuracy"]["top1"] > 0.9
+
+
+def test_matmuls_inside_if_branches_are_quantized_and_a_weight_they_share_stored_once():
+    """Each branch multiplies by one weight of the main graph (differently: nothing to
+    hoist); both become MatMulNBits reading one quantized copy, and each branch gives
+    what its float form gives, within int4's error."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from mha_onnx.quantize.weights import QuantizeConfig, quantize_weights
+    from mha_onnx.runtime.ort import OrtRunner
+
+    weight = numpy_helper.from_array(
+        np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32), "w")
+    out = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    then = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "t", [], out)
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["n"]),
+                               helper.make_node("MatMul", ["n", "w"], ["y"])], "e", [], out)
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["out"], then_branch=then, else_branch=other)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64]),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 48])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    quantized = quantize_weights(model, QuantizeConfig()).model
+    assert [n.op_type for n in _nodes(quantized) if "MatMul" in n.op_type] == ["MatMulNBits"] * 2
+    names = [t.name for t in quantized.graph.initializer]
+    assert len([n for n in names if n.endswith("_Q4")]) == 1 and "w" not in names
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    for c in (True, False):
+        feeds = {"x": x, "c": np.array(c)}
+        want = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)["out"]
+        got = OrtRunner(quantized.SerializeToString(), "cpu").infer(feeds)["out"]
+        assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
