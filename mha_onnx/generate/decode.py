@@ -3,9 +3,9 @@
 A model fused with ``--kv-cache shared`` runs each layer's attention inside an ``If``: the
 GroupQueryAttention form when one guard (computed once per run, shared by every layer's
 ``If``) says the inputs allow it, the exact general form otherwise. ONNX Runtime pays each
-``If`` a fixed cost beyond its kernels (about 40 us on a 2-core AMD EPYC; 16 layers: the
-int4 step 1.065x of GenAI's graph of the same weights as written, 0.98x with the branches
-inlined and the guard's nodes gone: docs/bench.md). A generation loop's steps are the case
+``If`` a fixed cost beyond its kernels (about 34 us on a 2-core AMD EPYC; 16 layers: the
+int4 step 1.073x of GenAI's graph of the same weights as written, 1.010x with the branches
+inlined: docs/bench.md, "Decode steps without the Ifs"). A generation loop's steps are the case
 the guard admits by construction (one new, kept token per row, positions inside the tables
 the generator checks first), so the generator can run them through :func:`decode_graph`:
 every ``If`` replaced by its then branch, the nodes nothing reads any more removed, and the

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from mha_onnx.errors import ConfigError, ModelFileError
-from mha_onnx.generate.decode import GUARD, decode_graph
+from mha_onnx.generate.decode import GUARD
 from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
-from mha_onnx.generate.prompt import PROMPT_ROWS
+from mha_onnx.generate.prompt import PROMPT_ROWS, sessions
 from mha_onnx.generate.sampling import Sampling, next_tokens
 from mha_onnx.graph.cache import LENGTH_INPUT, device_of
 
@@ -130,23 +130,6 @@ def prompt_feeds(prompts: Sequence[Sequence[int]], interface: DecoderInterface,
     return {k: v.astype(interface.dtypes[k]) for k, v in feeds.items() if k in interface.dtypes}
 
 
-def _sessions(model: str | Path, proto: Any, shared: bool, second: bool,
-              float_prompt: bool | None) -> tuple[Any, Any]:
-    """(the float prompt's session's model, prompt.py, or None; the decode graph, decode.py,
-    or None). Where the prompt runs in float compute (a CPU without fast int8, or asked
-    for) a shared-cache fusion's prompts all run there and its steps through its decode
-    graph (two sessions either way); another file's long prompts only. With fast int8 the
-    file as written, one session: a second one for the decode graph alone read a 2-layer
-    step no faster and its first token 1.45x slower (pool threads; docs/bench.md)."""
-    from mha_onnx.generate import prompt
-
-    floated = float_prompt if float_prompt is not None else not prompt.fast_int8()
-    if not second or not floated:
-        return None, None
-    made = prompt.float_prompt(model, proto)
-    return made, decode_graph(proto) if made is not None and shared else None
-
-
 class Generator:
     """A decoder file and one ONNX Runtime session for it; :meth:`generate` runs a batch."""
 
@@ -165,8 +148,8 @@ class Generator:
         self.path = Path(model)
         self.interface = interface or read_interface(proto, model)
         level = session_options(proto).get("optimization", "all")
-        made, steps = _sessions(model, proto, self.interface.shared,
-                                provider == "cpu" and float_prompt is not False, float_prompt)
+        made, steps = sessions(model, proto, self.interface.shared,
+                               provider == "cpu" and float_prompt is not False, float_prompt)
         shared = made.initializers if made else {}
         # with a second session, neither's pool threads spin past its runs: they would take
         # the cores from the other's (a 128-token prompt 1.3x slower after steps, AMD EPYC;
@@ -195,7 +178,7 @@ class Generator:
 
         made = self.float_prompt
         if made is None or (rows < PROMPT_ROWS and not self.steps_only):
-            return None  # (a file's own level: only a decode graph's prompts run there)
+            return None  # (a short prompt runs as written, unless the steps' graph cannot)
         if self.prompt_runner is None:
             self.prompt_runner = OrtRunner(made.model, "cpu", threads=self._threads,
                                            optimization=self._level,

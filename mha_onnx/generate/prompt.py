@@ -101,3 +101,20 @@ def float_prompt(path: str | Path, read: onnx.ModelProto | None = None) -> Float
             arrays.append(_array(tensor, folder))
             shared[tensor.name] = ort.OrtValue.ortvalue_from_numpy(arrays[-1])
     return FloatPrompt(model.SerializeToString(), folder, shared, arrays, levels)
+
+
+def sessions(model: str | Path, proto: Any, shared: bool, second: bool,
+             wanted: bool | None) -> tuple[Any, Any]:
+    """(the float prompt's session's model, prompt.py, or None; the decode graph, decode.py,
+    or None). Where the prompt runs in float compute (a CPU without fast int8, or asked
+    for) a shared-cache fusion's prompts all run there and its steps through its decode
+    graph (two sessions either way); another file's long prompts only. With fast int8 the
+    file as written, one session: a second one for the decode graph alone read a 2-layer
+    step no faster and its first token 1.45x slower (pool threads; docs/bench.md)."""
+    from mha_onnx.generate.decode import decode_graph
+
+    floated = wanted if wanted is not None else not fast_int8()
+    if not second or not floated:
+        return None, None
+    made = float_prompt(model, proto)
+    return made, decode_graph(proto) if made is not None and shared else None

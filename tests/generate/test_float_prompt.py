@@ -181,7 +181,6 @@ def test_decode_graph_generates_what_the_steps_as_written_do(quantized, monkeypa
     """The generator's steps through the decode graph: the tokens of the same generator
     with its steps through the file as written; a step its guard refuses is an error."""
     from mha_onnx.errors import ModelFileError
-    from mha_onnx.generate import loop
 
     prompts = [list(np.random.default_rng(2).integers(3, 120, n)) for n in (70, 40, 66)]
     settings = GenerationConfig(10, eos=())
@@ -195,7 +194,7 @@ def test_decode_graph_generates_what_the_steps_as_written_do(quantized, monkeypa
                "attention_mask": np.ones((1, 42), np.int64), "position_ids": np.array([[40, 41]])}
         with pytest.raises(ModelFileError, match="guard is false"):
             run(two, new=2, past=40)
-    monkeypatch.setattr(loop, "decode_graph", lambda model: None)
+    monkeypatch.setattr(decode_graph_module, "decode_graph", lambda model: None)
     with Generator(quantized["shared", 4], float_prompt=True) as as_written:
         assert not as_written.steps_only
         want = as_written.generate(prompts, settings)

@@ -18,19 +18,19 @@ import statistics
 
 import numpy as np
 
-from mha_onnx.generate import GenerationConfig, Generator, loop
+from mha_onnx.generate import GenerationConfig, Generator, decode
 from mha_onnx.profile.roofline import cpu_isa, cpu_name
 
 
 def generators(path: str, threads: int) -> dict[str, Generator]:
-    made, real = {}, loop.decode_graph
+    made, real = {}, decode.decode_graph
     try:
         for label, graph in (("steps on the decode graph", real),
                              ("steps through the file as written", lambda model: None)):
-            loop.decode_graph = graph
+            decode.decode_graph = graph
             made[label] = Generator(path, threads=threads, float_prompt=True)
     finally:
-        loop.decode_graph = real
+        decode.decode_graph = real
     if not next(iter(made.values())).steps_only:
         raise SystemExit(f"{path}: no decode graph (not a quantized shared-cache fusion)")
     return made
