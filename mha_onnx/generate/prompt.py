@@ -9,9 +9,10 @@ in int4 (AMD EPYC without VNNI, 2 threads; docs/bench.md): a 1024-token prompt a
 generator runs a prompt of ``PROMPT_ROWS`` tokens or more through a second session of the
 same file with every MatMulNBits at level 1 (a shared-cache fusion: every prompt, and its
 steps through its decode graph, decode.py). With VNNI (a 1024-token prompt 0.81x of float
-at level 4) every run goes through the file as written. The two sessions share the cache buffers (bound to both) and every large
-float initializer (one OrtValue given to both: the embeddings are not held twice); each
-packs its own copy of the quantized weights, in its own layout.
+at level 4) every run goes through the file as written. The two sessions share the cache
+buffers (bound to both) and every large float initializer (one OrtValue given to both: the
+embeddings are not held twice); each packs its own copy of the quantized weights, in its
+own layout.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ def _quantized(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 def fast_int8() -> bool:
     """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI, AMX), with
-    which MatMulNBits at level 4 reads a long prompt faster than float compute (the
-    second EPYC: a 1024-token int4 prompt 0.81x of the float model's time, float compute
-    1.0x; without them 1.27x: docs/bench.md)."""
+    which MatMulNBits at level 4 reads a long prompt faster than float compute (AMD EPYC
+    with AVX-512 VNNI: a 1024-token int4 prompt 0.79-0.83x of the float model's time; one
+    without it: 1.24-1.29x; docs/bench.md)."""
     from mha_onnx.profile.roofline import cpu_isa
 
     return cpu_isa() in ("AMX", "AVX-512 VNNI", "AVX-VNNI")
