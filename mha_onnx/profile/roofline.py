@@ -66,8 +66,9 @@ def machine_info() -> dict[str, Any]:
     except dist.PackageNotFoundError:
         openvino = None
     return {"machine": platform.machine(), "processor": cpu_name(), "isa": cpu_isa(),
-            "cpus": os.cpu_count(), "gpu": gpu_info(), "onnxruntime": ort.__version__, "openvino": openvino,
-            "python": platform.python_version(), "hostname": platform.node()}
+            "cpus": os.cpu_count(), "gpu": gpu_info(), "onnxruntime": ort.__version__,
+            "openvino": openvino, "python": platform.python_version(),
+            "hostname": platform.node()}
 
 
 def matmul_roofline(provider: str, threads: int | None, dtype: str = "float32") -> float:
