@@ -44,16 +44,13 @@ def inline_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
         branch = next(a.g for a in node.attribute if a.name == "then_branch")
         names = {o.name: target for o, target in zip(branch.output, node.output, strict=True)}
         graph.initializer.extend(branch.initializer)
-        made = set()
-        for inner in branch.node:
-            for i, name in enumerate(inner.output):
-                if name in names:
-                    inner.output[i] = names[name]
-                    made.add(name)
+        made = {name for inner in branch.node for name in inner.output} & names.keys()
+        for inner in branch.node:  # (a value passed through from outside keeps its name)
             for inner_node in [inner, *(n for g in subgraphs(inner) for n in all_nodes(g))]:
-                for i, name in enumerate(inner_node.input):
-                    if name in names:
-                        inner_node.input[i] = names[name]
+                for field in (inner_node.input, inner_node.output):
+                    for i, name in enumerate(field):
+                        if name in made:
+                            field[i] = names[name]
             nodes.append(inner)
         nodes += [onnx.helper.make_node("Identity", [name], [target])
                   for name, target in names.items() if name not in made]
