@@ -32,31 +32,56 @@ def shared_guard(model: onnx.ModelProto) -> str | None:
 
 def inline_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` with every ``If`` of its main graph replaced by the nodes of its
-    then branch (their outputs renamed to the ``If``'s; an output the branch passes through
-    from outside becomes an Identity)."""
+    then branch: what the branch outputs renamed to the ``If``'s outputs, another name it
+    defines that the main graph has already suffixed (names are unique per graph only:
+    torch.export names a branch's nodes and values as the main graph's); an output the
+    branch passes through from outside becomes an Identity."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph, nodes = out.graph, []
+    names = {n.name for n in graph.node}
+    values = {v.name for v in (*graph.input, *graph.initializer)} | {
+        o for n in graph.node for o in n.output}
     for node in graph.node:
         if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
             nodes.append(node)
             continue
         branch = next(a.g for a in node.attribute if a.name == "then_branch")
-        names = {o.name: target for o, target in zip(branch.output, node.output, strict=True)}
+        given = {o.name: t for o, t in zip(branch.output, node.output, strict=True)}
+        defined = [t.name for t in branch.initializer] + [o for n in branch.node for o in n.output]
+        renamed = {name: given.get(name) or _unique(name, values) for name in defined if name}
+        for tensor in branch.initializer:
+            tensor.name = renamed[tensor.name]
         graph.initializer.extend(branch.initializer)
-        made = {name for inner in branch.node for name in inner.output} & names.keys()
-        for inner in branch.node:  # (a value passed through from outside keeps its name)
-            for inner_node in [inner, *(n for g in subgraphs(inner) for n in all_nodes(g))]:
-                for field in (inner_node.input, inner_node.output):
-                    for i, name in enumerate(field):
-                        if name in made:
-                            field[i] = names[name]
+        for inner in branch.node:
+            _rename(inner.input, renamed)
+            _rename(inner.output, renamed)
+            for nested in subgraphs(inner):  # (what they read from the branch, not their own)
+                own = {o for n in all_nodes(nested) for o in n.output}
+                for n in all_nodes(nested):
+                    _rename(n.input, {k: v for k, v in renamed.items() if k not in own})
+            inner.name = _unique(inner.name, names) if inner.name else inner.name
             nodes.append(inner)
         nodes += [onnx.helper.make_node("Identity", [name], [target])
-                  for name, target in names.items() if name not in made]
+                  for name, target in given.items() if name not in renamed]
     del graph.node[:]
     graph.node.extend(nodes)
     return out
+
+
+def _rename(field, renamed: dict[str, str]) -> None:
+    for i, name in enumerate(field):
+        field[i] = renamed.get(name, name)
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    """``name``, or it with the first free ``_inlined{n}`` suffix; recorded as taken."""
+    n, free = 0, name
+    while free in taken:
+        n += 1
+        free = f"{name}_inlined{n}"
+    taken.add(free)
+    return free
 
 
 def without_unread(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from mha_onnx.generate.decode import GUARD, decode_graph
+from mha_onnx.generate.decode import GUARD, decode_graph, inline_ifs
 from mha_onnx.runtime.ort import OrtRunner
 
 
@@ -19,18 +19,24 @@ def _branch(name: str, nodes: list, outputs: list[str]) -> onnx.GraphProto:
 
 def _model(conditions: tuple[str, str]) -> onnx.ModelProto:
     """Two Ifs: the first's then branch gives ``x`` back (through an Identity: ORT refuses an
-    outer value as a branch output) and reads it; the second's reads the first's outputs;
-    an unread Sin in the main graph."""
+    outer value as a branch output) and reads it, one of its nodes named as a main-graph
+    node; the second's reads the first's outputs and names a value as the first's does
+    (names are unique per graph and its scope only: torch.export repeats them); unread Sins
+    in the main graph."""
     first = helper.make_node("If", [conditions[0]], ["a", "b"], then_branch=_branch(
-        "t1", [helper.make_node("Identity", ["x"], ["i"]), helper.make_node("Neg", ["x"], ["n"])],
-        ["i", "n"]), else_branch=_branch(
+        "t1", [helper.make_node("Identity", ["x"], ["i"]),
+               helper.make_node("Neg", ["x"], ["t"], name="sin"),  # (a main graph's node name)
+               helper.make_node("Abs", ["t"], ["n"])], ["i", "n"]), else_branch=_branch(
         "e1", [helper.make_node("Abs", ["x"], ["p"]), helper.make_node("Relu", ["x"], ["q"])],
         ["p", "q"]))
     second = helper.make_node("If", [conditions[1]], ["y"], then_branch=_branch(
-        "t2", [helper.make_node("Add", ["a", "b"], ["s"])], ["s"]), else_branch=_branch(
+        "t2", [helper.make_node("Add", ["a", "b"], ["t"]),  # (the first branch's value name)
+               helper.make_node("Neg", ["t"], ["s"])], ["s"]), else_branch=_branch(
         "e2", [helper.make_node("Sub", ["a", "b"], ["d"])], ["d"]))
     graph = helper.make_graph(
-        [helper.make_node("Sin", ["x"], ["unread"]), helper.make_node("Not", ["c"], ["nc"]),
+        [helper.make_node("Sin", ["x"], ["unread2"], name="sin2"),
+         helper.make_node("Sin", ["x"], ["unread"], name="sin"),
+         helper.make_node("Not", ["c"], ["nc"]),
          first, second], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]),
          helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
@@ -42,8 +48,13 @@ def test_the_then_branches_inlined_give_the_outputs_the_guard_admits():
     model = _model(("c", "c"))
     decode = decode_graph(model)
     assert decode is not None
-    assert [n.op_type for n in decode.graph.node] == ["Identity", "Neg", "Add", "Identity"]
+    assert [n.op_type for n in decode.graph.node] == ["Identity", "Neg", "Abs", "Add", "Neg",
+                                                      "Identity"]
     assert [o.name for o in decode.graph.output] == ["y", GUARD]
+    names = [n.name for n in inline_ifs(model).graph.node if n.name]
+    assert len(set(names)) == len(names) and "sin_inlined1" in names  # ("sin" is taken)
+    made = [o for n in decode.graph.node for o in n.output]
+    assert len(set(made)) == len(made) and "t_inlined1" in made
     x = np.array([-1.5, 0.25, 2.0], np.float32)
     steps = OrtRunner(decode.SerializeToString(), "cpu")
     full = OrtRunner(model.SerializeToString(), "cpu")
