@@ -7,7 +7,7 @@ EOS; the generators take turns, the order reversed every round; ms per step, med
 best of the rounds.
 
     .venv/bin/python -m tools.experiments.decode_graph QUANTIZED.onnx [--rounds 8]
-        [--prompt 128] [--new 64] [--threads 2]
+        [--prompt 128] [--new 64] [--batch 1] [--threads 2]
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1, help="rows of one length")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     made = generators(args.model, args.threads)
-    prompts = [list(np.random.default_rng(0).integers(3, 500, args.prompt))]
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 500, args.prompt)) for _ in range(args.batch)]
     times: dict[str, list[float]] = {label: [] for label in made}
     for r in range(args.rounds):
         for label in list(made)[::1 if r % 2 == 0 else -1]:
@@ -53,8 +55,8 @@ def main() -> None:
             times[label].append(1e3 * result.decode_seconds / result.steps)
     base = statistics.median(times[list(made)[1]])
     isa = f" ({cpu_isa()})" if cpu_isa() else ""
-    print(f"{cpu_name()}{isa}, {os.cpu_count()} CPUs; prompt {args.prompt}, {args.new} new "
-          f"tokens, {args.rounds} rounds\n")
+    print(f"{cpu_name()}{isa}, {os.cpu_count()} CPUs; batch {args.batch}, prompt {args.prompt}, "
+          f"{args.new} new tokens, {args.rounds} rounds\n")
     print("| generator | ms per step, median | best | vs as written |\n|---|---|---|---|")
     for label, values in times.items():
         median = statistics.median(values)
