@@ -65,7 +65,7 @@ def _quantized(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 def fast_int8() -> bool:
     """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI, AMX), with
     which MatMulNBits at level 4 reads a long prompt faster than float compute (AMD EPYC
-    with AVX-512 VNNI: a 1024-token int4 prompt 0.79-0.83x of the float model's time; one
+    with AVX-512 VNNI: a 1024-token int4 prompt 0.79-0.81x of the float model's time; one
     without it: 1.24-1.29x; docs/bench.md)."""
     from mha_onnx.profile.roofline import cpu_isa
 
