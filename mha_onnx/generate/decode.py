@@ -98,8 +98,7 @@ def without_unread(model: onnx.ModelProto) -> onnx.ModelProto:
             needed.update(name for g in subgraphs(node) for n in all_nodes(g) for name in n.input)
     del out.graph.node[:]
     out.graph.node.extend(reversed(kept))
-    used = needed | {name for n in kept for name in n.input}
-    kept_inits = [t for t in out.graph.initializer if t.name in used]
+    kept_inits = [t for t in out.graph.initializer if t.name in needed]
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept_inits)
     return out
