@@ -10,7 +10,8 @@ fusion and ORT GenAI's int4 graph of the same weights: size, prompt and decode s
 
 The float model: the Optimum export fused with --kv-cache shared; ours: it quantized (int4
 block 32 symmetric accuracy level 4, as GenAI's CPU default; int8 the same); GenAI's graph
-from its builder's `-p int4 -e cpu`. Accuracy: the next-token distributions of a batch of 4
+from its builder's `-p int4 -e cpu`; and the int4 file's decode graph (decode steps only: the
+graph `mha-onnx generate` runs them through, generate/decode.py). Accuracy: the next-token distributions of a batch of 4
 random 64-token prompts against the float model's (KL, top-1), the logits' cosine, and
 greedy agreement over 32 tokens from the prompts' first 16 (GenAI's graph run by
 `mha-onnx generate` with its shared buffers).
@@ -49,7 +50,24 @@ def graphs(folder: Path, levels: tuple[int, ...] = ()) -> dict[str, Path]:
             quantize_file(float_model, path, config, sensitivity=False, check=False,
                           force=True)
         out[f"mha-onnx quantize {label}"] = path
+    out[DECODE] = _decode_graph(out["mha-onnx quantize --weights int4"])
     out["ORT GenAI builder -p int4"] = folder / "genai-int4" / "model.onnx"
+    return out
+
+
+DECODE = "int4, decode graph (the steps generate runs)"
+
+
+def _decode_graph(path: Path) -> Path:
+    """The int4 file's decode graph (generate/decode.py: its Ifs replaced by their fast
+    branches, the guard an output), written beside it: a step as ``mha-onnx generate``
+    runs it. Decode steps only (a prompt is run through the file as written)."""
+    from mha_onnx.generate.decode import decode_graph
+    from mha_onnx.graph.files import read_model, write_model
+
+    out = path.parent / "decode.onnx"
+    if not out.exists():
+        write_model(decode_graph(read_model(path)), out, force=True)
     return out
 
 
@@ -69,6 +87,8 @@ def accuracy_rows(models: dict[str, Path]) -> list[tuple]:
         reference = generator.generate(starts, settings).sequences
     rows = []
     for label, path in list(models.items())[1:]:
+        if label == DECODE:  # (the int4 file's computations: its tokens are tested equal)
+            continue
         got = _session_outputs(str(path), feeds)["logits"]
         kl, agree = accuracy.kl_top1(want, got)
         cosine = accuracy.output_error("logits", want, got).cosine
@@ -92,6 +112,8 @@ def timing_rows(models: dict[str, Path], args) -> list[tuple]:
     for phase, new, past in phases:
         runs = {}
         for label in order:
+            if past == 0 and label == DECODE:
+                continue
             runner = runners[label]
             kind = "genai" if "GenAI" in label else "shared"
             feeds, pasts = _feeds(kind, runner.input_names, 1, new, past,
@@ -105,6 +127,9 @@ def timing_rows(models: dict[str, Path], args) -> list[tuple]:
     for label, path in models.items():
         row = [label, f"{_bytes(path) / 1e6:.1f}", f"{_bytes(path) / _bytes(models[base]):.2f}x"]
         for phase, _, _ in phases:
+            if label not in times[phase]:
+                row += ["-", "-"]
+                continue
             row += [f"{times[phase][label]:.{2 if phase == 'decode' else 1}f}",
                     f"{times[phase][label] / times[phase][base]:.2f}x"]
         rows.append(tuple(row))
