@@ -13,8 +13,8 @@ block 32 symmetric accuracy level 4, as GenAI's CPU default; int8 the same); Gen
 from its builder's `-p int4 -e cpu`; and the int4 file's decode graph (decode steps only:
 the graph `mha-onnx generate` runs them through, generate/decode.py). Accuracy: the
 next-token distributions of a batch of 4 random 64-token prompts against the float model's
-(KL, top-1), the logits' cosine, and greedy agreement over 32 tokens from the prompts' first 16 (GenAI's graph run by
-`mha-onnx generate` with its shared buffers).
+(KL, top-1), the logits' cosine, and greedy agreement over 32 tokens from the prompts'
+first 16 (GenAI's graph run by `mha-onnx generate` with its shared buffers).
 """
 
 from __future__ import annotations
