@@ -50,7 +50,8 @@ class ExportError(MhaOnnxError):
 
 
 class FusionError(MhaOnnxError):
-    """The fused graph failed verification against the original (outputs differ: exit 1)."""
+    """A model made failed verification, outputs differing beyond tolerance (exit 1): the
+    fused graph against the original, or an export against the PyTorch model."""
 
     exit_code = EXIT_MISMATCH
 

@@ -35,12 +35,16 @@ from mha_onnx.rewrite.policy import KV_CACHES
 @click.option("--logits", type=click.Choice(["all", "last"]), default="all", show_default=True,
               help="With --model, decoders: last computes the LM head for each row's last kept "
                    "position only (logits [batch, 1, vocab]).")
+@click.option("--atol", type=float, default=None,
+              help="With --model: the tolerance of fuse's verification and of the check "
+                   "against PyTorch (default by dtype).")
+@click.option("--rtol", type=float, default=None)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of random weights.")
 @click.option("-o", "--output", required=True, help="Where to write the .onnx file.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weights, opset, dtype,
-           kv_cache, cache_padding, logits, seed, output, force, as_json):
+           kv_cache, cache_padding, logits, atol, rtol, seed, output, force, as_json):
     """Export the PyTorch reference (or, with --model, a Hugging Face model) to ONNX with
     dynamic batch and sequence axes."""
     from mha_onnx.config import load_config_file, load_preset
@@ -58,12 +62,15 @@ def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weigh
 
         cfg = HfExportConfig(task=task, dtype=dtype or "float32", opset=opset or 18,
                              fuse=not no_fuse, kv_cache=kv_cache or "appended", force=force,
-                             logits=logits, weights=weights or "float")
+                             logits=logits, weights=weights or "float", atol=atol, rtol=rtol)
         emit(export_hf(model_dir, output, cfg, progress=lambda line: click.echo(
             f"[export] {line}", err=True)), as_json)
         return
     if logits != "all":
         raise ConfigError("--logits is for decoders exported with --model")
+    if atol is not None or rtol is not None:
+        raise ConfigError("--atol/--rtol are for --model (the reference export is checked at its "
+                          "dtype's tolerance)")
     if preset and config_file:
         raise ConfigError("--preset and --config exclude each other")
     if kv_cache == "shared":

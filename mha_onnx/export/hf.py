@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mha_onnx import __version__
-from mha_onnx.errors import ConfigError, ExportError, VerifyError
+from mha_onnx.errors import ConfigError, ExportError, FusionError
 from mha_onnx.export.hf_model import (
     TASKS,
     DecoderWithPast,
@@ -61,6 +61,8 @@ class HfExportConfig:
     genai: bool = True  # text generation: genai_config.json and the tokenizer beside it
     logits: str = "all"  # "last": the LM head of each row's last kept position only
     weights: str = "float"  # int4 | int8: quantized after the export (mha_onnx.quantize)
+    atol: float | None = None  # fuse's verification and the check against PyTorch (default:
+    rtol: float | None = None  # the dtype's, mha_onnx.stats.DEFAULT_TOLERANCES)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -312,7 +314,7 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
                  cfg: HfExportConfig, tmp: Path, progress: Callable[[str], None]):
     """One file: torch.export, fuse, validate against PyTorch; (path in ``tmp``, what fuse
     made of its blocks, the validation report)."""
-    from mha_onnx.parity import ValidateConfig, validate_model
+    from mha_onnx.parity import Tolerance, ValidateConfig, validate_model
     from mha_onnx.rewrite import fuse_file
 
     name = part or "model"
@@ -345,15 +347,23 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
         progress("fuse (verified against the export on ORT CPU)")
         final = tmp / f"{name}.fused.onnx"
         shared = cfg.kv_cache == "shared" and part != "encoder"
-        report = fuse_file(exported, final, force=True,
-                           policy=FormPolicy(kv_cache="shared" if shared else "appended"))
+        try:
+            report = fuse_file(exported, final, force=True, atol=cfg.atol, rtol=cfg.rtol,
+                               policy=FormPolicy(kv_cache="shared" if shared else "appended"))
+        except FusionError as exc:  # (fuse's hint names fuse's options)
+            exc.hint = (exc.hint or "").replace("--no-verify writes it anyway", "--no-fuse "
+                                                "writes the export unfused")
+            raise
         fused = "; ".join(b.said() for b in report.blocks) or "no attention block"
     cached = "with-past" in task and part != "encoder"
     progress("validate against PyTorch" + (" (16 decode steps)" if cached else ""))
-    validation = validate_model(final, ValidateConfig(memory_check=False))
+    given = {"*": Tolerance(cfg.atol, cfg.rtol)} if (cfg.atol, cfg.rtol) != (None, None) else {}
+    validation = validate_model(final, ValidateConfig(memory_check=False, tolerances=given))
     if not validation:
-        raise VerifyError("the exported model differs from the PyTorch model: "
-                          + "; ".join(f"{c.output} at {c.case}: {c.stats.max_abs:.3g}"
+        raise FusionError("the exported model differs from the PyTorch model: "
+                          + "; ".join(f"{c.output} at {c.case}: {c.stats.max_abs:.3g} (would "
+                                      f"need atol {c.stats.needed_atol:.3g})"
                                       for c in validation.failures()[:3]),
-                          hint="nothing was written; --no-fuse tells the export from fuse")
+                          hint="nothing was written; --no-fuse tells the export from fuse; "
+                               "--atol/--rtol set the tolerance")
     return final, fused, validation

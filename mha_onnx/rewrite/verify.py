@@ -38,6 +38,7 @@ class CaseResult:
     case: str
     output: str
     stats: ErrorStats
+    dtype: str = ""  # the output's element type (numpy's name)
 
     def to_dict(self) -> dict[str, Any]:
         return {"case": self.case, "output": self.output, **self.stats.to_dict()}
@@ -141,7 +142,7 @@ def _compare(runs, before: _Original, after, chosen: list[str], added: list[str]
             raise _fuse_bug(f"does not run on ORT CPU at {case.describe()}", exc) from exc
         for name, expected in want.items():
             stats = compare(got[name], expected, atol=atol, rtol=rtol)
-            results.append(CaseResult(case.describe(), name, stats))
+            results.append(CaseResult(case.describe(), name, stats, np.dtype(got[name].dtype).name))
     return results, skipped
 
 
@@ -353,9 +354,33 @@ def refuse_mismatch(verification: Verification, unguarded: list[str]) -> None:
                        "the generated inputs may be outside what the model is defined for"))
         raise FusionError(
             f"fused graph differs from the original: output {failure.output!r} at "
-            f"{failure.case}: max abs error {stats.max_abs:.3g} (atol {stats.atol:g})"
-            f"{why}; nothing was written",
-            hint=_mismatch_hint(bool(why), bool(unguarded)))
+            f"{failure.case}: max abs error {stats.max_abs:.3g} (atol {stats.atol:g} + rtol "
+            f"{stats.rtol:g} x |original|; would need atol {stats.needed_atol:.3g}){why}; "
+            "nothing was written",
+            hint=_rounding_hint(failure) or _mismatch_hint(bool(why), bool(unguarded)))
+
+
+ROUNDING = 4.0  # a half-precision miss within this many times the tolerance: rounding?
+
+
+def _rounding_hint(failure: CaseResult) -> str | None:
+    """For a half-precision output that misses by a small factor: the fused kernels (which
+    accumulate in float32 where the original's ops round each step, or the reverse) may
+    round differently; say which --atol would accept it, and how to check first."""
+    stats = failure.stats
+    if failure.dtype not in ("float16", "bfloat16") or stats.nan_where_expected_finite \
+            or not 0 < stats.needed_atol <= ROUNDING * stats.atol:
+        return None
+    return (f"{failure.dtype} kernels may round differently from the original's ops (a miss "
+            f"within {ROUNDING:g}x the tolerance): --atol {_round_up(stats.needed_atol)} accepts "
+            "it; check the outputs against the source model (`mha-onnx validate`; `export "
+            "--model` does after fusing); else please report this model")
+
+
+def _round_up(value: float) -> str:
+    """``value`` rounded up to two significant digits."""
+    digits = 1 - int(np.floor(np.log10(value)))
+    return f"{np.ceil(value * 10 ** digits) / 10 ** digits:g}"
 
 
 def _mismatch_hint(original_nan: bool, unguarded: bool) -> str:

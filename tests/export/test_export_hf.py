@@ -193,3 +193,20 @@ def test_experts_are_found_by_any_count_of_them(tmp_path, fields, routed):
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", **fields}))
     assert _has_experts(tmp_path) is routed
+
+
+def test_the_tolerance_reaches_fuses_verification_and_the_hint_names_exports_options(
+        hf_folder, tmp_path):
+    """--atol/--rtol set the verification's tolerance: at 1e-12 the float32 fusion (other
+    kernels, other summation orders) is refused at exit 1 with the tolerance it would need,
+    and the hint names export's --no-fuse, not fuse's --no-verify; nothing is written."""
+    out = tmp_path / "llama.onnx"
+    result = _export(hf_folder("llama"), out, "--atol", "1e-12", "--rtol", "0")
+    assert result.exit_code == 1, result.output
+    assert "fused graph differs from the original" in result.output
+    assert "(atol 1e-12 + rtol 0" in result.output and "would need atol" in result.output
+    assert "--no-fuse writes the export unfused" in result.output
+    assert "--no-verify" not in result.output and not out.exists()
+    reference = CliRunner().invoke(main, ["export", "-o", str(tmp_path / "r.onnx"), "--atol",
+                                          "0.1"])
+    assert reference.exit_code == 2 and "--atol/--rtol are for --model" in reference.output
