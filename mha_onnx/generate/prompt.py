@@ -1,18 +1,18 @@
-"""A 4- or 8-bit decoder's prompt in float compute, where the CPU's int8 is slow.
+"""A 4- or 8-bit decoder's prompt in float compute, where the CPU's int8 compute is slower.
 
 ONNX Runtime's MatMulNBits at accuracy level 4 (int8 activations: GenAI's CPU default and
-``quantize``'s) makes a decode step fast; on a CPU without int8 dot-product instructions a
-long prompt slow, level 1 (float compute) the other way round. On the bench's 2-layer Llama
-in int4 (AMD EPYC without VNNI, 2 threads; docs/bench.md): a 1024-token prompt at level 4
-1.28x the float model's time, at level 1 1.00x; a decode step at level 4 0.45x, at level 1
-1.24x; level 1 behind at 16 tokens and ahead from 64. So there (``fast_int8`` false) the
-generator runs a prompt of ``PROMPT_ROWS`` tokens or more through a second session of the
-same file with every MatMulNBits at level 1 (a shared-cache fusion: every prompt, and its
-steps through its decode graph, decode.py). With VNNI (a 1024-token prompt 0.81x of float
-at level 4) every run goes through the file as written. The two sessions share the cache
-buffers (bound to both) and every large float initializer (one OrtValue given to both: the
-embeddings are not held twice); each packs its own copy of the quantized weights, in its
-own layout.
+``quantize``'s) makes a decode step fast; on most CPUs measured a long prompt slow, level 1
+(float compute) the other way round. On the bench's 2-layer Llama in int4 (AMD EPYC without
+VNNI, 2 threads; docs/bench.md): a 1024-token prompt at level 4 1.28x the float model's
+time, at level 1 1.00x; a decode step at level 4 0.45x, at level 1 1.24x; level 1 behind
+at 16 tokens and ahead from 64 (Intel Xeon with AMX: 1.27x and 1.06x). So there
+(``fast_int8`` false) the generator runs a prompt of ``PROMPT_ROWS`` tokens or more through
+a second session of the same file with every MatMulNBits at level 1 (a shared-cache
+fusion: every prompt, and its steps through its decode graph, decode.py). On an AMD CPU
+with AVX-512 VNNI (a 1024-token prompt 0.81x of float at level 4) every run goes through
+the file as written. The two sessions share the cache buffers (bound to both) and every
+large float initializer (one OrtValue given to both: the embeddings are not held twice);
+each packs its own copy of the quantized weights, in its own layout.
 """
 
 from __future__ import annotations
@@ -62,14 +62,18 @@ def _quantized(model: onnx.ModelProto) -> list[onnx.NodeProto]:
             if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
 
 
-def fast_int8() -> bool:
-    """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI, AMX), with
-    which MatMulNBits at level 4 reads a long prompt faster than float compute (AMD EPYC
-    with AVX-512 VNNI: a 1024-token int4 prompt 0.79-0.81x of the float model's time; one
-    without it: 1.24-1.29x; docs/bench.md)."""
-    from mha_onnx.profile.roofline import cpu_isa
+def fast_int8(cpuinfo: str | None = None) -> bool:
+    """Whether MatMulNBits at level 4 (int8 compute) reads a long prompt faster than float
+    compute on this CPU. Measured (docs/bench.md; the bench Llama's 1024-token int4 prompt
+    against its float32 fusion's, 2 threads): AMD EPYC with AVX-512 VNNI 0.79-0.81x at level
+    4 (yes); AMD EPYC without VNNI 1.24-1.29x, level 1 1.00x; Intel Xeon with AMX and
+    AVX-512 VNNI 1.24-1.35x, level 1 1.06x (its float GEMM is the faster one: level 4
+    slower at every length from 64 tokens). So an AMD CPU with AVX-512 VNNI; any other,
+    measured or not, gets the float prompt, the nearer to float32 wherever measured.
+    ``cpuinfo``: the text to read, /proc/cpuinfo's by default."""
+    from mha_onnx.profile.roofline import cpu_isa, cpu_vendor
 
-    return cpu_isa() in ("AMX", "AVX-512 VNNI", "AVX-VNNI")
+    return cpu_vendor(cpuinfo) == "AuthenticAMD" and cpu_isa(cpuinfo) == "AVX-512 VNNI"
 
 
 def float_prompt(path: str | Path, read: onnx.ModelProto | None = None) -> FloatPrompt | None:

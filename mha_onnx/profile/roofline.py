@@ -28,17 +28,29 @@ def cpu_isa(cpuinfo: str | None = None) -> str | None:
     here, and ONNX Runtime's int8 and 4-bit kernels with them (the same 'AMD EPYC' read a
     1024-token int4 prompt 1.27x and 0.81x of float32). ``cpuinfo``: the text to read,
     /proc/cpuinfo's by default."""
-    try:
-        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
-    except OSError:
-        return None
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
+    flags = _field(cpuinfo, "flags").split()
     for flag, name in (("amx_tile", "AMX"), ("avx512_vnni", "AVX-512 VNNI"),
                        ("avx_vnni", "AVX-VNNI"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
         if flag in flags:
             return name
     return None
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str | None:
+    """The CPU's vendor as /proc/cpuinfo names it ('AuthenticAMD', 'GenuineIntel'), or None.
+    ``cpuinfo``: as :func:`cpu_isa`."""
+    return _field(cpuinfo, "vendor_id").strip() or None
+
+
+def _field(cpuinfo: str | None, name: str) -> str:
+    """The first ``name: ...`` line's value in ``cpuinfo`` (/proc/cpuinfo's text by default),
+    '' where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1] for line in text.splitlines()
+                 if line.split(":", 1)[0].strip() == name and ":" in line), "")
 
 
 def gpu_info() -> dict[str, Any] | None:

@@ -221,3 +221,18 @@ def test_the_prompt_runs_in_float_compute_only_where_the_cpu_has_no_fast_int8(
         assert asked.float_prompt is not None and asked.steps_only
     with Generator(quantized["shared", 4], float_prompt=False) as as_written:
         assert as_written.float_prompt is None and not as_written.steps_only
+
+
+def _cpuinfo(vendor: str, flags: str) -> str:
+    return f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu sse2 avx2 {flags}\n\n"
+
+
+def test_only_an_amd_cpu_with_avx512_vnni_keeps_the_prompt_as_written():
+    """Where level 4 read a 1024-token prompt faster than float32 (AMD EPYC with AVX-512
+    VNNI, 0.79-0.81x) and where it did not (AMD EPYC without VNNI 1.24-1.29x; Intel Xeon
+    with AMX and AVX-512 VNNI 1.24-1.35x, level 1 1.06x: docs/bench.md)."""
+    assert float_prompt.fast_int8(_cpuinfo("AuthenticAMD", "avx512f avx512_vnni"))
+    assert not float_prompt.fast_int8(_cpuinfo("AuthenticAMD", "avx512f"))
+    assert not float_prompt.fast_int8(_cpuinfo("GenuineIntel", "avx512f avx512_vnni amx_tile"))
+    assert not float_prompt.fast_int8(_cpuinfo("GenuineIntel", "avx512f avx512_vnni"))
+    assert not float_prompt.fast_int8("")  # (a CPU that does not say: the float prompt)

@@ -3,7 +3,7 @@ name (two 'AMD EPYC' of one name ran ORT's 4-bit kernels at 1.27x and 0.81x of f
 
 from __future__ import annotations
 
-from mha_onnx.profile.roofline import cpu_isa, machine_info
+from mha_onnx.profile.roofline import cpu_isa, cpu_vendor, machine_info
 
 
 def _cpuinfo(flags: str) -> str:
@@ -21,6 +21,13 @@ def test_the_widest_extension_is_named():
 def test_a_machine_that_does_not_say_gives_none():
     assert cpu_isa(_cpuinfo("sse4_2")) is None
     assert cpu_isa("") is None  # (no flags line: not x86, or no /proc)
+    assert cpu_vendor("") is None
+
+
+def test_the_vendor_is_read():
+    text = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: avx2\n"
+    assert cpu_vendor(text) == "GenuineIntel"
+    assert cpu_vendor(_cpuinfo("avx2")) is None  # (the helper's text names no vendor)
 
 
 def test_machine_info_carries_the_isa():
