@@ -2,15 +2,17 @@
 
 A model fused with ``--kv-cache shared`` runs each layer's attention inside an ``If``: the
 GroupQueryAttention form when one guard (computed once per run, shared by every layer's
-``If``) says the inputs allow it, the exact general form otherwise. ONNX Runtime pays each
-``If`` a fixed cost beyond its kernels (about 34 us on a 2-core AMD EPYC; 16 layers: the
-int4 step 1.073x of GenAI's graph of the same weights as written, 1.010x with the branches
-inlined: docs/bench.md, "Decode steps without the Ifs"). A generation loop's steps are the case
-the guard admits by construction (one new, kept token per row, positions inside the tables
-the generator checks first), so the generator can run them through :func:`decode_graph`:
-every ``If`` replaced by its then branch, the nodes nothing reads any more removed, and the
-guard itself kept as one more output (:data:`GUARD`), read after every step: a step it does
-not admit is an error, never a token from the wrong form.
+``If``) says the inputs allow it, the exact general form otherwise. A step through the file
+as written costs more than its kernels: at 16 layers the int4 step read 1.073x of GenAI's
+graph of the same weights as written and 1.010x with the branches inlined (docs/bench.md,
+"Decode steps without the Ifs"), although an ``If`` by itself costs ORT about 2-3 us on
+one thread (tools/experiments/if_cost.py); with two threads whose pools sleep between
+runs it costs more. A generation loop's steps are the case the guard admits by
+construction (one new, kept token per row, positions inside the tables the generator checks
+first), so the generator can run them through :func:`decode_graph`: every ``If`` replaced
+by its then branch, the nodes nothing reads any more removed, and the guard itself kept as
+one more output (:data:`GUARD`), read after every step: a step it does not admit is an
+error, never a token from the wrong form.
 """
 
 from __future__ import annotations
