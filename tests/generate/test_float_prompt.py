@@ -206,9 +206,9 @@ def test_decode_graph_generates_what_the_steps_as_written_do(quantized, monkeypa
 @pytest.mark.parametrize("fast", [False, True])
 def test_the_prompt_runs_in_float_compute_only_where_the_cpu_has_no_fast_int8(
         quantized, monkeypatch, fast):
-    """With int8 dot-product instructions a level-4 prompt is faster than float compute
-    (docs/bench.md): one session, the file as written; without them the float prompt's
-    session, and a shared-cache fusion's steps on its decode graph."""
+    """Where a level-4 prompt is faster than float compute (``fast_int8``: docs/bench.md)
+    one session, the file as written; elsewhere the float prompt's session, and a
+    shared-cache fusion's steps on its decode graph."""
     monkeypatch.setattr(float_prompt, "fast_int8", lambda: fast)
     long = [list(np.random.default_rng(4).integers(3, 120, float_prompt.PROMPT_ROWS + 1))]
     for form in ("shared", "appended"):
