@@ -13,13 +13,7 @@ import numpy as np
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _field(None, "model name").strip() or platform.processor() or platform.machine()
 
 
 def cpu_isa(cpuinfo: str | None = None) -> str | None:
