@@ -28,6 +28,7 @@ from mha_onnx.graph.inputs import (
     make_inputs,
 )
 from mha_onnx.graph.metadata import CheckResult, session_options
+from mha_onnx.graph.roles import length_limit
 from mha_onnx.parity.bisect import after_failure
 from mha_onnx.parity.config import ValidateConfig
 from mha_onnx.parity.decode import PROMPT, blank_padded, decode_chains, has_padding_mask
@@ -113,6 +114,18 @@ def _runs(specs: Sequence[InputSpec], config: ValidateConfig, positions: int | N
             for n, case in enumerate(cases)], None
 
 
+def _position_table(model, config: ValidateConfig) -> int | None:
+    """The rows of the position table no run may pass: export --model's record of it, else
+    the smallest table the model or its --reference gathers from by length (a BERT-like
+    file made elsewhere: its learned positions stop there, and a longer run fails in ORT)."""
+    hf = metadata.loaded(model, "hf_model") or {}
+    if hf.get("positions"):
+        return hf["positions"]
+    found = [length_limit(m) for m in
+             (model, read_model(config.reference) if config.reference else None) if m]
+    return min((n for n in found if n), default=None)
+
+
 def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport:
     """Compare ``path`` on every requested provider against the available references."""
     started = time.perf_counter()
@@ -124,8 +137,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         return validate_quantized(path, config)
     shared = cache.is_shared(model)  # then fed and compared through the appended interface
     specs, pairs = cache.shared_view(model)
-    hf = metadata.loaded(model, "hf_model") or {}  # export --model: its position table
-    runs, golden = _runs(specs, config, hf.get("positions"))
+    runs, golden = _runs(specs, config, _position_table(model, config))
     if config.memory_check:  # the model, PyTorch and the reference run at once
         ensure_fits(model, [c for c, _ in runs], copies=3,
                     hint="use smaller --shapes or pass --no-memory-check")

@@ -163,3 +163,42 @@ def test_a_decoders_padded_positions_are_left_out_also_after_a_past():
     same = blank_padded(outputs, {"attention_mask": np.ones((2, 7), np.int64)}, specs, out_dims,
                         {"present.0.key"})
     assert all(same[k] is outputs[k] for k in outputs)  # nothing padded: nothing changed
+
+
+def _learned_positions(path, rows: int) -> None:
+    """input_ids -> token table + position table[rows] gathered by Range(0, seq): a file
+    made elsewhere (no export --model record of its table)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    tables = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+              for name, shape in (("wte", (100, 8)), ("wpe", (rows, 8)))]
+    scalars = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", 0),
+                                                                                 ("one", 1))]
+    nodes = [helper.make_node("Gather", ["wte", "input_ids"], ["tokens"]),
+             helper.make_node("Shape", ["input_ids"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["seq"]),
+             helper.make_node("Range", ["zero", "seq", "one"], ["positions"]),
+             helper.make_node("Gather", ["wpe", "positions"], ["learned"]),
+             helper.make_node("Add", ["tokens", "learned"], ["out"])]
+    graph = helper.make_graph(
+        nodes, "positions",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq", 8])],
+        tables + scalars)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.save(model, path)
+
+
+def test_the_default_sweep_stays_inside_a_position_table_of_a_file_made_elsewhere(tmp_path):
+    """A learned position table of 64 rows in a file export did not write: the sweep's
+    lengths stop at half of it (past and new together may not pass it), where its 128-token
+    case failed in ORT (exit 2) before."""
+    path = tmp_path / "positions.onnx"
+    _learned_positions(path, 64)
+    report = validate_model(path, ValidateConfig(reference=str(path)))
+    assert report.exit_code == EXIT_OK, report.render()
+    assert len({c.case for c in report.comparisons}) == 5
+    result = cli("validate", path, "--reference", path, "--json")
+    assert result.exit_code == EXIT_OK, result.output
