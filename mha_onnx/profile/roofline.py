@@ -36,13 +36,19 @@ def cpu_vendor(cpuinfo: str | None = None) -> str | None:
     return _field(cpuinfo, "vendor_id").strip() or None
 
 
+def cpuinfo_text() -> str:
+    """/proc/cpuinfo's text, '' where it cannot be read (read once by a caller that asks
+    :func:`cpu_isa` and :func:`cpu_vendor` both)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def _field(cpuinfo: str | None, name: str) -> str:
     """The first ``name: ...`` line's value in ``cpuinfo`` (/proc/cpuinfo's text by default),
     '' where there is none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
-    except OSError:
-        return ""
+    text = cpuinfo_text() if cpuinfo is None else cpuinfo
     return next((line.split(":", 1)[1] for line in text.splitlines()
                  if line.split(":", 1)[0].strip() == name and ":" in line), "")
 

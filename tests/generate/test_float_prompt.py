@@ -236,3 +236,15 @@ def test_only_an_amd_cpu_with_avx512_vnni_keeps_the_prompt_as_written():
     assert not float_prompt.fast_int8(_cpuinfo("GenuineIntel", "avx512f avx512_vnni amx_tile"))
     assert not float_prompt.fast_int8(_cpuinfo("GenuineIntel", "avx512f avx512_vnni"))
     assert not float_prompt.fast_int8("")  # (a CPU that does not say: the float prompt)
+
+
+def test_the_cpu_is_read_once_for_its_vendor_and_its_isa(monkeypatch):
+    """fast_int8 without a text reads /proc/cpuinfo's once and asks both questions of it
+    (it read the file once per question)."""
+    from mha_onnx.profile import roofline
+
+    reads = []
+    monkeypatch.setattr(roofline, "cpuinfo_text", lambda: reads.append(1) or _cpuinfo(
+        "AuthenticAMD", "avx512f avx512_vnni"))
+    assert float_prompt.fast_int8()
+    assert len(reads) == 1
