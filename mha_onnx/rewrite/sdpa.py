@@ -249,7 +249,15 @@ def to_bsd(op, x4: ir.Value, heads: int) -> ir.Value:
     source = bsd_source(x4, heads)
     if source is not None:
         return source
-    return op.Reshape(op.Transpose(x4, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
+    moved = op.Transpose(x4, perm=[0, 2, 1, 3])
+    out = op.Reshape(moved, op.Constant(value_ints=[0, 0, -1]))
+    known = dims(x4)
+    if known is not None and len(known) == 4:  # (what seq_dim reads through, to a guard
+        b, h, s, d = known                      # shared by every layer: tidy.share_guards)
+        moved.shape = ir.Shape([b, s, h, d])
+        out.shape = ir.Shape([b, s, h * d if isinstance(h, int) and isinstance(d, int)
+                              else None])
+    return out
 
 
 def from_bsd(op, x3: ir.Value, heads: int) -> ir.Value:

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 from mha_onnx.errors import ConfigError
 from mha_onnx.generate import GenerationConfig, Generator, Sampling, prompt_feeds, read_interface
+from mha_onnx.generate.decode import shared_guard
 from mha_onnx.generate.sampling import next_tokens
 from mha_onnx.graph.walk import all_nodes
 from mha_onnx.rewrite.policy import FormPolicy
@@ -269,8 +270,11 @@ def test_export_model_generates_what_transformers_generates(hf_decoder, tmp_path
         assert ours(out, PROMPTS) == want3, form
         config = json.loads((out.parent / "genai_config.json").read_text())
         assert config["search"]["past_present_share_buffer"] == (form == "shared")
-        assert [i.name for i in onnx.load(out, load_external_data=False).graph.input][:3] == \
+        written = onnx.load(out, load_external_data=False)
+        assert [i.name for i in written.graph.input][:3] == \
             ["input_ids", "attention_mask", "position_ids"]  # no past_sequence_length input
+        # shared: one guard for every layer (what the steps' decode graph needs)
+        assert form == "appended" or shared_guard(written) is not None
         genai[form] = _genai_runs(out.parent, want3, equal, eos)
     assert genai["appended"] == genai["shared"]
     if genai["appended"] is not None and family != "gemma3":  # (no window: as alone)
