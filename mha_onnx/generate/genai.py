@@ -8,7 +8,9 @@ reads its cached length from the mask's shape as GenAI's own graphs do), the tok
 the context length. Its generator right-pads a batch with ``pad_token_id`` and stops at
 ``eos_token_id``, both of which must lie inside the vocabulary. The model's windows are in
 its graph (GroupQueryAttention's ``local_window_size`` over the whole buffer), so no
-``sliding_window`` section is written: GenAI would slide the cache itself.
+``sliding_window`` section is written: GenAI would slide the cache itself. Beside a
+shared-cache fusion the config names the file genai_file.py writes (the fusion without its
+per-layer Ifs) where that gives the fusion's outputs on GenAI's contract.
 """
 
 from __future__ import annotations
@@ -41,16 +43,23 @@ class GenAiFolder:
     config: str | None
     copied: tuple[str, ...] = ()
     reason: str = ""
+    filename: str = ""  # the decoder file the config names (genai_file.py)
+    file_note: str = ""
+    tokenizer: bool = True  # a tokenizer beside the model (copied or already there)
 
     def note(self) -> str:
         if self.config is None:
             return f"{CONFIG} not written: {self.reason}"
-        copied = f" and {len(self.copied)} tokenizer file(s)" if self.copied else \
-            " (no tokenizer files in the source folder: GenAI's Tokenizer needs them)"
-        return f"{CONFIG} written for ONNX Runtime GenAI{copied}"
+        copied = f" and {len(self.copied)} tokenizer file(s)" if self.copied else ""
+        if not self.tokenizer:
+            copied += " (no tokenizer beside it or in the source folder: GenAI's Tokenizer " \
+                      "needs one)"
+        return f"{CONFIG} written for ONNX Runtime GenAI{copied}" + (
+            f"; {self.file_note}" if self.file_note else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": self.config, "copied": list(self.copied), "reason": self.reason}
+        return {"config": self.config, "copied": list(self.copied), "reason": self.reason,
+                "filename": self.filename, "file_note": self.file_note}
 
 
 def _names(pairs: tuple[tuple[str, str], ...]) -> dict[str, str] | None:
@@ -113,6 +122,7 @@ def write_genai_folder(model: str | Path, source: str | Path | None,
                        record: dict[str, Any] | None = None) -> GenAiFolder:
     """``genai_config.json`` beside ``model`` and the tokenizer files of the HF folder
     ``source`` copied there (those the model's folder does not have yet)."""
+    from mha_onnx.generate.genai_file import genai_file
     from mha_onnx.generate.interface import hf_config, read_interface
     from mha_onnx.graph.files import read_model, write_bytes
 
@@ -134,6 +144,8 @@ def write_genai_folder(model: str | Path, source: str | Path | None,
         config = genai_config(iface, model.name, record)
     except ValueError as exc:
         return GenAiFolder(None, reason=str(exc))
+    made = genai_file(model, proto, iface)
+    config["model"]["decoder"]["filename"] = made.filename
     target = model.with_name(CONFIG)
     write_bytes((json.dumps(config, indent=4) + "\n").encode(), target, force=True)
     copied = []
@@ -143,7 +155,9 @@ def write_genai_folder(model: str | Path, source: str | Path | None,
             if found.is_file() and not (model.parent / name).exists():
                 shutil.copyfile(found, model.parent / name)
                 copied.append(name)
-    return GenAiFolder(str(target), tuple(copied))
+    tokenizer = any((model.parent / n).is_file() for n in ("tokenizer.json", "tokenizer.model"))
+    return GenAiFolder(str(target), tuple(copied), filename=made.filename, file_note=made.note,
+                       tokenizer=tokenizer)
 
 
 def folder_generation(source: str | Path, model) -> dict[str, Any] | None:

@@ -303,10 +303,12 @@ def tensor_bytes(model: onnx.ModelProto) -> int:
     return total
 
 
-def write_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, force: bool) -> Path:
-    """Save ``model`` atomically; beyond ~2 GB the tensors go to ``<name>.data`` beside it."""
+def write_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, force: bool,
+                external: bool = False) -> Path:
+    """Save ``model`` atomically; beyond ~2 GB (or with ``external``: another file reads
+    them too) the tensors of 1 KiB and more go to ``<name>.data`` beside it."""
     path = Path(path)
-    if tensor_bytes(model) < EXTERNAL_DATA_THRESHOLD:
+    if not external and tensor_bytes(model) < EXTERNAL_DATA_THRESHOLD:
         return write_bytes(model.SerializeToString(), path, force=force)
     data_name = path.name + ".data"
     data_path = path.with_name(data_name)
