@@ -257,6 +257,7 @@ def to_bsd(op, x4: ir.Value, heads: int) -> ir.Value:
         moved.shape = ir.Shape([b, s, h, d])
         out.shape = ir.Shape([b, s, h * d if isinstance(h, int) and isinstance(d, int)
                               else None])
+        moved.dtype = out.dtype = x4.dtype  # (a shape without a type is not serialized)
     return out
 
 

@@ -146,3 +146,18 @@ def test_attention_mask_of_a_torchscript_export_is_a_mask():
     specs = {s.name: s for s in input_specs(onnx.load(FIXTURES / "llama" / "model.onnx"))}
     assert specs["attention_mask"].role == "mask"
     assert specs["input_ids"].role == "ids" and specs["input_ids"].bound == 128
+
+
+@pytest.mark.models
+def test_a_shared_fusion_writes_every_value_it_shaped_without_a_warning(tmp_path, caplog):
+    """The query's [B, S, H*D] copy carries its shape (one guard for every layer) and its
+    type: onnx_ir skips a shape without a type, with a warning per value and file."""
+    import logging
+
+    from mha_onnx.generate.decode import shared_guard
+
+    out = tmp_path / "model.onnx"
+    with caplog.at_level(logging.WARNING):
+        fuse_file(FIXTURES / "llama" / "model.onnx", out, policy=FormPolicy(kv_cache="shared"))
+    assert not [r.getMessage() for r in caplog.records if "is not known" in r.getMessage()]
+    assert shared_guard(onnx.load(out, load_external_data=False)) is not None
