@@ -55,7 +55,11 @@ def genai_file(model: Path, proto: onnx.ModelProto, iface: DecoderInterface) -> 
     target = genai_target(model)
     if not iface.shared or shared_guard(proto) is None:
         target.unlink(missing_ok=True)
-        return GenAiFile(model.name)
+        guards = {n.input[0] for n in proto.graph.node if n.op_type == "If"}
+        return GenAiFile(model.name, "" if not iface.shared or not guards else
+                         f"GenAI runs {model.name} as written: its layers choose their forms "
+                         f"by {len(guards)} different guards (a sliding window's layers "
+                         f"check their window too), so no one form serves every run")
     differs = probe_differs(model, proto, iface)
     if differs:
         target.unlink(missing_ok=True)

@@ -112,3 +112,16 @@ def test_the_note_says_a_tokenizer_is_missing_only_where_none_is_beside_the_mode
     out.with_name("tokenizer.json").write_text("{}")  # (a quantized copy's folder: already there)
     note = write_genai_folder(out, OPTIMUM / "llama").note()
     assert "tokenizer" not in note.split(";")[0], note
+
+
+@pytest.mark.models
+def test_layers_on_different_guards_keep_the_file_as_written_and_say_so(tmp_path):
+    """GPT-Neo's local layers check their window in their guard, its global ones do not:
+    no one then branch serves every run, so GenAI is pointed at the file as written."""
+    out = tmp_path / "model.onnx"
+    fuse_file(OPTIMUM / "gpt_neo" / "model.onnx", out, policy=FormPolicy(kv_cache="shared"))
+    proto = onnx.load(out, load_external_data=False)
+    made = genai_file.genai_file(out, proto, read_interface(proto, out))
+    assert made.filename == "model.onnx"
+    assert "by 2 different guards" in made.note
+    assert not genai_file.genai_target(out).exists()
