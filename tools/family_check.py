@@ -5,10 +5,14 @@ code and what fuse made of the blocks, or the one-line reason it stopped. With `
 a decoder's file then generates N greedy tokens (mha_onnx.generate, no EOS stop) for a batch
 of three prompts of different lengths (optimum_fixtures.PROMPTS), compared with
 transformers' greedy generate of the float32 model on the same prompts, left-padded into
-one batch.
+one batch. With ``--genai N`` (and ``--kv-cache shared``) ONNX Runtime GenAI's generator
+(`make genai-env`) runs the folder export wrote on the same prompts as one right-padded
+batch, N tokens, through the file genai_config.json names and through the file as written:
+which file that is, and whether the two give the same tokens (generate/genai_file.py); a
+family whose EOS lies outside the tiny vocabulary gets the last id as its EOS first.
 
     .venv/bin/python -m tools.family_check OUT_DIR [--only a,b] [--dtypes float32,float16]
-        [--kv-cache appended|shared] [--tokens 16]
+        [--kv-cache appended|shared] [--tokens 16] [--genai 24]
 
 Writes OUT_DIR/families.md (and a folder and a log per family); exit 0 whatever the rows say
 (it is a survey: read the table).
@@ -139,6 +143,8 @@ def _row(name: str, dtype: str, folder: Path, out: Path, args: argparse.Namespac
     text = " / ".join(said).replace("|", "\\|")[:400]
     if args.tokens and run.returncode == 0 and decoder:
         text += f" / tokens: {_tokens(folder, path, args.tokens)}"
+    if args.genai and run.returncode == 0 and decoder:
+        text += f" / GenAI: {_genai(path, args.genai)}"
     return f"| {name} | {dtype} | {run.returncode} | {time.perf_counter() - started:.0f} s | {text} |"
 
 
@@ -163,6 +169,53 @@ def _tokens(folder: Path, path: Path, new: int) -> str:
     return f"{new} x {len(PROMPTS)} equal"
 
 
+def _eos_inside(model) -> None:
+    """GenAI needs an eos_token_id inside the vocabulary: the tiny configs' defaults often
+    lie past their 99 ids (a token id only; no run here stops at an EOS)."""
+    vocab = model.config.get_text_config().vocab_size
+    eos = model.generation_config.eos_token_id
+    if not isinstance(eos, int) or not 0 <= eos < vocab:
+        model.config.eos_token_id = model.generation_config.eos_token_id = vocab - 1
+
+
+def _genai(path: Path, new: int) -> str:
+    """GenAI's right-padded batch through the file genai_config.json names and through the
+    file as written (a copy of the folder's config naming it)."""
+    import json
+    import shutil
+
+    from tools.optimum_fixtures import PROMPTS
+
+    config_path = path.with_name("genai_config.json")
+    if not config_path.is_file():
+        return "no genai_config.json"
+    config = json.loads(config_path.read_text())
+    runs = config["model"]["decoder"]["filename"]
+    prompts = path.with_name("genai_prompts.json")
+    prompts.write_text(json.dumps(PROMPTS))
+    as_written = path.parent.with_name(path.parent.name + ".as-written")
+    shutil.rmtree(as_written, ignore_errors=True)
+    as_written.mkdir()
+    for item in path.parent.iterdir():
+        if item.name != "genai_config.json":
+            (as_written / item.name).symlink_to(item.resolve())
+    config["model"]["decoder"]["filename"] = path.name
+    (as_written / "genai_config.json").write_text(json.dumps(config))
+    python = Path(__file__).resolve().parents[1] / ".venv-genai-rt" / "bin" / "python"
+    got = []
+    for folder in (path.parent, as_written):
+        done = subprocess.run([str(python), str(Path(__file__).with_name("genai_generate.py")),
+                               str(folder), "--prompts", str(prompts), "--max-new-tokens",
+                               str(new), "--mode", "batch"], capture_output=True, text=True)
+        if done.returncode:
+            return f"{runs}: GenAI failed: {done.stderr.strip().splitlines()[-1][:150]}"
+        got.append(json.loads(done.stdout.strip().splitlines()[-1])["sequences"])
+    if runs == path.name:
+        return f"runs {runs}"
+    return f"runs {runs}, " + ("the same tokens as the file as written" if got[0] == got[1]
+                               else "tokens differ from the file as written")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -170,6 +223,8 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,float16")
     parser.add_argument("--kv-cache", default="appended", choices=("appended", "shared"))
     parser.add_argument("--tokens", type=int, default=0, help="greedy tokens to compare")
+    parser.add_argument("--genai", type=int, default=0,
+                        help="GenAI's tokens to compare (the file it runs, as written)")
     args = parser.parse_args()
     import torch
 
@@ -181,8 +236,10 @@ def main() -> int:
         folder = args.out / name
         torch.manual_seed(0)
         model = made[name]()
-        model.save_pretrained(folder)
         decoder = type(model).__name__.endswith("ForCausalLM")
+        if args.genai and decoder:
+            _eos_inside(model)
+        model.save_pretrained(folder)
         for dtype in args.dtypes.split(","):
             rows.append(_row(name, dtype, folder, args.out, args, decoder))
             print(rows[-1], flush=True)
