@@ -125,3 +125,31 @@ def test_layers_on_different_guards_keep_the_file_as_written_and_say_so(tmp_path
     assert made.filename == "model.onnx"
     assert "by 2 different guards" in made.note
     assert not genai_file.genai_target(out).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.transformers
+def test_a_window_wider_than_the_probe_is_probed_past_it(tmp_path):
+    """Ministral's window of 64: a right-padded row's step differs past the window (the
+    file counts the padding, GroupQueryAttention does not), so the probe's full row runs
+    past it (it agreed at 24 tokens, and GenAI got the inlined file)."""
+    import torch
+    import transformers as tf
+    from click.testing import CliRunner
+
+    from mha_onnx.cli import main
+
+    torch.manual_seed(0)
+    folder = tmp_path / "ministral"
+    tf.MinistralForCausalLM(tf.MinistralConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=99, max_position_embeddings=128, num_key_value_heads=2, head_dim=8,
+        sliding_window=64, initializer_range=0.2, eos_token_id=98)).save_pretrained(folder)
+    out = tmp_path / "out" / "model.onnx"
+    result = CliRunner().invoke(main, ["export", "--model", str(folder), "-o", str(out),
+                                       "--kv-cache", "shared"])
+    assert result.exit_code == 0, result.output
+    proto = onnx.load(out, load_external_data=False)
+    assert genai_file._window(proto) == 64
+    assert _runs(out) == "model.onnx"
+    assert "differ on GenAI's right-padded prompt: step:logits, row 1" in result.output
