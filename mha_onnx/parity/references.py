@@ -11,7 +11,7 @@ import onnx
 
 from mha_onnx.errors import InputSpecError, MhaOnnxError, RuntimeCrash
 from mha_onnx.graph import metadata
-from mha_onnx.graph.cache import shared_view
+from mha_onnx.graph.cache import SharedCache, is_shared, row_layout, shared_view
 from mha_onnx.graph.files import all_initializers, read_model
 from mha_onnx.graph.inputs import input_specs
 from mha_onnx.graph.metadata import CheckResult, session_options
@@ -142,7 +142,10 @@ def _reference_runner(ref_model: onnx.ModelProto, config: ValidateConfig):
     if checked.level is None and checked.crashed:
         raise RuntimeCrash(f"--reference {config.reference}: {checked.message()}")
     level = checked.level or "all"  # the reference only has to compute right answers
-    runner = OrtRunner(ref_model.SerializeToString(), "cpu", threads=config.threads,
-                       optimization=level)
+    runner: Any = OrtRunner(ref_model.SerializeToString(), "cpu", threads=config.threads,
+                            optimization=level)
+    if is_shared(ref_model):  # behind the appended interface, as the model is (run.py)
+        specs, pairs = shared_view(ref_model)
+        runner = SharedCache(runner, specs, pairs, rows=row_layout(ref_model))
     return runner, (f"reference = {config.reference} on ORT CPU"
                     + (f" ({checked.message()})" if checked.crashed else ""))

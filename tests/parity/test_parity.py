@@ -202,3 +202,22 @@ def test_the_default_sweep_stays_inside_a_position_table_of_a_file_made_elsewher
     assert len({c.case for c in report.comparisons}) == 5
     result = cli("validate", path, "--reference", path, "--json")
     assert result.exit_code == EXIT_OK, result.output
+
+
+@pytest.mark.models
+def test_a_shared_cache_reference_runs_behind_the_appended_interface_as_the_model(tmp_path):
+    """`validate A --reference B` with B a shared-cache fusion (itself, or the same model
+    fused another way): B's buffers are set up and its presents cut to the run's length as
+    A's are. Before, B ran bare and the first present's shapes differed: internal error."""
+    from mha_onnx.rewrite.policy import FormPolicy
+    from tests.paths import OPTIMUM
+
+    made = {}
+    for form in ("shared", "appended"):
+        made[form] = tmp_path / form / "model.onnx"
+        fuse_file(OPTIMUM / "llama" / "model.onnx", made[form], policy=FormPolicy(kv_cache=form))
+    for model, reference in (("shared", "shared"), ("appended", "shared")):
+        report = validate_model(made[model], ValidateConfig(reference=str(made[reference])))
+        assert report.exit_code == EXIT_OK, (model, reference, report.render())
+        assert any(c.against == "reference" and c.output.startswith("present.")
+                   for c in report.comparisons)
