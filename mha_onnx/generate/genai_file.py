@@ -2,9 +2,10 @@
 
 A ``fuse --kv-cache shared`` decoder picks each layer's form at run time (decode.py): an
 ``If`` per layer, whose cost every step pays (int4 Llamas of 2 and 16 layers, 20 steps at
-context 1024: the file as written 1.10x and 1.08x of GenAI's own graph of the same weights,
-its Ifs inlined 1.025x and 1.003x; docs/bench.md, the quantize section). GenAI feeds one contract only: a prompt without
-past (a batch right-padded), then one token per row and step. Where the then branches give
+context 1024: the file as written 1.10x and 1.08x of GenAI's own graph of the same
+weights, its Ifs inlined 1.025x and 1.003x; docs/bench.md, the quantize section). GenAI
+feeds one contract only: a prompt without past (a batch right-padded), then one token per
+row and step. Where the then branches give
 what the file gives on that contract, GenAI gets the file without the Ifs
 (``<name>.genai.onnx``, named by genai_config.json) and ``generate``, ``validate`` and
 every other input form keep the file as written.
@@ -14,8 +15,11 @@ past, keys padded) to the general form, so the inlined graph runs it on another 
 Both run a probe of GenAI's contract (two rows of unequal length, right-padded, then one
 step each on its own cache) and must agree, at the output dtype's tolerance (stats.py), on
 the logits of every kept token, the caches' kept positions and the step's logits. A
-float16 fusion (ORT's float16 GroupQueryAttention with padded rows) or a window form may
-not: GenAI then runs the file as written, and the note says why.
+sliding window does not, once a right-padded row's step has the window behind it (the
+file counts the padding inside the window, GroupQueryAttention does not), so the probe's
+full row runs past the widest window; layers on different guards (a window's layers test
+it too) have no one then branch. GenAI then runs the file as written, and the note says
+why (docs/families.md: which families get which).
 
 The two files share one copy of the weights: the file as written keeps them in
 ``<name>.data`` (moved there where it embedded them), which the GenAI file's tensors name.
@@ -60,7 +64,12 @@ def genai_file(model: Path, proto: onnx.ModelProto, iface: DecoderInterface) -> 
                          f"GenAI runs {model.name} as written: its layers choose their forms "
                          f"by {len(guards)} different guards (a sliding window's layers "
                          f"check their window too), so no one form serves every run")
-    differs = probe_differs(model, proto, iface)
+    from mha_onnx.errors import MhaOnnxError
+
+    try:
+        differs = probe_differs(model, proto, iface)
+    except MhaOnnxError as exc:  # (ORT refused the inlined file, or the probe's run)
+        differs = f"ORT could not run the probe: {str(exc)[:200]}"
     if differs:
         target.unlink(missing_ok=True)
         return GenAiFile(model.name, f"GenAI runs {model.name} as written (each layer's form "

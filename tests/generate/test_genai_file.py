@@ -153,3 +153,20 @@ def test_a_window_wider_than_the_probe_is_probed_past_it(tmp_path):
     assert genai_file._window(proto) == 64
     assert _runs(out) == "model.onnx"
     assert "differ on GenAI's right-padded prompt: step:logits, row 1" in result.output
+
+
+@pytest.mark.models
+def test_an_inlined_file_ort_refuses_leaves_the_file_as_written_with_the_reason(
+        tmp_path, monkeypatch):
+    out, _ = _fused(tmp_path / "shared", "shared")
+    real = genai_file.decode_file
+
+    def refused(proto):
+        made = real(proto)
+        made.graph.node.append(onnx.helper.make_node("NoSuchOp", ["logits"], ["x"]))
+        return made
+
+    monkeypatch.setattr(genai_file, "decode_file", refused)
+    made = write_genai_folder(out, None)  # (no exception: the export stays written)
+    assert made.filename == "model.onnx" == _runs(out)
+    assert "ORT could not run the probe" in made.note()
