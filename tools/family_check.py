@@ -208,7 +208,8 @@ def _genai(path: Path, new: int) -> str:
                                str(folder), "--prompts", str(prompts), "--max-new-tokens",
                                str(new), "--mode", "batch"], capture_output=True, text=True)
         if done.returncode:
-            return f"{runs}: GenAI failed: {done.stderr.strip().splitlines()[-1][:150]}"
+            said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            return f"{runs}: GenAI failed: {said[:150]}"
         got.append(json.loads(done.stdout.strip().splitlines()[-1])["sequences"])
     if runs == path.name:
         return f"runs {runs}"
