@@ -24,11 +24,16 @@ from mha_onnx.graph.walk import all_nodes, subgraphs
 GUARD = "mha_onnx_decode_fast_form"  # bool []: the step met the fast form's guard
 
 
+def guards(model: onnx.ModelProto) -> set[str]:
+    """The conditions the ``If`` nodes of the main graph test."""
+    return {n.input[0] for n in model.graph.node
+            if n.op_type == "If" and n.domain in ("", "ai.onnx")}
+
+
 def shared_guard(model: onnx.ModelProto) -> str | None:
     """The one condition every ``If`` of the main graph tests (a shared-cache fusion's
     guard), or None where there is no ``If`` or they test different ones."""
-    conditions = {n.input[0] for n in model.graph.node
-                  if n.op_type == "If" and n.domain in ("", "ai.onnx")}
+    conditions = guards(model)
     return next(iter(conditions)) if len(conditions) == 1 else None
 
 

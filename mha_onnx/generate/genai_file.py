@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from mha_onnx.generate.decode import inline_ifs, shared_guard, without_unread
+from mha_onnx.generate.decode import guards, inline_ifs, shared_guard, without_unread
 from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 
 SUFFIX = ".genai.onnx"
@@ -59,10 +59,10 @@ def genai_file(model: Path, proto: onnx.ModelProto, iface: DecoderInterface) -> 
     target = genai_target(model)
     if not iface.shared or shared_guard(proto) is None:
         target.unlink(missing_ok=True)
-        guards = {n.input[0] for n in proto.graph.node if n.op_type == "If"}
-        return GenAiFile(model.name, "" if not iface.shared or not guards else
+        tested = guards(proto)
+        return GenAiFile(model.name, "" if not iface.shared or not tested else
                          f"GenAI runs {model.name} as written: its layers choose their forms "
-                         f"by {len(guards)} different guards (a sliding window's layers "
+                         f"by {len(tested)} different guards (a sliding window's layers "
                          f"check their window too), so no one form serves every run")
     from mha_onnx.errors import MhaOnnxError
 
