@@ -120,10 +120,9 @@ def test_report_shows_a_decode_step_against_the_bandwidth(export_cache, tmp_path
 def test_a_kv_model_profiled_without_decode_runs_prompts_with_nothing_cached(export_cache):
     """Without --decode, a point's length is a prompt's: that many new tokens after an
     empty cache (every length dim set to it would time a chunk after as many cached)."""
-    from mha_onnx.profile.worker import PointSpec, _feeds
+    from mha_onnx.profile.feeds import point_feeds, target
 
-    proto = onnx.load(export_cache(CFG))
-    feeds = _feeds(PointSpec(models=("m",), batch=2, seq_len=5, threads=1), proto)
+    feeds = point_feeds(target(str(export_cache(CFG))), 2, 5)
     pasts = [f for name, f in feeds.items() if "past" in name]
     assert pasts and all(p.shape[2] == 0 for p in pasts)
     assert feeds["query"].shape[:2] == (2, 5)
@@ -133,11 +132,11 @@ def test_a_kv_model_profiled_without_decode_runs_prompts_with_nothing_cached(exp
 
 def test_a_shared_cache_model_profiles_prompts_on_its_buffers(export_cache, tmp_path):
     """A --kv-cache shared model's prompt writes its buffers in place from position 0."""
-    from mha_onnx.profile.worker import PointSpec, _feeds
+    from mha_onnx.profile.feeds import point_feeds, target
 
     out = tmp_path / "shared.onnx"
     assert cli("fuse", export_cache(CFG), "-o", out, "--kv-cache", "shared").exit_code == 0
-    feeds = _feeds(PointSpec(models=("m",), batch=2, seq_len=5, threads=1), onnx.load(out))
+    feeds = point_feeds(target(str(out)), 2, 5)
     assert int(feeds["past_sequence_length"]) == 0
     assert all(f.shape[2] == 5 for name, f in feeds.items() if "past" in name and f.ndim == 4)
     result = cli("profile", out, "--seq-lens", "8", "--iters", "2", "--no-ops", "--json")

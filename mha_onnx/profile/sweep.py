@@ -101,7 +101,7 @@ def profile_models(paths: Sequence[str | Path], config: ProfileConfig,
         if path == paths[0]:
             batches, seq_lens = model_axes(model, config)
         if config.decode:
-            from mha_onnx.profile.worker import decode_feeds
+            from mha_onnx.profile.feeds import decode_feeds
 
             decode_feeds(model, 1, 1)  # refuses a model without a cache
     check_memory(paths, config)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_onnx.errors import InputSpecError
+from mha_onnx.profile.feeds import Target, bound_run, cache_bytes, point_feeds, target
 
 CONTROL_FLOW = ("Loop", "If", "Scan")
 
@@ -127,66 +127,9 @@ def timed_loop(runs: list[Callable[[], Any]], *, warmup: int, iters: int | None,
     return times
 
 
-def _proto(model: str):
-    from mha_onnx.graph.files import read_model
-
-    return read_model(model, load_external_data=False)
-
-
-def _feeds(spec: PointSpec, proto) -> dict[str, np.ndarray]:
-    from mha_onnx.graph.inputs import case_for, input_specs, load_inputs, make_inputs
-
-    specs = input_specs(proto)
-    if spec.inputs:
-        return load_inputs(spec.inputs, specs)
-    if spec.decode:
-        return decode_feeds(proto, spec.batch, spec.seq_len)
-    padding = "tail" if spec.pad_fraction else "none"
-    if _cached(proto):  # a prompt: seq_len new tokens, nothing cached
-        try:
-            return decode_feeds(proto, spec.batch, 0, new=spec.seq_len, padding=padding,
-                                pad_fraction=spec.pad_fraction)
-        except InputSpecError:  # no cache length to set: the inputs as they are
-            pass
-    case = case_for(specs, "profile", spec.batch, [spec.seq_len], padding, spec.pad_fraction)
-    return make_inputs(specs, case)
-
-
-def _cached(proto) -> bool:
-    from mha_onnx.graph.cache import cache_pairs
-
-    return bool(cache_pairs(proto))
-
-
-def decode_feeds(proto, batch: int, context: int, *, new: int = 1, padding: str = "none",
-                 pad_fraction: float = 0.0) -> dict[str, np.ndarray]:
-    """``new`` tokens (one: a decode step) after ``context`` cached positions (every cache
-    input's length dim; a shared buffer: as many positions longer as the run writes,
-    ``context`` of them cached). ``context`` 0: a prompt."""
-    from mha_onnx.graph.cache import is_shared, row_layout, shared_view, to_shared
-    from mha_onnx.graph.inputs import ShapeCase, case_for, make_inputs
-
-    specs, pairs = shared_view(proto)  # a shared buffer's as the appended interface has them
-    shared = is_shared(proto)
-    past = {s.dims[2] for s in specs if s.name in pairs and isinstance(s.dims[2], str)}
-    if not past:
-        raise InputSpecError("--decode needs a model with a KV cache (past_* inputs whose "
-                             "present_* outputs it returns)")
-    dims = {**case_for(specs, "decode", batch, [new]).dims, **dict.fromkeys(past, context)}
-    feeds = make_inputs(specs, ShapeCase("decode", dims, padding, pad_fraction))
-    return to_shared(feeds, specs, pairs, headroom=0, rows=row_layout(proto)) if shared \
-        else feeds
-
-
-def cache_bytes(feeds: dict[str, np.ndarray], proto) -> int:
-    """Bytes of cache one step reads: every past input (of a shared buffer, the cached
-    positions)."""
-    from mha_onnx.graph.cache import LENGTH_INPUT, cache_pairs
-
-    pasts = [feeds[name] for name in cache_pairs(proto)]
-    if LENGTH_INPUT in feeds:
-        return sum(p.nbytes // p.shape[2] * int(feeds[LENGTH_INPUT]) for p in pasts)
-    return sum(p.nbytes for p in pasts)
+def _feeds(spec: PointSpec, model: Target) -> dict[str, np.ndarray]:
+    return point_feeds(model, spec.batch, spec.seq_len, decode=spec.decode,
+                       pad_fraction=spec.pad_fraction, inputs=spec.inputs)
 
 
 def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
@@ -202,28 +145,6 @@ def _runner(spec: PointSpec, model: str, profile_dir: str | None = None):
                      strict=False, profile_dir=profile_dir,
                      optimization=needs.get("optimization", "all"),
                      spinning=len(spec.models) == 1)
-
-
-def _bound_run(runner, feeds: dict[str, np.ndarray], proto) -> Callable[[], Any]:
-    """One run: inputs on the device once (IO binding) or plain host feeds; a shared KV
-    cache bound as past and present (every run writes the same next position in place)."""
-    from mha_onnx.graph.cache import bound_step, cache_pairs, device_of, is_shared
-    from mha_onnx.runtime.ort import import_ort
-
-    if is_shared(proto) and hasattr(runner.session, "io_binding"):  # ORT: in place
-        pairs, device = cache_pairs(proto), device_of(runner.provider)
-        ort = import_ort(for_gpu=device != "cpu")
-        buffers = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n], device, 0) for n in pairs}
-        return bound_step(runner.session, feeds, buffers, pairs, device)[1]
-    if not runner.io_binding:
-        return lambda: runner.infer(feeds)
-    ort = import_ort(for_gpu=True)
-    binding = runner.session.io_binding()
-    for name, array in feeds.items():
-        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
-    for name in runner.output_names:
-        binding.bind_output(name, "cuda", 0)
-    return lambda: runner.session.run_with_iobinding(binding)
 
 
 def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -249,16 +170,16 @@ def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, An
         runners.append(runner)
         if kept is not None:
             kept[model] = runner
-        proto = _proto(model)
-        feeds = _feeds(spec, proto)
-        run = _bound_run(runner, feeds, proto)
+        form = target(model)
+        feeds = _feeds(spec, form)
+        run = bound_run(runner, feeds, form)
         try:  # a model that fails at this point fails alone (its rows), the others are timed
             run()
         except Exception as exc:  # noqa: BLE001 - ORT's own error types, whatever they are
             refused[model] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
             runners.pop()
             continue
-        first = first or (feeds, proto)
+        first = first or (feeds, form.proto)
         runs.append(run)
     if not runs:
         return {"models": refused}
@@ -315,7 +236,7 @@ def _op_times(spec: PointSpec, model: str) -> dict[str, Any]:
     folder = spec.trace_dir or None
     with tempfile.TemporaryDirectory(prefix="mha_onnx_prof_") as tmp:
         runner = _runner(spec, model, profile_dir=folder or tmp)
-        feeds = _feeds(spec, _proto(model))
+        feeds = _feeds(spec, target(model))
         runner.infer(feeds)
         runner.infer(feeds)
         trace = runner.end_profiling()

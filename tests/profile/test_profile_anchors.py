@@ -116,3 +116,59 @@ def test_models_are_named_by_as_much_of_their_paths_as_tells_them_apart():
         "a/genai/model.onnx": "genai/model.onnx", "a/fused/model.onnx": "fused/model.onnx",
         "b/x.onnx": "x.onnx"}
     assert short_names(["m.onnx", "m.onnx"]) == {"m.onnx": "m.onnx"}
+
+
+def test_a_decode_step_of_genai_builders_graph_attends_to_every_cached_position():
+    """GenAI's builder names its mask's length `total_sequence_length`, apart from the cache's
+    `past_sequence_length`: profile's decode step gives it past + 1 positions. Left at the new
+    token's length, ORT's GroupQueryAttention read a total of 1 and attended to none of the
+    cached positions, without an error (its steps timed as if the context were empty)."""
+    import numpy as np
+
+    from mha_onnx.graph.files import read_model
+    from mha_onnx.profile.feeds import decode_feeds
+    from mha_onnx.runtime.ort import OrtRunner
+
+    path = FIXTURES / "genai" / "llama-int4" / "model.onnx"
+    feeds = decode_feeds(read_model(path, load_external_data=False), 2, 40)
+    assert feeds["attention_mask"].shape == (2, 41)
+    assert feeds["past_key_values.0.key"].shape[2] == 40
+    with OrtRunner(path, "cpu") as runner:
+        logits = runner.infer(feeds)["logits"]
+        changed = {**feeds, **{k: v.copy() for k, v in feeds.items() if k.startswith("past")}}
+        for name in (k for k in changed if k.startswith("past")):
+            changed[name][:, :, 20] += 3.0  # one cached position in the middle
+        assert not np.allclose(runner.infer(changed)["logits"], logits, atol=1e-4)
+
+
+def test_genai_builders_graph_is_timed_on_buffers_shared_in_place_as_genai_runs_it(tmp_path):
+    """Its genai_config.json says past_present_share_buffer: profile binds one buffer per
+    cache as past and present (no length input: GenAI's graph reads it from the mask), as
+    GenAI's generator does; the step reads every cached position (its logits are the
+    appended run's) and writes the new one in place. Without that config beside it, the
+    graph runs appended."""
+    import shutil
+
+    import numpy as np
+
+    from mha_onnx.profile.feeds import bound_run, point_feeds, target
+    from mha_onnx.runtime.ort import OrtRunner
+
+    path = FIXTURES / "genai" / "llama-int4" / "model.onnx"
+    form = target(str(path))
+    assert form.shared and form.genai
+    feeds = point_feeds(form, 2, 40, decode=True)
+    assert "past_sequence_length" not in feeds and feeds["attention_mask"].shape == (2, 41)
+    assert {v.shape[2] for k, v in feeds.items() if k.startswith("past")} == {41}
+    appended = {k: v[:, :, :40] if k.startswith("past") else v for k, v in feeds.items()}
+    with OrtRunner(path, "cpu") as runner:
+        want = runner.infer(appended)
+        np.testing.assert_allclose(runner.infer(feeds)["logits"], want["logits"], atol=1e-5)
+        bound_run(runner, feeds, form)()  # (the buffers are the feeds' arrays, not copies)
+    for name in (k for k in feeds if k.startswith("past")):
+        present = want[name.replace("past_key_values", "present")]
+        np.testing.assert_allclose(feeds[name][:, :, 40], present[:, :, 40], atol=1e-5)
+    alone = tmp_path / "model.onnx"
+    shutil.copy(path, alone)
+    shutil.copy(path.with_name("model.onnx.data"), tmp_path / "model.onnx.data")
+    assert not target(str(alone)).shared
