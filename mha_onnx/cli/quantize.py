@@ -26,6 +26,25 @@ def _mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int]:
     return tuple(patterns), first_last, sensitive
 
 
+def _calibration(path: str | None, model: str, kv_bits: int) -> list[list[int]] | None:
+    """--kv-calibration's prompts (text through the tokenizer beside MODEL)."""
+    from pathlib import Path
+
+    from mha_onnx.errors import ConfigError
+    from mha_onnx.generate.text import load_prompts, load_tokenizer
+
+    if path is None:
+        return None
+    if not kv_bits:
+        raise ConfigError("--kv-calibration sets an int8 cache's scales", hint="--kv-bits 8")
+    folder = Path(model).resolve().parent
+    tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+    prompts = [p for p in load_prompts(path, tokenizer, "--kv-calibration") if p]
+    if not prompts:
+        raise ConfigError(f"--kv-calibration {path} holds no prompt")
+    return prompts
+
+
 @click.command("quantize")
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Where to write the quantized model.")
@@ -47,6 +66,13 @@ def _mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int]:
               help="Some MatMuls in int8: first-last (the first and last layers), "
                    "sensitive:N (the N the accuracy report ranks most sensitive) or a "
                    "name pattern (repeat).")
+@click.option("--kv-bits", type=int, default=0, show_default=True,
+              help="8: the KV cache of a --kv-cache shared fusion in int8 too (per K/V head "
+                   "and channel, scales from the float model's cache); 0: as it is.")
+@click.option("--kv-calibration", "calibration", default=None, metavar="PROMPTS.json",
+              help="With --kv-bits: prompts whose cache sets the scales (JSON: token-id "
+                   "lists, or text read with the tokenizer beside MODEL); default: random "
+                   "ids, which may leave real text's outliers clipped.")
 @click.option("--max-kl", type=float, default=0.05, show_default=True,
               help="Most mean KL (nats) of the next-token distributions against the float "
                    "model.")
@@ -64,7 +90,7 @@ def _mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int]:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def quantize(ctx, model, output, weights, block_size, symmetric, accuracy_level, algorithm, exclude,
-             mixed, max_kl, min_top1, min_cosine, min_greedy, no_sensitivity, no_check, force,
+             mixed, kv_bits, calibration, max_kl, min_top1, min_cosine, min_greedy, no_sensitivity, no_check, force,
              as_json):
     """Quantize MODEL's MatMul weights with ONNX Runtime's quantizer (in every graph of a
     fused model) and measure it against MODEL: written when the accuracy holds (exit 1
@@ -76,9 +102,11 @@ def quantize(ctx, model, output, weights, block_size, symmetric, accuracy_level,
     int8, first_last, sensitive = _mixed(mixed)
     config = QuantizeConfig(weights=weights, block_size=block_size, symmetric=symmetric,
                             accuracy_level=accuracy_level, algorithm=algorithm,
-                            exclude=tuple(exclude), int8=int8, first_last=first_last)
+                            exclude=tuple(exclude), int8=int8, first_last=first_last,
+                            kv_bits=kv_bits)
     thresholds = Thresholds(max_kl, min_top1, min_cosine, min_greedy)
     report = quantize_file(model, output, config, thresholds, sensitivity=not no_sensitivity,
-                           int8_most_sensitive=sensitive, check=not no_check, force=force)
+                           int8_most_sensitive=sensitive, check=not no_check, force=force,
+                           calibration=_calibration(calibration, model, kv_bits))
     emit(report, as_json)
     ctx.exit(0 if report.written and (no_check or report) else 1)

@@ -158,14 +158,34 @@ def probe_differs(model: Path, proto: onnx.ModelProto, iface: DecoderInterface,
                         external_data_dir=model.parent)
     got = _runs(inlined, iface, prompt, step)
     presents = {present for _, present in iface.pasts}
+    int8 = _int8_cache(proto)
     for name, expected in want.items():
         pairs = zip(_kept(name, got[name], rows, presents), _kept(name, expected, rows, presents),
                     strict=True)
         for b, (actual, kept) in enumerate(pairs):
-            stats = compare(actual, kept)
+            stats = compare(actual.astype(np.float32), kept.astype(np.float32)) if int8 \
+                else compare(actual, kept)
+            if int8 and stats.cosine >= INT8_COSINE:
+                continue
             if not stats.passed:
                 return f"{name}, row {b}: max abs error {stats.max_abs:.3g} (atol {stats.atol:g})"
     return ""
+
+
+INT8_COSINE = 0.995  # an int8 cache: outputs agree this closely where the forms round apart
+
+
+def _int8_cache(proto: onnx.ModelProto) -> bool:
+    """A file whose cache ``quantize --kv-bits 8`` made int8. The file as written attends a
+    prompt over its float keys and values and writes them rounded; the file GenAI runs
+    (GroupQueryAttention on the int8 buffer) attends over the int8 cache and lands some
+    values a step off. The first layer's cache agrees within a step, later layers' and the
+    logits only as closely as two roundings do (on the bench's random Llama in float16:
+    cosine 0.9989 and up; a form that mishandles a padded row is far off): every output
+    is compared by its cosine."""
+    from mha_onnx.quantize.kv_cache import kv_scales
+
+    return bool(kv_scales(proto))
 
 
 def _window(proto: onnx.ModelProto) -> int:

@@ -27,29 +27,33 @@ def load_tokenizer(folder: str | Path) -> Any:
                                   "tokenizer) and tokenizer_config.json") from None
 
 
-def load_prompts(path: str | Path, tokenizer: Any = None) -> list[list[int]]:
-    """Token-id lists from a JSON file: ids as they are; strings through ``tokenizer``."""
+def load_prompts(path: str | Path, tokenizer: Any = None, option: str = "--prompts"
+                 ) -> list[list[int]]:
+    """Token-id lists from a JSON file: ids as they are; strings through ``tokenizer``
+    (``option``: the one errors name)."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
-        raise ConfigError(f"cannot read --prompts {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {option} {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--prompts {path} is not JSON: {exc}",
+        raise ConfigError(f"{option} {path} is not JSON: {exc}",
                           hint='e.g. [[1, 2, 3], [4, 5]], or ["text", ...] with --tokenizer'
                           ) from None
     if not isinstance(data, list):
-        raise ConfigError(f"--prompts {path} holds a {type(data).__name__}, not a list",
+        raise ConfigError(f"{option} {path} holds a {type(data).__name__}, not a list",
                           hint="a list of prompts: [[1, 2, 3], [4, 5]]")
     if any(isinstance(p, str) for p in data):
         if not all(isinstance(p, str) for p in data):
-            raise ConfigError(f"--prompts {path} mixes text and token ids")
+            raise ConfigError(f"{option} {path} mixes text and token ids")
         if tokenizer is None:
-            raise ConfigError(f"--prompts {path} holds text", hint="pass --tokenizer DIR")
+            raise ConfigError(f"{option} {path} holds text", hint="pass --tokenizer DIR"
+                              if option == "--prompts" else "token ids, or the model's "
+                              "tokenizer.json beside it")
         return [list(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in data]
     for n, prompt in enumerate(data):
         if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in prompt):
-            raise ConfigError(f"--prompts {path}: prompt {n} is not a list of token ids",
+            raise ConfigError(f"{option} {path}: prompt {n} is not a list of token ids",
                               hint="e.g. [[1, 2, 3], [4, 5]]")
     return [list(p) for p in data]
 

@@ -25,7 +25,7 @@ import onnx
 
 from mha_onnx.errors import ConfigError
 from mha_onnx.graph import metadata
-from mha_onnx.quantize import accuracy
+from mha_onnx.quantize import accuracy, kv_cache
 from mha_onnx.quantize.weights import QuantizeConfig, QuantizedWeights, quantize_weights
 
 log = logging.getLogger(__name__)
@@ -80,21 +80,30 @@ def _session_outputs(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray])
 def _decoder_feeds(model: onnx.ModelProto, path: str, batch: int, length: int, seed: int):
     """A decoder's prompt run: (feeds, prompts) for ``batch`` random prompts of ``length``
     (fewer where a position table ends first), empty pasts of the cache's form."""
-    from mha_onnx.generate import prompt_feeds, read_interface
+    from mha_onnx.generate import read_interface
 
     iface = read_interface(model, path)
     if iface.position_limit:
         length = min(length, iface.position_limit // 2)
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, iface.vocab, (batch, length)).tolist()
+    return _prompt_feeds(model, path, prompts), prompts
+
+
+def _prompt_feeds(model: onnx.ModelProto, path: str, prompts: list[list[int]]
+                  ) -> dict[str, np.ndarray]:
+    """``prompts`` (of one length) as one run with empty pasts of the cache's form."""
+    from mha_onnx.generate import prompt_feeds, read_interface
+
+    iface = read_interface(model, path)
     feeds = prompt_feeds(prompts, iface, 0)
-    size = length if iface.shared else 0
+    size = len(prompts[0]) if iface.shared else 0
     for past, _ in iface.pasts:
-        feeds[past] = np.zeros((batch, iface.kv_heads_of(past), size, iface.head_of(past)),
-                               iface.kv_dtype)
+        feeds[past] = np.zeros((len(prompts), iface.kv_heads_of(past), size,
+                                iface.head_of(past)), iface.kv_dtype)
     if iface.length_input:
         feeds["past_sequence_length"] = np.array(0, np.int64)
-    return feeds, prompts
+    return feeds
 
 
 def _generic_feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
@@ -125,7 +134,8 @@ def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProt
                                         accuracy.PROMPT_LENGTH, seed=0)
     else:
         feeds, prompts = _generic_feeds(float_model, seed=0), None
-    want, got = _session_outputs(float_path, feeds), _session_outputs(quant, feeds)
+    want = _session_outputs(float_path, feeds)
+    got = kv_cache.dequantized(quant, _session_outputs(quant, kv_cache.cache_feeds(quant, feeds)))
     errors, figures = accuracy.compare(want, got)
     report = accuracy.AccuracyReport(tuple(errors), figures.get("positions", 0),
                                      figures.get("kl_mean"), figures.get("kl_max"),
@@ -191,15 +201,19 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
 def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig,
                   thresholds: accuracy.Thresholds = accuracy.Thresholds(), *,
                   sensitivity: bool = True, int8_most_sensitive: int = 0, check: bool = True,
-                  force: bool = False) -> QuantizeReport:
+                  force: bool = False, calibration: list[list[int]] | None = None
+                  ) -> QuantizeReport:
     """Quantize ``source`` into ``output``: written only when its accuracy passes (or
     ``check`` is False); ``int8_most_sensitive``: that many of the most sensitive MatMuls in
-    8 bits (sensitivity measured first)."""
+    8 bits (sensitivity measured first); ``calibration``: token-id prompts whose cache
+    sets an int8 cache's scales (``config.kv_bits``)."""
     from mha_onnx.graph.files import prepare_output, read_model, write_model
 
     started = time.perf_counter()
     output = prepare_output(output, force=force)
     model = read_model(source)
+    if config.kv_bits:
+        kv_cache.require_shared(model)
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     first = quantize_weights(model, config)  # (refuses a quantized model, one without MatMul)
     names = list(dict.fromkeys(t.weight for t in first.targets if t.bits))  # (weights)
@@ -212,6 +226,8 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
         notes.append(f"int8 for the {len(chosen)} most sensitive MatMul(s): "
                      + ", ".join(chosen))
         first = quantize_weights(model, config)
+    if config.kv_bits:
+        notes.append(_int8_cache(model, str(source), first.model, calibration))
     report = measure(model, str(source), first.model, thresholds,
                      sensitive=names if sensitivity else None, config=config)
     quantized = {t.node: t.bits for t in first.targets}
@@ -228,6 +244,29 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     return QuantizeReport(str(source), str(output), config, report, quantized,
                           (_bytes(Path(source)), size or first.model.ByteSize()),
                           write, time.perf_counter() - started, tuple(notes))
+
+
+def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,
+                calibration: list[list[int]] | None) -> str:
+    """``quant``'s cache in int8 (kv_cache.py), its scales from ``model``'s presents over
+    ``calibration`` (each prompt a run of its own), else over random prompts (other than
+    the report's: seed 1)."""
+    from mha_onnx.graph.cache import cache_pairs
+
+    pairs = cache_pairs(model)
+    if calibration:
+        runs = [_prompt_feeds(model, path, [prompt]) for prompt in calibration]
+        source = f"{len(calibration)} calibration prompt(s)"
+    else:
+        runs = [_decoder_feeds(model, path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH,
+                               seed=1)[0]]
+        source = (f"{accuracy.PROMPTS} random prompts of {accuracy.PROMPT_LENGTH} tokens; "
+                  "--kv-calibration PROMPTS.json for text like the model's")
+    scales = [kv_cache.calibrate(_session_outputs(path, feeds), pairs) for feeds in runs]
+    kv_cache.quantize_cache(quant, {p: np.max([s[p] for s in scales], axis=0) for p in pairs})
+    return (f"the KV cache in int8 per K/V head and channel, its scales from the float "
+            f"model's cache over {source}: past and present buffers are int8, ORT's "
+            "GroupQueryAttention reads and writes them")
 
 
 def _bytes(path: Path) -> int:
