@@ -11,7 +11,10 @@ free-running (how many tokens it keeps before it departs). Step times: the two f
 turn, ``--rounds`` rounds (median). An experiment, not a form fuse writes.
 
     .venv/bin/python -m tools.experiments.kv_quant_model /tmp/bench/llama16/q4new/model.genai.onnx \\
-        --context 4096 --steps 32
+        --context 4096 --steps 32 [--int8 /tmp/bench/llama16/kv8/model.genai.onnx]
+
+``--int8``: the file ``quantize --kv-bits 8`` wrote instead of one made here (its own
+weights must be MODEL's: the same float fusion quantized the same way).
 """
 
 from __future__ import annotations
@@ -119,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--int8", type=Path, default=None,
+                        help="the int8-cache file to measure (`quantize --kv-bits 8`'s GenAI "
+                             "file beside MODEL's); default: made here from MODEL")
     args = parser.parse_args(argv)
     from mha_onnx.generate import read_interface
     from mha_onnx.quantize.accuracy import kl_top1
@@ -128,27 +134,32 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     capacity = args.context + args.steps + 1
     folder, plain = args.model.parent, args.model.read_bytes()
-    scales = calibrate(Loop(plain, folder, args.calibration + 1, args.threads),
-                       [int(t) for t in rng.integers(0, vocab, args.calibration)])
-    made = quantized_cache(proto, scales).SerializeToString()
+    calibration = [int(t) for t in rng.integers(0, vocab, args.calibration)]
+    if args.int8 is None:
+        scales = calibrate(Loop(plain, folder, args.calibration + 1, args.threads), calibration)
+        made = quantized_cache(proto, scales).SerializeToString()
+    else:
+        made = args.int8.read_bytes()
+    made_in = folder if args.int8 is None else args.int8.parent  # (its weights' folder)
     prompt = [int(t) for t in rng.integers(0, vocab, args.context)]
     times: dict[str, list[float]] = {"float32 cache": [], "int8 cache": []}
     for _ in range(args.rounds):
         want, float_logits, seconds = generate(Loop(plain, folder, capacity, args.threads),
                                                prompt, args.steps)
         times["float32 cache"].append(statistics.median(seconds) * 1e3)
-        got, _, seconds = generate(Loop(made, folder, capacity, args.threads), prompt,
+        got, _, seconds = generate(Loop(made, made_in, capacity, args.threads), prompt,
                                    args.steps)
         times["int8 cache"].append(statistics.median(seconds) * 1e3)
-    _, forced_logits, _ = generate(Loop(made, folder, capacity, args.threads), prompt,
+    _, forced_logits, _ = generate(Loop(made, made_in, capacity, args.threads), prompt,
                                    args.steps, forced=want)
     kls, agree = kl_top1(np.stack(float_logits), np.stack(forced_logits))
     top1 = float(agree.mean())
     kept = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b),
                 len(want))
     base = statistics.median(times["float32 cache"])
-    print(f"{args.model}: context {args.context}, {args.steps} steps, calibrated on "
-          f"{args.calibration} tokens")
+    print(f"{args.model}: context {args.context}, {args.steps} steps, " + (
+        f"calibrated on {args.calibration} tokens" if args.int8 is None else
+        f"int8 cache: {args.int8}"))
     print("| cache | step ms (median of rounds) | vs float32 | KL mean | KL max | top-1 | "
           "greedy tokens kept |")
     print("|---|---|---|---|---|---|---|")
