@@ -63,6 +63,7 @@ class HfExportConfig:
     weights: str = "float"  # int4 | int8: quantized after the export (mha_onnx.quantize)
     atol: float | None = None  # fuse's verification and the check against PyTorch (default:
     rtol: float | None = None  # the dtype's, mha_onnx.stats.DEFAULT_TOLERANCES)
+    kv_bits: int = 0  # 8: a shared cache in int8 too (quantize --kv-bits)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -77,6 +78,11 @@ class HfExportConfig:
         if self.weights not in ("float", "int4", "int8"):
             raise ConfigError(f"--weights {self.weights!r} with --model",
                               hint="int4 or int8 (quantized after the export)")
+        if self.kv_bits and (self.weights == "float" or self.kv_cache != "shared"
+                             or not self.fuse or self.task not in ("auto", "text-generation-with-past")):
+            raise ConfigError("--kv-bits quantizes the cache of a decoder exported with "
+                              "--kv-cache shared and --weights int4|int8",
+                              hint="--model FOLDER --kv-cache shared --weights int4 --kv-bits 8")
 
 
 @dataclass(frozen=True)
@@ -244,7 +250,7 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
             fused.append(f"{part}: {what}" if part else what)
             validations.append(validation)
         if cfg.weights != "float":  # each part's weights, measured against it first
-            made = {_quantized(final, cfg.weights, notes, progress): target
+            made = {_quantized(final, cfg, notes, progress): target
                     for final, target in made.items()}
         for final, target in made.items():  # every part passed: now written
             shutil.copyfile(final, target)
@@ -260,18 +266,20 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
                           time.perf_counter() - started, tuple(notes))
 
 
-def _quantized(final: Path, weights: str, notes: list[str],
+def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],
                progress: Callable[[str], None]) -> Path:
-    """``final``'s weights in ``weights`` (int4/int8, `mha-onnx quantize`'s defaults), next
-    to it; refused (nothing written) past the accuracy thresholds."""
+    """``final``'s weights in ``cfg.weights`` (int4/int8, `mha-onnx quantize`'s defaults;
+    its cache in int8 with ``cfg.kv_bits``), next to it; refused (nothing written) past
+    the accuracy thresholds."""
     from mha_onnx.errors import FusionError
     from mha_onnx.quantize.run import quantize_file
     from mha_onnx.quantize.weights import QuantizeConfig
 
+    weights = cfg.weights
     progress(f"quantize the weights to {weights} (measured against the float model)")
     out = final.with_name(f"{final.stem}.{weights}.onnx")
-    report = quantize_file(final, out, QuantizeConfig(weights=weights), sensitivity=False,
-                           force=True)
+    report = quantize_file(final, out, QuantizeConfig(weights=weights, kv_bits=cfg.kv_bits),
+                           sensitivity=False, force=True)
     if not report.written:
         raise FusionError(f"the {weights} model is past the accuracy thresholds: "
                           f"{'; '.join(report.accuracy.failures())}; nothing was written",
@@ -280,7 +288,8 @@ def _quantized(final: Path, weights: str, notes: list[str],
     figures = report.accuracy
     notes.append(f"weights in {weights}: {report.sizes[1] / report.sizes[0]:.2f}x the float "
                  f"model's bytes; next token KL {figures.kl_mean:.3g}, top-1 agreement "
-                 f"{figures.top1:.3f}" if figures.kl_mean is not None else
+                 f"{figures.top1:.3f}" + (f"; {report.notes[0]}" if cfg.kv_bits else "")
+                 if figures.kl_mean is not None else
                  f"weights in {weights}: {report.sizes[1] / report.sizes[0]:.2f}x the float "
                  "model's bytes")
     return out

@@ -134,8 +134,9 @@ def _against_torch(model: onnx.ModelProto, path: str, thresholds: accuracy.Thres
     got = _session_outputs(model, feeds)
     plain = {k: v for k, v in feeds.items() if k != "past_sequence_length"}
     for name, value in plain.items():  # PyTorch takes the appended interface: empty pasts
-        if name.startswith("past_key_values."):
-            plain[name] = value[:, :, :0]
+        if name.startswith("past_key_values."):  # (an int8 cache's: PyTorch's are float)
+            plain[name] = value[:, :, :0].astype(np.float32 if value.dtype == np.int8
+                                                  else value.dtype)
     want = torch.infer(plain)
     logits = at_last(want["logits"], feeds) if got["logits"].shape[1] == 1 else want["logits"]
     errors, figures = accuracy.compare({"logits": logits}, {"logits": got["logits"]})

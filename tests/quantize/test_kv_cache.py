@@ -197,3 +197,22 @@ def test_a_float16_decoders_cache_in_int8(hf_folder, tmp_path):
     assert [len(s) for s in run.sequences] == [5, 5]
     config = json.loads((out.parent / "genai_config.json").read_text())
     assert config["model"]["decoder"]["filename"] == "model.genai.onnx"
+
+
+def test_export_model_with_an_int8_cache_validates_against_pytorch(hf_folder, tmp_path):
+    """`export --model --kv-cache shared --weights int4 --kv-bits 8`: the written decoder's
+    cache is int8; its float export gone, validate measures its logits against the
+    folder's PyTorch model. --kv-bits without a shared cache: exit 2."""
+    out = tmp_path / "model.onnx"
+    result = _cli("export", "--model", hf_folder("llama"), "-o", out, "--kv-cache", "shared",
+                  "--weights", "int4", "--kv-bits", "8")
+    assert result.exit_code == 0, result.output
+    assert "KV cache in int8" in result.output
+    model = onnx.load(out, load_external_data=False)
+    assert {v.type.tensor_type.elem_type for v in model.graph.input
+            if v.name.startswith("past_key_values.")} == {onnx.TensorProto.INT8}
+    checked = _cli("validate", out, *LOOSE, "--json")
+    assert checked.exit_code == 0, checked.output
+    refused = _cli("export", "--model", hf_folder("llama"), "-o", tmp_path / "a.onnx",
+                   "--weights", "int4", "--kv-bits", "8")
+    assert refused.exit_code == 2 and "--kv-cache shared" in refused.output
