@@ -108,15 +108,20 @@ def _total_dims(specs: Sequence, past: set[str]) -> set[str]:
             and isinstance(s.dims[-1], str) and not is_expression(s.dims[-1])} - past - elsewhere
 
 
-def cache_bytes(feeds: dict[str, np.ndarray], proto: onnx.ModelProto) -> int:
-    """Bytes of cache one step reads: every past input (of a shared buffer, the cached
-    positions)."""
+def cache_bytes(feeds: dict[str, np.ndarray], model: Target) -> int:
+    """Bytes of cache one step reads, in the model's cache type (an int8 cache: a quarter
+    of float32's): every past input; of a shared buffer, the cached positions (the length
+    input, else the buffer less the new tokens: profile's buffers have no spare room)."""
     from mha_onnx.graph.cache import LENGTH_INPUT, cache_pairs
 
-    pasts = [feeds[name] for name in cache_pairs(proto)]
+    pasts = [feeds[name] for name in cache_pairs(model.proto)]
     if LENGTH_INPUT in feeds:
-        return sum(p.nbytes // p.shape[2] * int(feeds[LENGTH_INPUT]) for p in pasts)
-    return sum(p.nbytes for p in pasts)
+        cached = int(feeds[LENGTH_INPUT])
+    elif model.shared and "input_ids" in feeds:
+        cached = pasts[0].shape[2] - feeds["input_ids"].shape[1] if pasts else 0
+    else:
+        return sum(p.nbytes for p in pasts)
+    return sum(p.nbytes // max(1, p.shape[2]) * cached for p in pasts)
 
 
 def bound_run(runner, feeds: dict[str, np.ndarray], model: Target) -> Callable[[], Any]:

@@ -173,7 +173,8 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
         peak_rss_bytes=raw.get("peak_rss"), run_rss_bytes=raw.get("run_rss"),
         device_bytes=raw.get("device_bytes"), session_s=float(mine["session_s"]),
         top_ops=tuple(OpTime(**o) for o in mine.get("top_ops", [])), trace=mine.get("trace"))
-    rates = (_decode_rates(spec, raw, p50, bandwidth, weights) if config.decode
+    rates = (_decode_rates(spec, mine.get("cache_bytes"), p50,
+                           bandwidth, weights) if config.decode
              else _flop_rates(model, spec, config, roofline, p50, mine.get("graph_flops")))
     return Point(**where, **measured, **rates)
 
@@ -200,12 +201,12 @@ def _flop_rates(model: str, spec: PointSpec, config: ProfileConfig, roofline: di
     return dict(tokens_per_s=tokens, gflop=gflop, gflops=gflops, roofline_fraction=fraction)
 
 
-def _decode_rates(spec: PointSpec, raw: dict[str, Any], p50: float,
+def _decode_rates(spec: PointSpec, cache: int | None, p50: float,
                   bandwidth: dict[str, float], weights: int) -> dict[str, Any]:
     """A decode step: tokens/s is one token per batch entry per step; the roofline is
-    reading what a step must read once at the measured bandwidth: the cache and every
-    weight of the model (a decoder's step reads all its weights for one token)."""
-    cache = raw.get("cache_bytes")
+    reading what a step must read once at the measured bandwidth: the model's cache (in
+    its own type) and every weight of the model (a decoder's step reads all its weights
+    for one token)."""
     gbps = bandwidth.get(f"{spec.provider} float32")
     step = (cache or 0) + weights
     fraction = (step / 1e9 / gbps) / (p50 / 1e3) if step and gbps else None

@@ -156,7 +156,7 @@ def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, An
     from mha_onnx.errors import ProviderError
     from mha_onnx.runtime import capabilities
 
-    runners, runs, sessions, first = [], [], {}, None
+    runners, runs, sessions, caches = [], [], {}, {}
     refused: dict[str, dict[str, str]] = {}
     for model in spec.models:
         start = time.perf_counter()
@@ -179,7 +179,7 @@ def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, An
             refused[model] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
             runners.pop()
             continue
-        first = first or (feeds, form.proto)
+        caches[model] = cache_bytes(feeds, form) if spec.decode else None
         runs.append(run)
     if not runs:
         return {"models": refused}
@@ -190,10 +190,9 @@ def measure(spec: PointSpec, kept: dict[str, Any] | None = None) -> dict[str, An
     for runner in runners if kept is None else []:
         runner.close()
     timed = [m for m in spec.models if m not in refused]
-    out: dict[str, Any] = {"models": {**{m: {"times": t, "session_s": sessions[m]}
+    out: dict[str, Any] = {"models": {**{m: {"times": t, "session_s": sessions[m],
+                                             "cache_bytes": caches[m]}
                                          for m, t in zip(timed, times, strict=True)}, **refused}}
-    if spec.decode and first is not None:
-        out["cache_bytes"] = cache_bytes(*first)
     if len(spec.models) == 1:
         out.update(peak_rss=peak, run_rss=max(0, peak - rss_before),
                    device_bytes=None if device0 is None or device is None else max(0, device - device0))

@@ -216,3 +216,22 @@ def test_export_model_with_an_int8_cache_validates_against_pytorch(hf_folder, tm
     refused = _cli("export", "--model", hf_folder("llama"), "-o", tmp_path / "a.onnx",
                    "--weights", "int4", "--kv-bits", "8")
     assert refused.exit_code == 2 and "--kv-cache shared" in refused.output
+
+
+def test_profile_reads_each_models_own_cache_bytes(shared_llama, tmp_path):
+    """profile --decode beside the float-cache file: the int8 file's step reads a quarter of
+    the cache bytes (each model its own, in its cache's type: context x layers x K/V x
+    kv heads x head size x itemsize)."""
+    out = tmp_path / "p8" / "model.onnx"
+    assert _cli("quantize", shared_llama, "-o", out, "--kv-bits", "8", *LOOSE,
+                "--no-sensitivity").exit_code == 0
+    result = _cli("profile", shared_llama, out, "--decode", "--context", "40", "--iters", "2",
+                  "--warmup", "1", "--no-ops", "--json")
+    assert result.exit_code == 0, result.output
+    points = {p["model"]: p for p in json.loads(result.output[result.output.index("{"):])["points"]}
+    model = onnx.load(shared_llama, load_external_data=False)
+    dims = [next(v for v in model.graph.input if v.name == past).type.tensor_type.shape.dim
+            for past in cache_pairs(model)]
+    want = sum(40 * d[1].dim_value * d[3].dim_value * 4 for d in dims)
+    assert points[str(shared_llama)]["cache_bytes"] == want
+    assert points[str(out)]["cache_bytes"] == want // 4
