@@ -37,6 +37,7 @@ from mha_onnx.generate.decode import guards, inline_ifs, shared_guard, without_u
 from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 
 SUFFIX = ".genai.onnx"
+GENAI_RECORD = "genai_file"  # metadata of the file written: {"of": the file as written}
 PROBE_ROWS = (24, 9)  # a full row and a right-padded one (the full one past any window)
 
 
@@ -76,10 +77,12 @@ def genai_file(model: Path, proto: onnx.ModelProto, iface: DecoderInterface) -> 
                                      f"chosen per run): its Ifs inlined differ on GenAI's "
                                      f"right-padded prompt: {differs}")
     data = _weights_outside(model, proto)
+    from mha_onnx.graph import metadata
     from mha_onnx.graph.files import read_model, write_bytes
 
-    shared = read_model(model, load_external_data=False)
-    write_bytes(decode_file(shared).SerializeToString(), target, force=True)
+    made = decode_file(read_model(model, load_external_data=False))
+    metadata.write(made, {GENAI_RECORD: {"of": model.name}})
+    write_bytes(made.SerializeToString(), target, force=True)
     return GenAiFile(target.name, f"GenAI runs {target.name}: {model.name} without its "
                                   f"per-layer Ifs (the form each of GenAI's runs takes, "
                                   f"checked on a right-padded batch), its weights read from "

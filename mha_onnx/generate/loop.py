@@ -24,6 +24,7 @@ from mha_onnx.generate.decode import GUARD
 from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 from mha_onnx.generate.prompt import PROMPT_ROWS, sessions
 from mha_onnx.generate.sampling import Sampling, next_tokens
+from mha_onnx.graph import metadata
 from mha_onnx.graph.cache import LENGTH_INPUT, device_of
 
 
@@ -146,6 +147,7 @@ class Generator:
 
         proto = read_model(model, load_external_data=False)
         self.path = Path(model)
+        self.genai_of = (metadata.loaded(proto, "genai_file") or {}).get("of")
         self.interface = interface or read_interface(proto, model)
         level = session_options(proto).get("optimization", "all")
         made, steps = sessions(model, proto, self.interface.shared,
@@ -208,6 +210,12 @@ class Generator:
                 raise ConfigError(f"prompt {n} has token id(s) outside the vocabulary of "
                                   f"{iface.vocab}: {bad[:5]}", hint="ids are 0..vocab-1")
         longest = max(len(p) for p in prompts)
+        if self.genai_of and min(len(p) for p in prompts) < longest:
+            raise ConfigError(f"{self.path.name} is the file ONNX Runtime GenAI runs (no If: "
+                              "its prompts right-padded, as GenAI pads them); generate pads "
+                              "a batch of unequal prompts on the left, which it does not take",
+                              hint=f"run {self.genai_of} beside it (the file as written), or "
+                                   "prompts of one length")
         needed = longest + config.max_new_tokens
         capacity = config.max_length or needed
         if needed > capacity:

@@ -56,6 +56,26 @@ def test_genai_runs_the_shared_fusion_without_its_ifs_on_one_copy_of_its_weights
     assert genai_file.probe_differs(out, written, read_interface(written, out)) == ""
 
 
+@pytest.mark.models
+def test_generate_on_the_genai_file_refuses_a_ragged_batch_and_runs_one_of_one_length(
+        tmp_path):
+    """The GenAI file takes GenAI's right-padded prompts; generate pads on the left: a
+    batch of unequal prompts through it is refused (it gave other tokens silently), prompts
+    of one length give the file as written's tokens."""
+    from mha_onnx.errors import ConfigError
+    from mha_onnx.generate import GenerationConfig, Generator
+
+    out, _ = _fused(tmp_path / "g", "shared")
+    genai = out.with_name("model.genai.onnx")
+    settings = GenerationConfig(5, eos=())
+    with Generator(genai) as generator:
+        with pytest.raises(ConfigError, match="unequal prompts on the left"):
+            generator.generate([[5, 6, 7, 8], [9, 10]], settings)
+        got = generator.generate([[5, 6, 7], [9, 10, 11]], settings).sequences
+    with Generator(out) as generator:
+        assert generator.generate([[5, 6, 7], [9, 10, 11]], settings).sequences == got
+
+
 def _logits_off(real):
     """decode_file as it is, its logits then 1% off: a then branch that does not hold."""
     def made(proto):
