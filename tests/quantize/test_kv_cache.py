@@ -173,21 +173,22 @@ def test_bad_kv_bits_one_line_exit_2(tmp_path, args, message):
     assert result.exit_code == 2 and message in result.output, result.output
 
 
-def test_a_float16_decoders_cache_in_int8(hf_folder, tmp_path):
-    """`export --model --dtype float16 --kv-cache shared`, then --kv-bits 8: the general form
-    dequantizes into float16 (scales in both types), GroupQueryAttention takes its float32
-    scales; the report holds, generate runs it, GenAI's folder names the file without Ifs."""
+def test_export_model_float16_with_an_int8_cache(hf_folder, tmp_path):
+    """`export --model --dtype float16 --kv-cache shared --weights int4 --kv-bits 8`: the
+    general form dequantizes into float16 (scales in both types), GroupQueryAttention takes
+    its float32 scales; generate runs it, GenAI's folder names the file without Ifs, and,
+    its float export gone, validate measures its logits against the folder's PyTorch
+    model. --kv-bits without a shared cache: exit 2, before any export."""
     from mha_onnx.generate import GenerationConfig, Generator
 
-    source = tmp_path / "f16" / "model.onnx"
-    exported = _cli("export", "--model", hf_folder("llama"), "-o", source, "--dtype", "float16",
-                    "--kv-cache", "shared")
-    assert exported.exit_code == 0, exported.output
-    out = tmp_path / "q" / "model.onnx"
-    result = _cli("quantize", source, "-o", out, "--kv-bits", "8", *LOOSE, "--no-sensitivity",
-                  "--json")
+    out = tmp_path / "model.onnx"
+    result = _cli("export", "--model", hf_folder("llama"), "-o", out, "--dtype", "float16",
+                  "--kv-cache", "shared", "--weights", "int4", "--kv-bits", "8")
     assert result.exit_code == 0, result.output
+    assert "KV cache in int8" in result.output
     model = onnx.load(out, load_external_data=False)
+    assert {v.type.tensor_type.elem_type for v in model.graph.input
+            if v.name.startswith("past_key_values.")} == {onnx.TensorProto.INT8}
     types = {t.name: t.data_type for t in model.graph.initializer}
     assert types["past_key_values.0.key_kv_scale"] == onnx.TensorProto.FLOAT
     assert types["past_key_values.0.key_kv_scale_t"] == onnx.TensorProto.FLOAT16
@@ -197,20 +198,6 @@ def test_a_float16_decoders_cache_in_int8(hf_folder, tmp_path):
     assert [len(s) for s in run.sequences] == [5, 5]
     config = json.loads((out.parent / "genai_config.json").read_text())
     assert config["model"]["decoder"]["filename"] == "model.genai.onnx"
-
-
-def test_export_model_with_an_int8_cache_validates_against_pytorch(hf_folder, tmp_path):
-    """`export --model --kv-cache shared --weights int4 --kv-bits 8`: the written decoder's
-    cache is int8; its float export gone, validate measures its logits against the
-    folder's PyTorch model. --kv-bits without a shared cache: exit 2."""
-    out = tmp_path / "model.onnx"
-    result = _cli("export", "--model", hf_folder("llama"), "-o", out, "--kv-cache", "shared",
-                  "--weights", "int4", "--kv-bits", "8")
-    assert result.exit_code == 0, result.output
-    assert "KV cache in int8" in result.output
-    model = onnx.load(out, load_external_data=False)
-    assert {v.type.tensor_type.elem_type for v in model.graph.input
-            if v.name.startswith("past_key_values.")} == {onnx.TensorProto.INT8}
     checked = _cli("validate", out, *LOOSE, "--json")
     assert checked.exit_code == 0, checked.output
     refused = _cli("export", "--model", hf_folder("llama"), "-o", tmp_path / "a.onnx",
