@@ -48,3 +48,16 @@ def test_a_whole_decoder_on_an_int8_cache_stays_near_its_float_cache(tmp_path, c
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| int8")]
     kl_mean, top1, kept = row[0].split(" | ")[3], row[0].split(" | ")[5], row[0].split(" | ")[6]
     assert 0 < float(kl_mean) < 1e-3 and float(top1) == 1.0 and kept.startswith("4/4")
+
+
+def test_kv_families_prints_a_row_per_family(tmp_path, capsys):
+    """tools/experiments/kv_families.py on one fixture: both quantized files written, their
+    KL and whether generate's tokens agree."""
+    from tools.experiments import kv_families
+
+    kv_families.main(["llama", "--out", str(tmp_path)])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| llama")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) > 0 and float(cells[2]) > 0
+    assert cells[3] == "yes" or cells[3].startswith("no: ")
+    assert (tmp_path / "llama" / "kv8" / "model.onnx").is_file()
