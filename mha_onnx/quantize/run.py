@@ -255,6 +255,7 @@ def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,
 
     pairs = cache_pairs(model)
     if calibration:
+        _check_prompts(model, path, calibration)
         runs = [_prompt_feeds(model, path, [prompt]) for prompt in calibration]
         source = f"{len(calibration)} calibration prompt(s)"
     else:
@@ -267,6 +268,20 @@ def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,
     return (f"the KV cache in int8 per K/V head and channel, its scales from the float "
             f"model's cache over {source}: past and present buffers are int8, ORT's "
             "GroupQueryAttention reads and writes them")
+
+
+def _check_prompts(model: onnx.ModelProto, path: str, prompts: list[list[int]]) -> None:
+    from mha_onnx.generate import read_interface
+
+    iface = read_interface(model, path)
+    for n, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= t < iface.vocab]
+        if bad:
+            raise ConfigError(f"--kv-calibration prompt {n} has token id(s) outside the "
+                              f"vocabulary of {iface.vocab}: {bad[:5]}")
+        if iface.position_limit and len(prompt) > iface.position_limit:
+            raise ConfigError(f"--kv-calibration prompt {n} ({len(prompt)} tokens) is longer "
+                              f"than the model's {iface.position_limit} positions")
 
 
 def _bytes(path: Path) -> int:

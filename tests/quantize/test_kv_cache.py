@@ -160,6 +160,10 @@ def test_kv_calibration_prompts_set_the_scales(shared_llama, tmp_path):
                   prompts, *LOOSE, "--no-sensitivity", "--json")
     assert result.exit_code == 0, result.output
     assert any("over 2 calibration prompt(s)" in n for n in json.loads(result.output)["notes"])
+    prompts.write_text(json.dumps([[5, 9, 100000]]))
+    bad = _cli("quantize", shared_llama, "-o", tmp_path / "b.onnx", "--kv-bits", "8",
+               "--kv-calibration", prompts)
+    assert bad.exit_code == 2 and "outside the vocabulary" in bad.output, bad.output
 
 
 @pytest.mark.parametrize("args, message", [
