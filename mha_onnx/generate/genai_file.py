@@ -186,9 +186,9 @@ def _int8_cache(proto: onnx.ModelProto) -> bool:
     logits only as closely as two roundings do (on the bench's random Llama in float16:
     cosine 0.9989 and up; a form that mishandles a padded row is far off): every output
     is compared by its cosine."""
-    from mha_onnx.quantize.kv_cache import kv_scales
+    from mha_onnx.quantize.kv_cache import has_int8_cache
 
-    return bool(kv_scales(proto))
+    return has_int8_cache(proto)
 
 
 def _window(proto: onnx.ModelProto) -> int:

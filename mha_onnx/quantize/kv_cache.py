@@ -53,6 +53,13 @@ def calibrate(presents: Mapping[str, np.ndarray], pairs: Mapping[str, str]
     return scales
 
 
+def has_int8_cache(model: onnx.ModelProto) -> bool:
+    """Did quantize_cache rewrite ``model``? (By its scales' names: nothing is read, so a
+    file whose tensors lie outside it answers too.)"""
+    names = {t.name for t in model.graph.initializer}
+    return any(SCALE.format(v.name) in names for v in model.graph.input)
+
+
 def kv_scales(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """past name -> its scale, in a model quantize_cache rewrote ({} in any other)."""
     from mha_onnx.graph.cache import cache_pairs
@@ -78,7 +85,7 @@ def dequantized(model: onnx.ModelProto, outputs: Mapping[str, np.ndarray]
 def cache_feeds(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]
                 ) -> dict[str, np.ndarray]:
     """``feeds`` as ``model`` takes them: empty or zero pasts in int8 where its cache is."""
-    if not kv_scales(model):
+    if not has_int8_cache(model):
         return dict(feeds)
     types = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
     return {k: v.astype(np.int8) if types.get(k) == TensorProto.INT8 else v
@@ -92,7 +99,7 @@ def require_shared(model: onnx.ModelProto) -> None:
         raise ConfigError("--kv-bits needs a decoder fused with --kv-cache shared (one buffer "
                           "per cache, read and written in place by GroupQueryAttention)",
                           hint="mha-onnx fuse MODEL -o OUT --kv-cache shared, then quantize it")
-    if kv_scales(model):
+    if has_int8_cache(model):
         raise ConfigError("--kv-bits: the model's cache is int8 already")
 
 
