@@ -78,8 +78,9 @@ class HfExportConfig:
         if self.weights not in ("float", "int4", "int8"):
             raise ConfigError(f"--weights {self.weights!r} with --model",
                               hint="int4 or int8 (quantized after the export)")
+        decoder = self.task in ("auto", "text-generation-with-past")
         if self.kv_bits and (self.weights == "float" or self.kv_cache != "shared"
-                             or not self.fuse or self.task not in ("auto", "text-generation-with-past")):
+                             or not self.fuse or not decoder):
             raise ConfigError("--kv-bits quantizes the cache of a decoder exported with "
                               "--kv-cache shared and --weights int4|int8",
                               hint="--model FOLDER --kv-cache shared --weights int4 --kv-bits 8")
@@ -272,7 +273,7 @@ def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],
     its cache in int8 with ``cfg.kv_bits``), next to it; refused (nothing written) past
     the accuracy thresholds."""
     from mha_onnx.errors import FusionError
-    from mha_onnx.quantize.run import quantize_file
+    from mha_onnx.quantize.run import INT8_CACHE_NOTE, quantize_file
     from mha_onnx.quantize.weights import QuantizeConfig
 
     weights = cfg.weights
@@ -288,7 +289,8 @@ def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],
     figures = report.accuracy
     notes.append(f"weights in {weights}: {report.sizes[1] / report.sizes[0]:.2f}x the float "
                  f"model's bytes; next token KL {figures.kl_mean:.3g}, top-1 agreement "
-                 f"{figures.top1:.3f}" + (f"; {report.notes[0]}" if cfg.kv_bits else "")
+                 f"{figures.top1:.3f}" + "".join(f"; {n}" for n in report.notes
+                                                 if n.startswith(INT8_CACHE_NOTE))
                  if figures.kl_mean is not None else
                  f"weights in {weights}: {report.sizes[1] / report.sizes[0]:.2f}x the float "
                  "model's bytes")

@@ -29,6 +29,7 @@ from mha_onnx.quantize import accuracy, kv_cache
 from mha_onnx.quantize.weights import QuantizeConfig, QuantizedWeights, quantize_weights
 
 log = logging.getLogger(__name__)
+INT8_CACHE_NOTE = "the KV cache in int8"  # how the report's note on it begins
 
 
 @dataclass(frozen=True)
@@ -87,15 +88,14 @@ def _decoder_feeds(model: onnx.ModelProto, path: str, batch: int, length: int, s
         length = min(length, iface.position_limit // 2)
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, iface.vocab, (batch, length)).tolist()
-    return _prompt_feeds(model, path, prompts), prompts
+    return _prompt_feeds(iface, prompts), prompts
 
 
-def _prompt_feeds(model: onnx.ModelProto, path: str, prompts: list[list[int]]
-                  ) -> dict[str, np.ndarray]:
-    """``prompts`` (of one length) as one run with empty pasts of the cache's form."""
-    from mha_onnx.generate import prompt_feeds, read_interface
+def _prompt_feeds(iface, prompts: list[list[int]]) -> dict[str, np.ndarray]:
+    """``prompts`` (of one length) as one run of the decoder ``iface`` describes, with
+    empty pasts of its cache's form."""
+    from mha_onnx.generate import prompt_feeds
 
-    iface = read_interface(model, path)
     feeds = prompt_feeds(prompts, iface, 0)
     size = len(prompts[0]) if iface.shared else 0
     for past, _ in iface.pasts:
@@ -251,12 +251,14 @@ def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,
     """``quant``'s cache in int8 (kv_cache.py), its scales from ``model``'s presents over
     ``calibration`` (each prompt a run of its own), else over random prompts (other than
     the report's: seed 1)."""
+    from mha_onnx.generate import read_interface
     from mha_onnx.graph.cache import cache_pairs
 
     pairs = cache_pairs(model)
     if calibration:
-        _check_prompts(model, path, calibration)
-        runs = [_prompt_feeds(model, path, [prompt]) for prompt in calibration]
+        iface = read_interface(model, path)
+        _check_prompts(iface, calibration)
+        runs = [_prompt_feeds(iface, [prompt]) for prompt in calibration]
         source = f"{len(calibration)} calibration prompt(s)"
     else:
         runs = [_decoder_feeds(model, path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH,
@@ -265,15 +267,12 @@ def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,
                   "--kv-calibration PROMPTS.json for text like the model's")
     scales = [kv_cache.calibrate(_session_outputs(path, feeds), pairs) for feeds in runs]
     kv_cache.quantize_cache(quant, {p: np.max([s[p] for s in scales], axis=0) for p in pairs})
-    return (f"the KV cache in int8 per K/V head and channel, its scales from the float "
+    return (f"{INT8_CACHE_NOTE} per K/V head and channel, its scales from the float "
             f"model's cache over {source}: past and present buffers are int8, ORT's "
             "GroupQueryAttention reads and writes them")
 
 
-def _check_prompts(model: onnx.ModelProto, path: str, prompts: list[list[int]]) -> None:
-    from mha_onnx.generate import read_interface
-
-    iface = read_interface(model, path)
+def _check_prompts(iface, prompts: list[list[int]]) -> None:
     for n, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= t < iface.vocab]
         if bad:
