@@ -47,8 +47,7 @@ from mha_onnx.rewrite.policy import KV_CACHES
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weights, kv_bits, opset,
-           dtype,
-           kv_cache, cache_padding, logits, atol, rtol, seed, output, force, as_json):
+           dtype, kv_cache, cache_padding, logits, atol, rtol, seed, output, force, as_json):
     """Export the PyTorch reference (or, with --model, a Hugging Face model) to ONNX with
     dynamic batch and sequence axes."""
     from mha_onnx.config import load_config_file, load_preset

@@ -90,8 +90,8 @@ def _calibration(path: str | None, model: str, kv_bits: int) -> list[list[int]] 
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def quantize(ctx, model, output, weights, block_size, symmetric, accuracy_level, algorithm, exclude,
-             mixed, kv_bits, calibration, max_kl, min_top1, min_cosine, min_greedy, no_sensitivity, no_check, force,
-             as_json):
+             mixed, kv_bits, calibration, max_kl, min_top1, min_cosine, min_greedy,
+             no_sensitivity, no_check, force, as_json):
     """Quantize MODEL's MatMul weights with ONNX Runtime's quantizer (in every graph of a
     fused model) and measure it against MODEL: written when the accuracy holds (exit 1
     otherwise, nothing written)."""

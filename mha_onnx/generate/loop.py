@@ -21,6 +21,7 @@ import numpy as np
 
 from mha_onnx.errors import ConfigError, ModelFileError
 from mha_onnx.generate.decode import GUARD
+from mha_onnx.generate.genai_file import GENAI_RECORD
 from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 from mha_onnx.generate.prompt import PROMPT_ROWS, sessions
 from mha_onnx.generate.sampling import Sampling, next_tokens
@@ -147,7 +148,7 @@ class Generator:
 
         proto = read_model(model, load_external_data=False)
         self.path = Path(model)
-        self.genai_of = (metadata.loaded(proto, "genai_file") or {}).get("of")
+        self.genai_of = (metadata.loaded(proto, GENAI_RECORD) or {}).get("of")
         self.interface = interface or read_interface(proto, model)
         level = session_options(proto).get("optimization", "all")
         made, steps = sessions(model, proto, self.interface.shared,

@@ -27,7 +27,6 @@ class Target:
     """A model file as profile runs it: its graph (weights not loaded) and whether its
     caches are buffers shared in place (``genai``: because GenAI's config says so)."""
 
-    path: str
     proto: onnx.ModelProto
     shared: bool
     genai: bool = False
@@ -41,10 +40,10 @@ def target(model: str) -> Target:
 
     proto = read_model(model, load_external_data=False)
     if is_shared(proto):
-        return Target(model, proto, shared=True)
+        return Target(proto, shared=True)
     genai = bool(cache_pairs(proto)) and metadata.loaded(proto, "kv_cache") is None \
         and bool(read_genai_json(Path(model).resolve().parent).get("past_present_share_buffer"))
-    return Target(model, proto, shared=genai, genai=genai)
+    return Target(proto, shared=genai, genai=genai)
 
 
 def point_feeds(model: Target, batch: int, length: int, *, decode: bool = False,
@@ -108,17 +107,18 @@ def _total_dims(specs: Sequence, past: set[str]) -> set[str]:
             and isinstance(s.dims[-1], str) and not is_expression(s.dims[-1])} - past - elsewhere
 
 
-def cache_bytes(feeds: dict[str, np.ndarray], model: Target) -> int:
-    """Bytes of cache one step reads, in the model's cache type (an int8 cache: a quarter
-    of float32's): every past input; of a shared buffer, the cached positions (the length
-    input, else the buffer less the new tokens: profile's buffers have no spare room)."""
+def cache_bytes(feeds: dict[str, np.ndarray], model: Target, new: int = 1) -> int:
+    """Bytes of cache a run of ``new`` tokens (a decode step: one) reads, in the model's
+    cache type (an int8 cache: a quarter of float32's): every past input; of a shared
+    buffer, the cached positions (the length input, else the buffer less the new tokens:
+    profile's buffers have no spare room)."""
     from mha_onnx.graph.cache import LENGTH_INPUT, cache_pairs
 
     pasts = [feeds[name] for name in cache_pairs(model.proto)]
     if LENGTH_INPUT in feeds:
         cached = int(feeds[LENGTH_INPUT])
-    elif model.shared and "input_ids" in feeds:
-        cached = pasts[0].shape[2] - feeds["input_ids"].shape[1] if pasts else 0
+    elif model.shared and pasts:
+        cached = pasts[0].shape[2] - new
     else:
         return sum(p.nbytes for p in pasts)
     return sum(p.nbytes // max(1, p.shape[2]) * cached for p in pasts)

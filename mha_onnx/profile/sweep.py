@@ -173,8 +173,8 @@ def _point(model: str, spec: PointSpec, raw: dict[str, Any], config: ProfileConf
         peak_rss_bytes=raw.get("peak_rss"), run_rss_bytes=raw.get("run_rss"),
         device_bytes=raw.get("device_bytes"), session_s=float(mine["session_s"]),
         top_ops=tuple(OpTime(**o) for o in mine.get("top_ops", [])), trace=mine.get("trace"))
-    rates = (_decode_rates(spec, mine.get("cache_bytes"), p50,
-                           bandwidth, weights) if config.decode
+    rates = (_decode_rates(spec, mine.get("cache_bytes"), p50, bandwidth, weights)
+             if config.decode
              else _flop_rates(model, spec, config, roofline, p50, mine.get("graph_flops")))
     return Point(**where, **measured, **rates)
 
