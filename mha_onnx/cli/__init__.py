@@ -13,11 +13,12 @@ from mha_onnx.cli.package import package_command
 from mha_onnx.cli.profile import profile
 from mha_onnx.cli.quantize import quantize
 from mha_onnx.cli.report import report
+from mha_onnx.cli.serve import serve_command
 from mha_onnx.cli.tune import tune_command
 from mha_onnx.cli.validate import validate
 
 for _command in (export, inspect, fuse, validate, profile, package_command, report, tune_command,
-                 generate_command, quantize):
+                 generate_command, quantize, serve_command):
     main.add_command(_command)
 
 

@@ -1,3 +1,17 @@
-"""Serving: ``package`` writes a Triton Inference Server model repository (package.py; its
-config text in pbtxt.py, its README in readme.py; decoders with a KV cache served
-statefully, decoder.py)."""
+"""Serving: ``mha-onnx serve`` (an OpenAI-compatible HTTP server, app.py) over a continuously
+batched engine (engine.py, rows.py) that a user may embed without HTTP:
+
+    from mha_onnx.serve import Engine, EngineConfig, Request
+    with Engine("model.onnx", EngineConfig(max_batch=8)) as engine:
+        tokens = engine.submit(Request(prompt=(1, 2, 3), max_tokens=32)).result().tokens
+
+``package`` writes a Triton Inference Server model repository (package.py; its config text
+in pbtxt.py, its README in readme.py; decoders with a KV cache served statefully,
+decoder.py).
+"""
+
+from mha_onnx.serve.engine import Engine, EngineConfig, Observer
+from mha_onnx.serve.requests import Completion, Handle, NotAdmitting, QueueFull, Request
+
+__all__ = ["Completion", "Engine", "EngineConfig", "Handle", "NotAdmitting", "Observer",
+           "QueueFull", "Request"]

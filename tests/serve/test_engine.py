@@ -1,0 +1,137 @@
+"""The continuous-batching engine as a library: requests joining and leaving a running batch
+get the tokens each gets alone from `generate` (both cache forms, float and int4, several
+families), rows are freed by an end, a cancel or a time limit, the queue is bounded, one
+request's failure is its own, and a drain ends the rest."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from mha_onnx.errors import ConfigError, ModelFileError
+from mha_onnx.generate.sampling import Sampling
+from mha_onnx.serve import Engine, EngineConfig, NotAdmitting, QueueFull, Request
+from mha_onnx.serve.requests import CANCELLED, ERROR, LENGTH, SHUTDOWN, TIMEOUT
+from tests.servers import alone, fused
+
+pytestmark = pytest.mark.models
+
+
+def _workload(seed: int, n: int = 12, vocab: int = 120):
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(3, vocab, size=int(s))]
+               for s in rng.integers(2, 40, size=n)]
+    return prompts, [int(x) for x in rng.integers(4, 40, size=n)]
+
+
+def _served(model, prompts, news, max_batch: int = 4, stagger: float = 0.002):
+    """Each prompt submitted in turn (``stagger`` seconds apart) to one engine: its tokens."""
+    with Engine(model, EngineConfig(max_batch=max_batch)) as engine:
+        handles = []
+        for prompt, new in zip(prompts, news, strict=True):
+            handles.append(engine.submit(Request(tuple(prompt), new)))
+            time.sleep(stagger)
+        got = [list(h.result(120).tokens) for h in handles]
+        assert engine.running == 0 and engine.rows.rows == 0
+        return got, engine.steps
+
+
+@pytest.mark.parametrize("family, form, weights", [
+    ("llama", "shared", None), ("llama", "appended", None), ("llama", "shared", "int4"),
+    ("llama", "appended", "int4"), ("qwen3", "shared", None), ("gemma3", "appended", None),
+    ("gpt2", "shared", None)])
+def test_requests_joining_and_leaving_get_their_tokens_alone(tmp_path, family, form, weights):
+    """Twelve requests of 2-40 prompt tokens and 4-40 new ones through a batch of 4: rows
+    join while others run and leave at their own ends; each gets `generate`'s tokens for it
+    alone. (Gemma3's Optimum export takes no position_ids: its rows run one at a time, and
+    the engine says why.)"""
+    model = fused(family, form, tmp_path / family, weights)
+    prompts, news = _workload(zlib.crc32(f"{family}{form}".encode()) % 1000)
+    want = alone(model, prompts, news)
+    got, steps = _served(model, prompts, news)
+    assert got == want
+    with Engine(model, EngineConfig(max_batch=4)) as engine:
+        shared_step = engine.rows.slots > 1
+        assert bool(engine.notes) is (family == "gemma3")
+    if shared_step:  # (rows shared steps: fewer steps than tokens one at a time)
+        assert steps < sum(len(w) for w in want) - len(want)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return fused("llama", "shared", tmp_path_factory.mktemp("llama"))
+
+
+def test_a_cancel_frees_the_row_and_a_time_limit_ends_a_request(llama):
+    with Engine(llama, EngineConfig(max_batch=2)) as engine:
+        long = engine.submit(Request((5, 6, 7), 200, eos=()))
+        next(iter(long))  # running
+        long.cancel()
+        assert long.result(30).finish_reason == CANCELLED
+        assert engine.running == 0 and engine.rows.free() == 2
+        late = engine.submit(Request((5, 6, 7), 200, eos=(), timeout=1e-6))
+        assert late.result(30).finish_reason == TIMEOUT and not late.result().tokens
+        short = engine.submit(Request((5, 6, 7), 3, eos=()))
+        assert short.result(30).finish_reason == LENGTH and len(short.result().tokens) == 3
+
+
+def test_the_queue_is_bounded_and_a_drain_ends_what_is_left(llama):
+    engine = Engine(llama, EngineConfig(max_batch=1, max_queue=2))
+    try:
+        first = engine.submit(Request((5, 6), 250, eos=()))
+        next(iter(first))  # the one row taken
+        waiting = [engine.submit(Request((5, 6), 250, eos=())) for _ in range(2)]
+        with pytest.raises(QueueFull):
+            engine.submit(Request((5, 6), 4, eos=()))
+        assert engine.queue_depth == 2
+        assert not engine.drain(grace=0.05)  # not all ended within the grace
+        with pytest.raises(NotAdmitting):
+            engine.submit(Request((5, 6), 4))
+        ends = {h.result(30).finish_reason for h in [first, *waiting]}
+        assert ends <= {SHUTDOWN, LENGTH} and SHUTDOWN in ends
+    finally:
+        engine.close()
+
+
+def test_bad_requests_are_refused_before_they_wait(llama):
+    with Engine(llama, EngineConfig(max_batch=2, max_length=64)) as engine:
+        with pytest.raises(ConfigError, match="outside the vocabulary"):
+            engine.submit(Request((5, 999)))
+        with pytest.raises(ConfigError, match="need 70 positions, more than the 64"):
+            engine.submit(Request((5,) * 10, 60))
+        with pytest.raises(ConfigError, match="past the model's 256 positions"):
+            Engine(llama, EngineConfig(max_length=4096))
+        with pytest.raises(ConfigError):
+            Request((), 4)
+        assert engine.running == 0 and engine.queue_depth == 0
+
+
+def test_the_model_failing_on_one_request_fails_that_request_only(llama, monkeypatch):
+    with Engine(llama, EngineConfig(max_batch=2)) as engine:
+        join = engine.rows.join
+
+        def failing(row, prompt):
+            if prompt[0] == 13:
+                raise ModelFileError("onnxruntime failed to run the model: boom")
+            return join(row, prompt)
+
+        monkeypatch.setattr(engine.rows, "join", failing)
+        good = engine.submit(Request((5, 6, 7), 20, eos=()))
+        bad = engine.submit(Request((13, 6, 7), 20, eos=()))
+        assert bad.result(30).finish_reason == ERROR and "boom" in bad.result().error
+        assert good.result(30).finish_reason == LENGTH and len(good.result().tokens) == 20
+        assert engine.alive and engine.submit(Request((5,), 2)).result(30).tokens
+
+
+def test_a_seed_repeats_a_sampled_request_whatever_runs_beside_it(llama):
+    sampled = Request((5, 6, 7), 16, Sampling(True, temperature=1.5, seed=3), eos=())
+    with Engine(llama, EngineConfig(max_batch=4)) as engine:
+        one = engine.submit(sampled).result(30).tokens
+        others = [engine.submit(Request((9, 8), 30, Sampling(True, seed=s), eos=()))
+                  for s in range(3)]
+        again = engine.submit(sampled).result(30).tokens
+        [h.result(30) for h in others]
+    assert one == again
