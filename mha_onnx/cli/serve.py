@@ -19,6 +19,10 @@ import click
                    "context, at most 4096).")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a row; past it, 429.")
+@click.option("--prefill-chunk", type=int, default=0, show_default=True,
+              help="Prompt positions run between two decode steps (0: a whole prompt in one "
+                   "run); smaller chunks keep the running streams moving while a long prompt "
+                   "joins.")
 @click.option("--request-timeout", type=float, default=None,
               help="Seconds a request may take (504 past it; default: none).")
 @click.option("--grace", type=float, default=30.0, show_default=True,
@@ -32,10 +36,15 @@ import click
 @click.option("--prompt-as-written", is_flag=True,
               help="Every run of a quantized model through the file as written (as "
                    "generate's option).")
+@click.option("--replicas", type=int, default=0, show_default=True,
+              help="N >= 1: N replicas behind Ray Serve's HTTP proxy on a local Ray cluster "
+                   "(pip install 'mha-onnx[ray]'); 0: this process alone.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve_command(model, host, port, name, max_batch, max_length, max_queue, request_timeout,
-                  grace, batch_window, tokenizer_dir, threads, prompt_as_written, log_level):
+def serve_command(model, host, port, name, max_batch, max_length, max_queue, prefill_chunk,
+                  request_timeout,
+                  grace, batch_window, tokenizer_dir, threads, prompt_as_written, replicas,
+                  log_level):
     """Serve a decoder (OpenAI's /v1/completions and /v1/chat/completions, continuous
     batching) or an encoder (/v1/embeddings, dynamic batching) over HTTP, with /health,
     /ready and /metrics."""
@@ -45,9 +54,18 @@ def serve_command(model, host, port, name, max_batch, max_length, max_queue, req
 
     config = ServeConfig(EngineConfig(max_batch=max_batch, max_length=max_length,
                                       max_queue=max_queue, timeout=request_timeout,
-                                      threads=threads,
+                                      threads=threads, prefill_chunk=prefill_chunk,
                                       float_prompt=False if prompt_as_written else None),
                          name=name, grace=grace, window=batch_window, tokenizer=tokenizer_dir)
+    if replicas:
+        from mha_onnx.serve.ray_serve import run_replicas
+        from mha_onnx.serve.service import model_file
+
+        path = model_file(model)  # (refused here, before Ray starts, when it is not there)
+        raise SystemExit(run_replicas(str(path), config, host, port, replicas, on_ready=lambda
+                                      bound: click.echo(f"serving {replicas} replica(s) of "
+                                                        f"{path} on http://{host}:{bound}",
+                                                        err=True)))
     service = Service(model, config)
     for note in service.notes:
         click.echo(f"note: {note}", err=True)

@@ -66,7 +66,8 @@ class _Generation:
         engine = service.engine
         room = engine.max_length - len(call.prompt)
         self.handle = engine.submit(Request(call.prompt, call.max_tokens or max(1, room),
-                                            call.sampling), on_event)
+                                            call.sampling, () if call.ignore_eos else None),
+                                    on_event)
         self.text = TextStream(service.text, call.stop)
         self.id = openai.new_id(call.kind)
         self.tokens: list[int] = []
@@ -232,6 +233,37 @@ class _Routes:
         return Response(data, media_type=kind)
 
 
+class _NamedMiddleware:
+    """Every answer with an ``x-mha-onnx-server: HOST:PID`` header (which replica served it,
+    behind a proxy); plain ASGI, so that streams and disconnects pass untouched."""
+
+    def __init__(self, app) -> None:
+        self.app, self.asgi = app, _named(app)
+
+    async def __call__(self, scope, receive, send):
+        await self.asgi(scope, receive, send)
+
+
+def _named(app):
+    """``app`` with an ``x-mha-onnx-server: HOST:PID`` header on every answer (which replica
+    served it, behind a proxy)."""
+    import os
+    import socket
+
+    name = f"{socket.gethostname()}:{os.getpid()}".encode()
+
+    async def asgi(scope, receive, send):
+        async def named_send(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-mha-onnx-server", name)]}
+            await send(message)
+
+        await app(scope, receive, named_send if scope["type"] == "http" else send)
+
+    return asgi
+
+
 def create_app(service: Service):
     """The FastAPI application serving ``service``."""
     from fastapi import FastAPI
@@ -245,4 +277,5 @@ def create_app(service: Service):
             ("/v1/models", routes.models, ["GET"]), ("/health", routes.health, ["GET"]),
             ("/ready", routes.ready, ["GET"]), ("/metrics", routes.prometheus, ["GET"])):
         app.add_api_route(path, handler, methods=methods)
+    app.add_middleware(_NamedMiddleware)
     return app

@@ -53,7 +53,10 @@ class EngineConfig:
     (prompt + new tokens; default the model's context, at most 4096); ``max_queue``:
     requests that may wait for a row (past it, :class:`QueueFull`); ``timeout``: seconds a
     request may take from submission (None: no limit); ``threads``: ORT's intra-op threads;
-    ``float_prompt``: as ``generate`` (None: by the CPU; False: the file as written)."""
+    ``float_prompt``: as ``generate`` (None: by the CPU; False: the file as written);
+    ``prefill_chunk``: a prompt's positions run between two decode steps (0: a whole prompt
+    in one run, the run ``generate`` makes; smaller chunks bound how long the running rows
+    wait for a joining prompt)."""
 
     max_batch: int = 16
     max_length: int | None = None
@@ -61,6 +64,7 @@ class EngineConfig:
     timeout: float | None = None
     threads: int | None = None
     float_prompt: bool | None = None
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -71,6 +75,8 @@ class EngineConfig:
             raise ConfigError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.timeout is not None and not self.timeout > 0:
             raise ConfigError(f"--request-timeout must be > 0 seconds, got {self.timeout}")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"--prefill-chunk must be >= 0, got {self.prefill_chunk}")
 
 
 class Observer:
@@ -101,6 +107,8 @@ class Engine(Worker):
         self._running: dict[int, Handle] = {}  # row id (the handle's id) -> handle
         self._next: dict[int, int] = {}  # row id -> the token its next step feeds
         self._rngs: dict[int, np.random.Generator] = {}
+        self._filling: Handle | None = None  # the request whose prompt is running
+        self._filled = 0  # its positions run so far
         self._lock = threading.Condition()
         self._admitting, self._closed = True, False
         self.steps = 0
@@ -184,14 +192,20 @@ class Engine(Worker):
         with self._lock:
             self._admitting = False
             self._lock.notify_all()
-            clean = self._lock.wait_for(lambda: not self._queue and not self._running,
-                                        None if deadline is None else
+            clean = self._lock.wait_for(self._idle, None if deadline is None else
                                         max(0.0, deadline - time.monotonic()))
-            for handle in [*self._queue, *self._running.values()]:
+            for handle in self._handles():
                 handle.cancel(SHUTDOWN)
             self._lock.notify_all()
-            self._lock.wait_for(lambda: not self._queue and not self._running, 10.0)
+            self._lock.wait_for(self._idle, 10.0)
         return bool(clean)
+
+    def _idle(self) -> bool:
+        return not self._queue and not self._running and self._filling is None
+
+    def _handles(self) -> list[Handle]:
+        return [*self._queue, *self._running.values(),
+                *([self._filling] if self._filling is not None else [])]
 
     def close(self, grace: float | None = 0.0) -> None:
         """Drains (``grace``), stops the thread and closes the sessions."""
@@ -214,21 +228,25 @@ class Engine(Worker):
     def _loop(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._closed or self._queue or self._running
+                self._lock.wait_for(lambda: self._closed or not self._idle()
                                     or not self._admitting, timeout=0.5)
                 if self._closed:
                     break
                 self._reap()
-                handle = self._queue.popleft() if self._queue and self.rows.free() else None
+                if self._filling is None and self._queue and self.rows.free():
+                    self._filling, self._filled = self._queue.popleft(), 0
+                    self._filling.admitted = time.perf_counter()
+                    self.observer.admitted(self._filling)
+            filling = self._filling
             try:
-                if handle is not None:
-                    self._admit(handle)
+                if filling is not None:
+                    self._prefill(filling)
                 if self._running:
                     self._step()
             except Exception as exc:  # a bug: the rows it touched end, the engine goes on
                 log.exception("the engine failed; its running requests end")
-                self._fail_all(f"internal error: {type(exc).__name__}: {exc}", handle)
-        for handle in [*self._queue, *self._running.values()]:
+                self._fail_all(f"internal error: {type(exc).__name__}: {exc}", filling)
+        for handle in self._handles():
             handle._finish(SHUTDOWN)
 
     def _fail_all(self, error: str, admitting: Handle | None) -> None:
@@ -238,7 +256,9 @@ class Engine(Worker):
             except Exception:  # noqa: BLE001 - (ending the others matters more)
                 self._running.pop(row, None)
         if admitting is not None and not admitting.done:
+            self.rows.abort(admitting.id)
             admitting._finish(ERROR, error)
+        self._filling = None
         self._next.clear()
         self._rngs.clear()
 
@@ -254,6 +274,12 @@ class Engine(Worker):
             reason = handle.cancel_reason or self._timed_out(handle, now)
             if reason:
                 self._leave(row, reason)
+        filling = self._filling
+        if filling is not None and (reason := filling.cancel_reason
+                                    or self._timed_out(filling, now)):
+            self.rows.abort(filling.id)
+            self._filling = None
+            self._end(filling, reason)
 
     def _timed_out(self, handle: Handle, now: float) -> str | None:
         deadline = handle.deadline(self.config.timeout)
@@ -272,19 +298,26 @@ class Engine(Worker):
         self.rows.leave(row)
         self._end(handle, reason, error)
 
-    def _admit(self, handle: Handle) -> None:
-        handle.admitted = time.perf_counter()
-        self.observer.admitted(handle)
-        request = handle.request
+    def _prefill(self, handle: Handle) -> None:
+        """The next chunk of ``handle``'s prompt (all of it without --prefill-chunk); at its
+        end the row joins the batch with its first token."""
+        prompt, chunk = list(handle.request.prompt), self.config.prefill_chunk
+        upto = len(prompt) if not chunk else min(len(prompt), self._filled + chunk)
         try:
-            logits = self.rows.join(handle.id, list(request.prompt))
+            logits = self.rows.prefill(handle.id, prompt, upto)
         except MhaOnnxError as exc:
             log.warning("request %s failed in its prompt run: %s", handle.id, exc)
+            self.rows.abort(handle.id)
+            self._filling = None
             self._end(handle, ERROR, str(exc))
+            return
+        self._filled = upto
+        if logits is None:
             return
         with self._lock:
             self._running[handle.id] = handle
-        self._rngs[handle.id] = np.random.default_rng(request.sampling.seed)
+            self._filling = None
+        self._rngs[handle.id] = np.random.default_rng(handle.request.sampling.seed)
         self._emit(handle.id, logits[None])
 
     def _emit(self, row: int, logits: np.ndarray) -> None:

@@ -4,7 +4,8 @@ What the server takes: ``/v1/completions`` (``prompt``: a string, or token ids) 
 ``/v1/chat/completions`` (``messages`` through the folder's chat template) with ``model``,
 ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature`` (0: greedy; OpenAI's
 default 1 samples), ``top_p``, ``top_k``, ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage`` and ``user``; ``/v1/embeddings`` with ``input`` (a string,
+``stream_options.include_usage``, ``user`` and vLLM's ``ignore_eos`` (benchmarks: every
+output runs to ``max_tokens``); ``/v1/embeddings`` with ``input`` (a string,
 token ids, or a list of either), ``model``, ``encoding_format: "float"`` and ``user``.
 Anything else a client may send (``n`` > 1, ``logprobs``, ``echo``, penalties, tools, ...)
 is refused by name, never ignored: a field the server would not honour changes what the
@@ -36,7 +37,7 @@ class UnknownModel(MhaOnnxError):
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
            "stream_options", "user", "n", "logprobs", "presence_penalty", "frequency_penalty",
-           "logit_bias", "best_of"}
+           "logit_bias", "best_of", "ignore_eos"}
 FIELDS = {"completion": _COMMON | {"prompt", "echo", "suffix"},
           "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
           "embedding": {"input", "model", "encoding_format", "user", "dimensions"}}
@@ -58,6 +59,7 @@ class Call:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def check_fields(body: Any, kind: str, served: str) -> None:
@@ -200,7 +202,10 @@ def read_call(body: Any, kind: str, served: str, text) -> Call:
     if stop and text is None:
         raise BadRequest("stop strings need the model's tokenizer (no tokenizer.json)")
     stream, usage = stream_fields(body)
-    return Call(kind, tuple(prompt), max_tokens, sampling(body), stop, stream, usage)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest(f"ignore_eos must be true or false, got {ignore_eos!r}")
+    return Call(kind, tuple(prompt), max_tokens, sampling(body), stop, stream, usage, ignore_eos)
 
 
 # -- answers -------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class _Rows:
         self.steps_only = generator.steps_only
         self.order: list[int] = []  # row ids, in batch order
         self.length: dict[int, int] = {}  # row id -> its cached (kept) positions
+        self.pending: dict[int, int] = {}  # row id -> prompt positions run (not yet joined)
         self.guard = np.zeros((), np.bool_)
         kind = next(o.type for o in self.session.get_outputs() if o.name == LOGITS)
         self.logits_dtype = np.float16 if kind == "tensor(float16)" else np.float32
@@ -60,7 +61,31 @@ class _Rows:
         return len(self.order)
 
     def free(self) -> int:
-        return self.slots - len(self.order)
+        return self.slots - len(self.order) - len(self.pending)
+
+    def join(self, row: int, prompt: list[int]) -> np.ndarray:
+        """Runs ``prompt`` alone (one run) and the row joins the batch; its last logits."""
+        return self.prefill(row, prompt, len(prompt))
+
+    def prefill(self, row: int, prompt: list[int], upto: int) -> np.ndarray | None:
+        """Runs ``prompt``'s next positions, up to ``upto``, for ``row`` (not in the batch
+        until its whole prompt has run: then it joins, and its last logits come back; None
+        before). The first run has no past; the next ones run after what the row holds."""
+        done = self.pending.get(row, 0)
+        if not 0 <= done < upto <= len(prompt):
+            raise ValueError(f"row {row}: positions {done}..{upto} of {len(prompt)}")
+        logits = self._prompt_run(row, prompt[done:upto], done)
+        if upto < len(prompt):
+            self.pending[row] = upto
+            return None
+        self.pending.pop(row, None)
+        self._joined(row, len(prompt))
+        return logits
+
+    def abort(self, row: int) -> None:
+        """A row whose prompt had not run to its end: its place freed."""
+        self.pending.pop(row, None)
+        self._aborted(row)
 
     def _feeds(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> dict:
         dtypes = self.iface.dtypes
@@ -90,6 +115,7 @@ class SharedRows(_Rows):
                         for past, _ in iface.pasts}
         self.presents = dict(iface.pasts)
         self.step_logits: dict[int, np.ndarray] = {}
+        self._slots: dict[int, int] = {}  # prefilling row -> its slot
 
     @property
     def cache_bytes(self) -> int:
@@ -113,26 +139,54 @@ class SharedRows(_Rows):
             elif name not in self.presents.values():
                 binding.bind_output(name, "cpu", 0)
 
-    def join(self, row: int, prompt: list[int]) -> np.ndarray:
-        """Runs ``prompt`` alone into the next free slot; the row joins the batch. Returns its
-        last position's logits (float32 [vocab])."""
-        n = len(prompt)
+    def _prompt_run(self, row: int, chunk: list[int], past: int) -> np.ndarray:
+        """``chunk`` after ``past`` positions of ``row``, at batch 1 in the slot after the
+        running rows (where it joins); its last logits (float32 [vocab])."""
+        n, total = len(chunk), past + len(chunk)
         session = self._prompt_session(n)
         binding = session.io_binding()
-        feeds = self._feeds(np.array([prompt]), np.ones((1, n)), np.arange(n)[None])
+        feeds = self._feeds(np.array([chunk]), np.ones((1, total)),
+                            np.arange(past, total)[None])
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
         if self.iface.length_input:
-            binding.bind_cpu_input(LENGTH_INPUT, np.array(0, np.int64))
-        self._bind_cache(binding, len(self.order), 1)
+            binding.bind_cpu_input(LENGTH_INPUT, np.array(past, np.int64))
+        self._bind_cache(binding, self._slot_of(row), 1)
         logits = np.empty((1, 1 if self.iface.last_logits else n, self.iface.vocab),
                           self.logits_dtype)
         self._bind_outputs(session, binding, logits)
         _run(session, binding)
         self._check_guard(session)
-        self.order.append(row)
-        self.length[row] = n
         return logits[0, -1].astype(np.float32)
+
+    def _slot_of(self, row: int) -> int:
+        """A prefilling row's slot: after the running rows and the other prefilling ones."""
+        if row not in self._slots:
+            taken = set(self._slots.values())
+            self._slots[row] = next(s for s in range(len(self.order), self.slots)
+                                    if s not in taken)
+        return self._slots[row]
+
+    def _joined(self, row: int, length: int) -> None:
+        """The row takes the slot after the running rows (rows that left while it prefilled
+        moved it down; another prefilling row there swaps with it)."""
+        slot, target = self._slots.pop(row), len(self.order)
+        other = next((r for r, at in self._slots.items() if at == target), None)
+        if other is not None:
+            for buffer in self.buffers.values():
+                buffer[[slot, target]] = buffer[[target, slot]]
+            self._slots[other] = slot
+        elif slot != target:
+            self._move(slot, target, length)
+        self.order.append(row)
+        self.length[row] = length
+
+    def _aborted(self, row: int) -> None:
+        self._slots.pop(row, None)
+
+    def _move(self, source: int, target: int, length: int) -> None:
+        for buffer in self.buffers.values():
+            buffer[target, :, :length] = buffer[source, :, :length]
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """One new token per row (in batch order) -> float32 [rows, vocab]."""
@@ -162,9 +216,7 @@ class SharedRows(_Rows):
         slot, last = self.order.index(row), len(self.order) - 1
         if slot != last:
             moved = self.order[last]
-            kept = self.length[moved]
-            for buffer in self.buffers.values():
-                buffer[slot, :, :kept] = buffer[last, :, :kept]
+            self._move(last, slot, self.length[moved])
             self.order[slot] = moved
         self.order.pop()
         del self.length[row]
@@ -180,6 +232,7 @@ class AppendedRows(_Rows):
         self.kept = np.zeros((0, 0), bool)  # [rows, P]: the positions each row keeps
         self.empty = {past: np.zeros((1, iface.kv_heads_of(past), 0, iface.head_of(past)),
                                      iface.kv_dtype) for past, _ in iface.pasts}
+        self._own: dict[int, dict] = {}  # prefilling row -> its presents so far
 
     @property
     def cache_bytes(self) -> int:
@@ -215,10 +268,22 @@ class AppendedRows(_Rows):
         presents = {past: values[present] for past, present in self.iface.pasts}
         return values[LOGITS].numpy()[:, -1].astype(np.float32), presents
 
-    def join(self, row: int, prompt: list[int]) -> np.ndarray:
-        n = len(prompt)
-        feeds = self._feeds(np.array([prompt]), np.ones((1, n)), np.arange(n)[None])
-        logits, presents = self._run(self._prompt_session(n), feeds, self.empty, 0)
+    def _prompt_run(self, row: int, chunk: list[int], past: int) -> np.ndarray:
+        """``chunk`` after the row's own ``past`` positions, at batch 1 (its presents kept
+        apart until it joins)."""
+        n, total = len(chunk), past + len(chunk)
+        feeds = self._feeds(np.array([chunk]), np.ones((1, total)),
+                            np.arange(past, total)[None])
+        logits, self._own[row] = self._run(self._prompt_session(n), feeds,
+                                           self._own.get(row, self.empty), past)
+        return logits[0]
+
+    def _aborted(self, row: int) -> None:
+        self._own.pop(row, None)
+
+    def _joined(self, row: int, n: int) -> None:
+        """The row's cache padded into the batch's (module doc)."""
+        presents = self._own.pop(row)
         width = max(self.kept.shape[1], n)
         kept = np.zeros((len(self.order) + 1, width), bool)
         kept[:-1, width - self.kept.shape[1]:] = self.kept
@@ -234,7 +299,6 @@ class AppendedRows(_Rows):
         self.kept = kept
         self.order.append(row)
         self.length[row] = n
-        return logits[0]
 
     def _array(self, past: str) -> np.ndarray | None:
         value = self.cache.get(past)

@@ -27,9 +27,9 @@ def _workload(seed: int, n: int = 12, vocab: int = 120):
     return prompts, [int(x) for x in rng.integers(4, 40, size=n)]
 
 
-def _served(model, prompts, news, max_batch: int = 4, stagger: float = 0.002):
+def _served(model, prompts, news, max_batch: int = 4, stagger: float = 0.002, chunk: int = 0):
     """Each prompt submitted in turn (``stagger`` seconds apart) to one engine: its tokens."""
-    with Engine(model, EngineConfig(max_batch=max_batch)) as engine:
+    with Engine(model, EngineConfig(max_batch=max_batch, prefill_chunk=chunk)) as engine:
         handles = []
         for prompt, new in zip(prompts, news, strict=True):
             handles.append(engine.submit(Request(tuple(prompt), new)))
@@ -46,13 +46,14 @@ def _served(model, prompts, news, max_batch: int = 4, stagger: float = 0.002):
 def test_requests_joining_and_leaving_get_their_tokens_alone(tmp_path, family, form, weights):
     """Twelve requests of 2-40 prompt tokens and 4-40 new ones through a batch of 4: rows
     join while others run and leave at their own ends; each gets `generate`'s tokens for it
-    alone. (Gemma3's Optimum export takes no position_ids: its rows run one at a time, and
-    the engine says why.)"""
+    alone, its prompt run whole or in chunks of 7 between the steps. (Gemma3's Optimum
+    export takes no position_ids: its rows run one at a time, and the engine says why.)"""
     model = fused(family, form, tmp_path / family, weights)
     prompts, news = _workload(zlib.crc32(f"{family}{form}".encode()) % 1000)
     want = alone(model, prompts, news)
     got, steps = _served(model, prompts, news)
     assert got == want
+    assert _served(model, prompts, news, chunk=7)[0] == want
     with Engine(model, EngineConfig(max_batch=4)) as engine:
         shared_step = engine.rows.slots > 1
         assert bool(engine.notes) is (family == "gemma3")
@@ -111,14 +112,14 @@ def test_bad_requests_are_refused_before_they_wait(llama):
 
 def test_the_model_failing_on_one_request_fails_that_request_only(llama, monkeypatch):
     with Engine(llama, EngineConfig(max_batch=2)) as engine:
-        join = engine.rows.join
+        prefill = engine.rows.prefill
 
-        def failing(row, prompt):
+        def failing(row, prompt, upto):
             if prompt[0] == 13:
                 raise ModelFileError("onnxruntime failed to run the model: boom")
-            return join(row, prompt)
+            return prefill(row, prompt, upto)
 
-        monkeypatch.setattr(engine.rows, "join", failing)
+        monkeypatch.setattr(engine.rows, "prefill", failing)
         good = engine.submit(Request((5, 6, 7), 20, eos=()))
         bad = engine.submit(Request((13, 6, 7), 20, eos=()))
         assert bad.result(30).finish_reason == ERROR and "boom" in bad.result().error
