@@ -40,6 +40,8 @@ def servers(folder: Path, threads: int) -> dict[str, tuple[list[str], str]]:
              "--model", str(folder / "llama16-q4_0.gguf"), "--n_ctx", "1400", "--n_threads",
              str(threads), "--n_threads_batch", str(threads), "--port", "{port}"]
     return {"mha-onnx serve (continuous, --max-batch 16)": (ours + ["--max-batch", "16"], "ours"),
+            "mha-onnx serve (continuous, --prefill-chunk 64)": (
+                ours + ["--max-batch", "16", "--prefill-chunk", "64"], "ours"),
             "mha-onnx serve --max-batch 1": (ours + ["--max-batch", "1"], "ours"),
             "ORT GenAI generator (one at a time)": (genai + ["--mode", "generator"], "ours"),
             "ORT GenAI engine (static batching, 16)": (genai + ["--mode", "engine",
@@ -48,6 +50,7 @@ def servers(folder: Path, threads: int) -> dict[str, tuple[list[str], str]]:
 
 
 SHORT = {"ours": "mha-onnx serve (continuous, --max-batch 16)",
+         "ours-c64": "mha-onnx serve (continuous, --prefill-chunk 64)",
          "ours-b1": "mha-onnx serve --max-batch 1",
          "genai": "ORT GenAI generator (one at a time)",
          "genai-engine": "ORT GenAI engine (static batching, 16)",

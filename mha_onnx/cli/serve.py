@@ -19,7 +19,7 @@ import click
                    "context, at most 4096).")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a row; past it, 429.")
-@click.option("--prefill-chunk", type=int, default=0, show_default=True,
+@click.option("--prefill-chunk", type=int, default=512, show_default=True,
               help="Prompt positions run between two decode steps (0: a whole prompt in one "
                    "run); smaller chunks keep the running streams moving while a long prompt "
                    "joins.")
