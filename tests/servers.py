@@ -70,6 +70,20 @@ def alone(model: Path, prompts: list[list[int]], news: list[int]) -> list[list[i
                 for p, n in zip(prompts, news, strict=True)]
 
 
+def served(model: Path, prompts: list[list[int]], news: list[int], max_batch: int = 4,
+           chunk: int = 5) -> list[list[int]]:
+    """Each prompt submitted to one continuously batched engine while the others run (their
+    prompts in chunks of ``chunk``), greedy: the tokens of each."""
+    from mha_onnx.serve import Engine, EngineConfig, Request
+
+    with Engine(model, EngineConfig(max_batch=max_batch, prefill_chunk=chunk)) as engine:
+        handles = []
+        for prompt, new in zip(prompts, news, strict=True):
+            handles.append(engine.submit(Request(tuple(prompt), new)))
+            time.sleep(0.003)
+        return [list(h.result(120).tokens) for h in handles]
+
+
 @dataclass
 class Server:
     url: str

@@ -17,8 +17,8 @@ from onnx import numpy_helper
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError
-from mha_onnx.export.reference import build_reference, run_reference
 from mha_onnx.graph.inputs import ShapeCase, contract_specs, make_inputs
+from mha_onnx.reference.mha import build_reference, run_reference
 from mha_onnx.rewrite.verify import verification_cases
 from tests.fusing import fused_and_checked, ops
 
@@ -305,7 +305,7 @@ def test_shared_cache_decode_profile_reads_the_cached_positions(export_cache, tm
 
 
 def test_the_readme_shared_cache_example_runs_and_matches_the_export(export_cache, tmp_path):
-    """The README's IO-binding loop, run as written on a base-preset export: its outputs equal
+    """The fuse guide's IO-binding loop, run as written on a base-preset export: its outputs equal
     the appended export's over the same prompt and 16 steps, and its buffer holds the cache."""
     from pathlib import Path
 
@@ -315,14 +315,14 @@ def test_the_readme_shared_cache_example_runs_and_matches_the_export(export_cach
 
     src = export_cache(load_preset("base").replace(mask="causal", kv_cache=True))
     out, _ = _shared(tmp_path, src)
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "guide" / "fuse.md").read_text()
     start = readme.index('```python\nimport numpy as np, onnxruntime as ort\n')
     code = readme[start + 10:readme.index("```", start + 10)]
     code = code.replace('"out/kv.shared.onnx"', repr(str(out)))
     code = code.replace("    cached += tokens.shape[1]",
                         "    seen.append((tokens, out))\n    cached += tokens.shape[1]")
     scope = {"seen": []}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documented example
+    exec(compile(code, "fuse.md", "exec"), scope)  # noqa: S102 - the documented example
     session = ort.InferenceSession(str(src))
     past_key = past_value = np.zeros((1, 8, 0, 64), np.float32)
     for tokens, got in scope["seen"]:

@@ -1,6 +1,7 @@
-"""The house rules (STYLE.md 16-21) that code can check: imports point one way (no cycles,
-lazy imports inside functions included), modules stay small and functions short, rewrite/
-parses no labels (no regular expressions) and uses the ONNX libraries' public APIs only."""
+"""The house rules (CONTRIBUTING.md, rules 2, 5, 6, 12) that code can check: imports point one
+way (no cycles, lazy imports inside functions included; packages in layers, ARCHITECTURE.md),
+modules stay small and functions short, rewrite/ parses no labels (no regular expressions)
+and uses the ONNX libraries' public APIs only."""
 
 from __future__ import annotations
 
@@ -56,6 +57,37 @@ def test_no_import_cycles_lazy_imports_included():
     assert not cycles, cycles
 
 
+# The packages in layers, the lowest first (ARCHITECTURE.md): a package imports its own layer
+# and the ones below, never one above, and no two packages import each other.
+LAYERS = (
+    {"mha_onnx", "errors", "config", "stats", "table"},
+    {"runtime"},
+    {"graph"},
+    {"rewrite", "reference"},
+    {"generate", "quantize", "package", "serve", "profile"},
+    {"parity", "tune"},
+    {"export"},
+    {"cli"},
+)
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_packages_import_down_their_layers_and_never_both_ways():
+    modules = _modules()
+    layer = {name: n for n, names in enumerate(LAYERS) for name in names}
+    edges = {(_package(name), _package(target)) for name, path in modules.items()
+             for target in _imports(name, path, modules) if _package(name) != _package(target)}
+    assert {p for edge in edges for p in edge} <= set(layer), "a package is in no layer"
+    upward = sorted(f"{a} -> {b}" for a, b in edges if layer[b] > layer[a])
+    both = sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
+    assert not upward, upward
+    assert not both, both
+
+
 def test_modules_stay_small_and_functions_short():
     long_modules = {p.name: n for p in PACKAGE.rglob("*.py")
                     if (n := len(p.read_text().splitlines())) > 400}
@@ -99,7 +131,8 @@ def test_no_private_api_of_onnx_runtime_or_the_onnx_libraries():
 
 # Tests of more than one stage (a KV cache from export to profile; property tests over
 # graphs nobody here wrote) and of the house itself stay at the top of tests/.
-ACROSS_STAGES = {"test_house.py", "test_properties.py", "test_cache.py"}
+ACROSS_STAGES = {"test_house.py", "test_properties.py", "test_cache.py",
+                 "test_export_memo.py"}  # (the suite's own remembered exports)
 
 
 def test_tests_mirror_the_packages():

@@ -139,7 +139,7 @@ def _dense(label: str) -> bool:
 
 def _fits(label: str, n: int) -> bool:
     """Skip O(L^2) graphs whose scores (a few copies) would not fit in half the free memory."""
-    from mha_onnx.runtime.memory import available_memory
+    from mha_onnx.profile.memory import available_memory
 
     return not _dense(label) or 8 * H * n * n * 4 < 0.5 * available_memory()
 

@@ -24,9 +24,9 @@ from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.export.mha import export_model
 from mha_onnx.graph.files import write_model
 from mha_onnx.profile import ProfileConfig, attention_flops, profile_models
+from mha_onnx.profile.memory import available_memory, estimate_bytes
 from mha_onnx.profile.roofline import cpu_name
 from mha_onnx.rewrite import fuse_model
-from mha_onnx.runtime.memory import available_memory, estimate_bytes
 from tools import suite
 
 PAD = 0.25

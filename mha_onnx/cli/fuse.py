@@ -61,4 +61,11 @@ def fuse(model, output, target, ep, forms, kv_cache, logits, no_verify, atol, rt
 
     report = fuse_file(model, output, policy=policy, verify_result=not no_verify, force=force,
                        atol=atol, rtol=rtol, inputs=inputs_npz, strict=strict, logits=logits)
+    if policy.target == "ort":  # a decoder: GenAI's folder beside it
+        from dataclasses import replace
+
+        from mha_onnx.generate.genai import deliver_genai
+
+        note = deliver_genai(output, model)
+        report = replace(report, notes=(*report.notes, note)) if note else report
     emit(report, as_json)

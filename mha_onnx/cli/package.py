@@ -1,4 +1,4 @@
-"""The CLI of serving: `mha-onnx package` (see mha_onnx.serve)."""
+"""The CLI of packaging: `mha-onnx package` (see mha_onnx.package)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def package_command(model, repository, name, max_batch_size, targets, instances,
     from pathlib import Path
 
     from mha_onnx.errors import ConfigError
-    from mha_onnx.serve.package import PackageConfig, package_model
+    from mha_onnx.package.repository import PackageConfig, package_model
 
     try:
         low, opt, high = (int(x) for x in lengths.split(":"))

@@ -1,3 +1,3 @@
-"""PyTorch to ONNX: the own multi-head attention (mha.py, with its PyTorch reference in
-reference.py and weight import in weights.py) and Hugging Face folders (hf.py, hf_model.py).
+"""PyTorch to ONNX: the own multi-head attention (mha.py) and Hugging Face folders (hf.py);
+the PyTorch modules they export and check against are in mha_onnx.reference.
 """

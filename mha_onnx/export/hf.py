@@ -1,7 +1,7 @@
 """``mha-onnx export --model DIR``: a Hugging Face folder to a fused, verified ONNX model.
 
 torch.export (dynamic batch, sequence and past axes) writes the interface of
-:mod:`mha_onnx.export.hf_model`; the graph is fused (unless ``fuse=False``), then validated against
+:mod:`mha_onnx.reference.hf`; the graph is fused (unless ``fuse=False``), then validated against
 the folder's PyTorch model in float32 (shapes other than the tracing example, and for
 decoders a prompt plus 16 decode steps) before anything is written. The metadata records the
 folder, task, dtype and the sha256 of its config and weights, so that ``validate OUT.onnx``
@@ -24,7 +24,9 @@ from typing import Any
 
 from mha_onnx import __version__
 from mha_onnx.errors import ConfigError, ExportError, FusionError
-from mha_onnx.export.hf_model import (
+from mha_onnx.graph import metadata
+from mha_onnx.graph.files import prepare_output, write_model
+from mha_onnx.reference.hf import (
     TASKS,
     DecoderWithPast,
     Seq2SeqParts,
@@ -41,8 +43,6 @@ from mha_onnx.export.hf_model import (
     min_samples,
     read_config,
 )
-from mha_onnx.graph import metadata
-from mha_onnx.graph.files import prepare_output, write_model
 from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.policy import KV_CACHES, FormPolicy
 
@@ -108,20 +108,28 @@ class HfExportReport:
         return "\n".join(lines)
 
 
+def _random(seed: int = 0):
+    """A torch generator for the example inputs: the same folder exports the same file."""
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
 def _examples(task: str, config: Any, module: Any, dtype: str):
     """(args, dynamic shapes, input names, output names) for torch.export."""
     import torch
 
     batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim(NEW, min=1)
-    ids = torch.randint(0, int(getattr(config, "vocab_size", 2) or 2), (2, 3))
+    rng = _random()
+    ids = torch.randint(0, int(getattr(config, "vocab_size", 2) or 2), (2, 3), generator=rng)
     if task == "image-feature-extraction":
         size, channels = int(config.image_size), int(config.num_channels)
-        pixels = torch.randn(2, channels, size, size, dtype=getattr(torch, dtype))
+        pixels = torch.randn(2, channels, size, size, generator=rng).to(getattr(torch, dtype))
         return (pixels,), ({0: batch},), ["pixel_values"], encoder_outputs(module)
     if task == "feature-extraction" and is_audio(config):
         least = min_samples(config)
         samples = torch.export.Dim(NEW, min=least)
-        values = torch.randn(2, 4 * least, dtype=getattr(torch, dtype))
+        values = torch.randn(2, 4 * least, generator=rng).to(getattr(torch, dtype))
         return ((values, torch.ones(2, 4 * least, dtype=torch.int64)), ({0: batch, 1: samples},) * 2,
                 ["input_values", "attention_mask"], ["last_hidden_state"])
     if task == "feature-extraction":
@@ -134,7 +142,7 @@ def _examples(task: str, config: Any, module: Any, dtype: str):
                 encoder_outputs(module))
     past, total = torch.export.Dim("past", min=1), torch.export.Dim("total", min=2)
     layers = int(config.num_hidden_layers)
-    pasts = [torch.randn(2, heads, 5, size, dtype=getattr(torch, dtype))
+    pasts = [torch.randn(2, heads, 5, size, generator=rng).to(getattr(torch, dtype))
              for shape in layer_cache_shapes(module, config)
              for heads, size in (shape[:2], shape[2:])]
     positions = torch.arange(5, 8).expand(2, 3).contiguous()
@@ -149,11 +157,12 @@ def _examples(task: str, config: Any, module: Any, dtype: str):
 
 def _seq2seq_examples(part: str, config: Any, dtype: str):
     """torch.export's (args, dynamic shapes, input names, output names) of an
-    encoder-decoder's ``part`` (hf_model.Seq2SeqParts)."""
+    encoder-decoder's ``part`` (reference.hf.Seq2SeqParts)."""
     import torch
 
     batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim(NEW, min=1)
-    ids = torch.randint(0, int(config.vocab_size), (2, 3))
+    rng = _random()
+    ids = torch.randint(0, int(config.vocab_size), (2, 3), generator=rng)
     if part == "encoder":
         return ((ids, torch.ones(2, 3, dtype=torch.int64)), ({0: batch, 1: seq},) * 2,
                 ["input_ids", "attention_mask"], ["last_hidden_state"])
@@ -161,8 +170,9 @@ def _seq2seq_examples(part: str, config: Any, dtype: str):
     past = torch.export.Dim("past", min=1)
     kv, head = cache_shape(config)
     layers = decoder_layers(config)
-    pasts = [torch.randn(2, kv, 5, head, dtype=getattr(torch, dtype)) for _ in range(2 * layers)]
-    hidden = torch.randn(2, 4, int(config.d_model), dtype=getattr(torch, dtype))
+    pasts = [torch.randn(2, kv, 5, head, generator=rng).to(getattr(torch, dtype))
+             for _ in range(2 * layers)]
+    hidden = torch.randn(2, 4, int(config.d_model), generator=rng).to(getattr(torch, dtype))
     args = (ids, torch.ones(2, 4, dtype=torch.int64), hidden, *pasts)
     dynamic = ({0: batch, 1: seq}, {0: batch, 1: encoded}, {0: batch, 1: encoded},
                tuple({0: batch, 2: past} for _ in pasts))
@@ -300,7 +310,7 @@ def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],
 def _generation(config: Any, model: Any) -> dict[str, Any]:
     """The HF config's fields a generation loop needs, the token ids as the model's
     generation_config has them (which is what transformers.generate reads)."""
-    from mha_onnx.generate.interface import generation_record
+    from mha_onnx.graph.decoder import generation_record
 
     record = generation_record(config)
     settings = getattr(model, "generation_config", None)

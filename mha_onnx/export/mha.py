@@ -101,7 +101,7 @@ def _spec(spec: TensorSpec) -> str:
 
 def _exportable(config: MhaConfig) -> type:
     """A subclass of the reference whose forward takes exactly the contract's inputs."""
-    from mha_onnx.export.reference import MultiHeadAttention
+    from mha_onnx.reference.mha import MultiHeadAttention
 
     cross, padded = config.attention == "cross", config.mask == "key-padding"
 
@@ -149,7 +149,7 @@ def export_model(
     seed: int = 0,
 ) -> ExportReport:
     """Export ``config`` (random weights from ``seed`` unless ``weights``) to ``output``."""
-    from mha_onnx.export.weights import checksum
+    from mha_onnx.reference.weights import checksum
 
     started = time.perf_counter()
     opset = DEFAULT_OPSET if opset is None else opset
@@ -181,8 +181,8 @@ def export_model(
 def _reference_and_weights(config: MhaConfig, weights: str | Path | None, seed: int):
     """The float32 PyTorch reference and its state; for float16 both hold exactly the
     weights the export will hold (rounded to float16)."""
-    from mha_onnx.export.reference import TORCH_DTYPES, build_reference
-    from mha_onnx.export.weights import load_weights
+    from mha_onnx.reference.mha import TORCH_DTYPES, build_reference
+    from mha_onnx.reference.weights import load_weights
 
     state = load_weights(weights, config) if weights is not None else None
     module32 = build_reference(config.replace(dtype="float32"), state, seed=seed)
@@ -194,7 +194,7 @@ def _reference_and_weights(config: MhaConfig, weights: str | Path | None, seed: 
 
 
 def _export_with_weights(config: MhaConfig, state32: dict, opset: int) -> onnx.ModelProto:
-    from mha_onnx.export.reference import TORCH_DTYPES
+    from mha_onnx.reference.mha import TORCH_DTYPES
 
     exportable = _exportable(config)(config)
     exportable.load_state_dict(state32)
@@ -349,7 +349,7 @@ def _check_cases(config: MhaConfig) -> list[tuple[ShapeCase, str]]:
 
 def _parity_checks(runner: Any, config: MhaConfig, module32: Any) -> list[CheckResult]:
     """ORT against the reference at shapes other than the tracing example."""
-    from mha_onnx.export.reference import run_reference
+    from mha_onnx.reference.mha import run_reference
     from mha_onnx.stats import default_tolerance
 
     atol, rtol = default_tolerance(config.dtype)

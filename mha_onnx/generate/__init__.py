@@ -5,13 +5,13 @@
         result = generator.generate([[1, 2, 3], [4, 5]], GenerationConfig(max_new_tokens=32))
     result.sequences  # the new ids of each row
 
-The generation contract (what each run is fed) is in :mod:`mha_onnx.generate.interface`
+The generation contract (what each run is fed) is in :mod:`mha_onnx.graph.decoder`
 and the README; :mod:`mha_onnx.generate.loop` runs it.
 """
 
-from mha_onnx.generate.interface import DecoderInterface, TokenIds, read_interface
 from mha_onnx.generate.loop import GenerationConfig, GenerationResult, Generator, prompt_feeds
 from mha_onnx.generate.sampling import Sampling
+from mha_onnx.graph.decoder import DecoderInterface, TokenIds, read_interface
 
 __all__ = ["DecoderInterface", "GenerationConfig", "GenerationResult", "Generator", "Sampling",
            "TokenIds", "prompt_feeds", "read_interface"]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mha_onnx.errors import ConfigError
-from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
+from mha_onnx.graph.decoder import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 
 CONFIG = "genai_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -123,7 +123,7 @@ def write_genai_folder(model: str | Path, source: str | Path | None,
     """``genai_config.json`` beside ``model`` and the tokenizer files of the HF folder
     ``source`` copied there (those the model's folder does not have yet)."""
     from mha_onnx.generate.genai_file import genai_file
-    from mha_onnx.generate.interface import hf_config, read_interface
+    from mha_onnx.graph.decoder import hf_config, read_interface
     from mha_onnx.graph.files import read_model, write_bytes
 
     model = Path(model)
@@ -160,22 +160,15 @@ def write_genai_folder(model: str | Path, source: str | Path | None,
                        tokenizer=tokenizer)
 
 
-def folder_generation(source: str | Path, model) -> dict[str, Any] | None:
-    """The HF config beside a token decoder with a KV cache (Optimum's folder), recorded in
-    ``model``'s metadata (what generate and GenAI read); None where the model is no such
-    decoder, already records one or its folder has no config.json."""
-    from mha_onnx.generate.interface import generation_record, read_hf_json
+def deliver_genai(output: str | Path, source: str | Path) -> str | None:
+    """GenAI's folder beside a fused decoder (``genai_config.json``, the tokenizer files of
+    ``source``'s folder, the GenAI file): what ``mha-onnx fuse`` writes after the model; its
+    note, or None where the model records no decoder's generation config (fuse records the
+    one of Optimum's folder, graph.decoder.folder_generation)."""
     from mha_onnx.graph import metadata
+    from mha_onnx.graph.files import read_model
 
-    names = {i.name for i in model.graph.input}
-    if metadata.read(model).get("generation") or IDS not in names \
-            or "encoder_hidden_states" in names \
-            or not any(o.name == LOGITS for o in model.graph.output) \
-            or not metadata.loaded(model, "kv_cache"):
+    record = metadata.loaded(read_model(output, load_external_data=False), "generation")
+    if not record:
         return None
-    config = read_hf_json(Path(source).resolve().parent)
-    if not config:
-        return None
-    record = generation_record(config)
-    metadata.write(model, {"generation": record})
-    return record
+    return write_genai_folder(output, Path(source).resolve().parent, dict(record)).note()

@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.generate.decode import guards, inline_ifs, shared_guard, without_unread
-from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
+from mha_onnx.graph.decoder import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 
 SUFFIX = ".genai.onnx"
 GENAI_RECORD = "genai_file"  # metadata of the file written: {"of": the file as written}
@@ -186,7 +186,7 @@ def _int8_cache(proto: onnx.ModelProto) -> bool:
     logits only as closely as two roundings do (on the bench's random Llama in float16:
     cosine 0.9989 and up; a form that mishandles a padded row is far off): every output
     is compared by its cosine."""
-    from mha_onnx.quantize.kv_cache import has_int8_cache
+    from mha_onnx.graph.cache import has_int8_cache
 
     return has_int8_cache(proto)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,98 +21,12 @@ import numpy as np
 from mha_onnx.errors import ConfigError, ModelFileError
 from mha_onnx.generate.decode import GUARD
 from mha_onnx.generate.genai_file import GENAI_RECORD
-from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 from mha_onnx.generate.prompt import PROMPT_ROWS, sessions
-from mha_onnx.generate.sampling import Sampling, next_tokens
+from mha_onnx.generate.result import GenerationConfig, GenerationResult
+from mha_onnx.generate.sampling import next_tokens
 from mha_onnx.graph import metadata
 from mha_onnx.graph.cache import LENGTH_INPUT, device_of
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """``max_length``: positions of a shared cache's buffers (default: the longest prompt
-    plus ``max_new_tokens``, which every run needs); ``eos``: token ids that end a row
-    (None: the model's own, from its metadata or HF config)."""
-
-    max_new_tokens: int = 32
-    sampling: Sampling = Sampling()
-    eos: tuple[int, ...] | None = None
-    max_length: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.max_length is not None and self.max_length < 2:
-            raise ConfigError(f"--max-length must be >= 2, got {self.max_length}")
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """New tokens per row (an EOS that ended a row included) and the timings of the run."""
-
-    sequences: tuple[tuple[int, ...], ...]
-    prompt_lengths: tuple[int, ...]
-    stopped: tuple[str, ...]  # per row: "eos" or "length"
-    time_to_first_token_ms: float
-    seconds: float
-    steps: int  # runs after the prompt
-    decode_seconds: float
-    ort_seconds: float  # inside ONNX Runtime's run, prompt and steps
-    interface: DecoderInterface
-    eos: tuple[int, ...]
-    sampling: Sampling
-    texts: tuple[str, ...] | None = None
-    notes: tuple[str, ...] = field(default=())
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(s) for s in self.sequences)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """New tokens of every row over the whole run (prompt included)."""
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens per second of the steps after the prompt (batch x steps / their time)."""
-        batch = len(self.sequences)
-        return batch * self.steps / self.decode_seconds if self.decode_seconds else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"sequences": [list(s) for s in self.sequences],
-               "prompt_lengths": list(self.prompt_lengths), "stopped": list(self.stopped),
-               "new_tokens": self.new_tokens,
-               "time_to_first_token_ms": round(self.time_to_first_token_ms, 3),
-               "tokens_per_s": round(self.tokens_per_s, 2),
-               "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-               "ms_per_step": round(1e3 * self.decode_seconds / max(1, self.steps), 3),
-               "seconds": round(self.seconds, 4),
-               "ort_share": round(self.ort_seconds / self.seconds, 4) if self.seconds else None,
-               "steps": self.steps, "eos_token_id": list(self.eos),
-               "sampling": self.sampling.to_dict(), "model": self.interface.to_dict(),
-               "notes": list(self.notes)}
-        if self.texts is not None:
-            out["texts"] = list(self.texts)
-        return out
-
-    def render(self) -> str:
-        rows = len(self.sequences)
-        lines = [f"generated {self.new_tokens} token(s) for {rows} prompt(s) "
-                 f"({self.interface.form} cache, "
-                 f"{'sampled' if self.sampling.sample else 'greedy'}): "
-                 f"first token {self.time_to_first_token_ms:.1f} ms, "
-                 f"{self.decode_tokens_per_s:.1f} tokens/s after it "
-                 f"({1e3 * self.decode_seconds / max(1, self.steps):.2f} ms per step, "
-                 f"{100 * self.ort_seconds / max(self.seconds, 1e-9):.0f} % inside ONNX "
-                 "Runtime)"]
-        for n, seq in enumerate(self.sequences):
-            shown = repr(self.texts[n]) if self.texts is not None else \
-                " ".join(str(t) for t in seq)
-            lines.append(f"  [{n}] ({self.prompt_lengths[n]} prompt tokens, "
-                         f"{len(seq)} new, {self.stopped[n]}) {shown}")
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
+from mha_onnx.graph.decoder import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 
 
 def prompt_feeds(prompts: Sequence[Sequence[int]], interface: DecoderInterface,
@@ -141,7 +54,7 @@ class Generator:
         """``float_prompt``: a quantized file's long prompts in float compute (prompt.py;
         None: where the CPU has no int8 dot-product instructions); False: every run through
         the file as written, one session."""
-        from mha_onnx.generate.interface import read_interface
+        from mha_onnx.graph.decoder import read_interface
         from mha_onnx.graph.files import read_model
         from mha_onnx.graph.metadata import session_options
         from mha_onnx.runtime.ort import OrtRunner
@@ -228,6 +141,12 @@ class Generator:
             raise ConfigError(f"the longest prompt ({longest} tokens) and --max-new-tokens "
                               f"{config.max_new_tokens} go past the model's position table "
                               f"of {iface.position_limit} positions",
+                              hint="shorten the prompts or generate fewer tokens")
+        # a rotary model has no table to run past, but it was trained to its context only
+        if iface.context_length and needed > iface.context_length:
+            raise ConfigError(f"the longest prompt ({longest} tokens) and --max-new-tokens "
+                              f"{config.max_new_tokens} go past the model's context of "
+                              f"{iface.context_length} positions (max_position_embeddings)",
                               hint="shorten the prompts or generate fewer tokens")
         return capacity
 

@@ -71,7 +71,7 @@ def fast_int8(cpuinfo: str | None = None) -> bool:
     slower at every length from 64 tokens). So an AMD CPU with AVX-512 VNNI; any other,
     measured or not, gets the float prompt, the nearer to float32 wherever measured.
     ``cpuinfo``: the text to read, /proc/cpuinfo's by default."""
-    from mha_onnx.profile.roofline import cpu_isa, cpu_vendor, cpuinfo_text
+    from mha_onnx.runtime.machine import cpu_isa, cpu_vendor, cpuinfo_text
 
     text = cpuinfo_text() if cpuinfo is None else cpuinfo  # (read once for both)
     return cpu_vendor(text) == "AuthenticAMD" and cpu_isa(text) == "AVX-512 VNNI"

@@ -21,6 +21,7 @@ from mha_onnx.graph.inputs import InputSpec
 from mha_onnx.graph.walk import attr
 
 LENGTH_INPUT = "past_sequence_length"  # shared buffers: the cached positions (int64 scalar)
+KV_SCALE = "{}_kv_scale"  # an int8 cache's scale per past (quantize --kv-bits 8), float32
 MAX_LENGTH = "max_sequence_length"  # shared buffers: their length dim
 
 
@@ -58,6 +59,13 @@ def _appended_outputs(model: onnx.ModelProto) -> dict[str, str]:
                 and node.input[0] in rank4 and node.output[0] in outputs:
             pairs[node.input[0]] = node.output[0]
     return pairs
+
+
+def has_int8_cache(model: onnx.ModelProto) -> bool:
+    """Is ``model``'s cache in int8 (``quantize --kv-bits 8``)? By its scales' names: nothing
+    is read, so a file whose tensors lie outside it answers too."""
+    names = {t.name for t in model.graph.initializer}
+    return any(KV_SCALE.format(v.name) in names for v in model.graph.input)
 
 
 def is_shared(model: onnx.ModelProto) -> bool:

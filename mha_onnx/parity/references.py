@@ -15,9 +15,9 @@ from mha_onnx.graph.cache import SharedCache, is_shared, row_layout, shared_view
 from mha_onnx.graph.files import all_initializers, read_model
 from mha_onnx.graph.inputs import input_specs
 from mha_onnx.graph.metadata import CheckResult, session_options
+from mha_onnx.graph.preflight import preflight
 from mha_onnx.parity.config import ValidateConfig
 from mha_onnx.runtime.ort import OrtRunner
-from mha_onnx.runtime.preflight import preflight
 
 
 def _weight(arrays: dict, packed: dict, name: str) -> np.ndarray | None:
@@ -44,8 +44,8 @@ class TorchReference:
     def __init__(self, source: onnx.ModelProto, label: str) -> None:
         import torch
 
-        from mha_onnx.export.reference import build_reference
-        from mha_onnx.export.weights import checksum
+        from mha_onnx.reference.mha import build_reference
+        from mha_onnx.reference.weights import checksum
 
         meta = metadata.read(source)
         config = metadata.config_of(source)
@@ -73,7 +73,7 @@ class TorchReference:
         self.label = label
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from mha_onnx.export.reference import run_reference
+        from mha_onnx.reference.mha import run_reference
 
         return run_reference(self.module, dict(feeds))
 
@@ -100,7 +100,7 @@ def references_for(model: onnx.ModelProto, path: str, config: ValidateConfig, *,
         source = (model, f"PyTorch reference rebuilt from {path}")
     hf = metadata.loaded(model, "hf_model") if "hf_model" in metadata.read(model) else None
     if hf and source is None:  # exported by `export --model`: the folder's PyTorch model
-        from mha_onnx.export.hf_model import HfReference
+        from mha_onnx.reference.hf import HfReference
 
         torch_ref = HfReference(hf, f"PyTorch {hf.get('task')} model of {hf.get('folder')}")
         references["pytorch"] = torch_ref

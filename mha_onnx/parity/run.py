@@ -28,6 +28,7 @@ from mha_onnx.graph.inputs import (
     make_inputs,
 )
 from mha_onnx.graph.metadata import CheckResult, session_options
+from mha_onnx.graph.preflight import preflight
 from mha_onnx.graph.roles import length_limit
 from mha_onnx.parity.bisect import after_failure
 from mha_onnx.parity.config import ValidateConfig
@@ -43,11 +44,10 @@ from mha_onnx.parity.held import held_note, hold_routes, routed_source
 from mha_onnx.parity.kernels import attention_kernels, describe
 from mha_onnx.parity.references import references_for
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
-from mha_onnx.profile.roofline import machine_info
+from mha_onnx.profile.memory import ensure_fits
 from mha_onnx.runtime import capabilities, make_runner
-from mha_onnx.runtime.memory import ensure_fits
+from mha_onnx.runtime.machine import machine_info
 from mha_onnx.runtime.ort import OrtRunner, ProviderError, node_placement
-from mha_onnx.runtime.preflight import preflight
 from mha_onnx.stats import compare
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         prepare_output(config.save_outputs, force=config.force)
     model = read_model(path)
     if "quantization" in metadata.read(model):  # accuracy against its float original
-        from mha_onnx.quantize.validate import validate_quantized
+        from mha_onnx.parity.quantized import validate_quantized
         return validate_quantized(path, config)
     shared = cache.is_shared(model)  # then fed and compared through the appended interface
     specs, pairs = cache.shared_view(model)

@@ -33,9 +33,9 @@ class Target:
 
 
 def target(model: str) -> Target:
-    from mha_onnx.generate.interface import read_genai_json
     from mha_onnx.graph import metadata
     from mha_onnx.graph.cache import cache_pairs, is_shared
+    from mha_onnx.graph.decoder import read_genai_json
     from mha_onnx.graph.files import read_model
 
     proto = read_model(model, load_external_data=False)

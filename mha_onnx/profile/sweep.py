@@ -16,10 +16,10 @@ from mha_onnx.graph.files import check_readable, read_model
 from mha_onnx.graph.inputs import case_for, input_specs
 from mha_onnx.graph.metadata import config_of
 from mha_onnx.profile.flops import attention_flops
+from mha_onnx.profile.memory import ensure_fits
 from mha_onnx.profile.report import OpTime, Point, ProfileConfig, ProfileReport
-from mha_onnx.profile.roofline import machine_info
 from mha_onnx.profile.worker import PointSpec, in_child
-from mha_onnx.runtime.memory import ensure_fits
+from mha_onnx.runtime.machine import machine_info
 
 
 def check_memory(paths: Sequence[str], config: ProfileConfig) -> None:
@@ -54,8 +54,8 @@ def _check_sessions(paths: Sequence[str], config: ProfileConfig) -> None:
     still works; a provider that cannot run is an error, never a CPU run."""
     from mha_onnx.errors import RuntimeCrash
     from mha_onnx.graph.metadata import session_options
+    from mha_onnx.graph.preflight import preflight
     from mha_onnx.runtime import capabilities, make_runner
-    from mha_onnx.runtime.preflight import preflight
 
     for provider in config.providers:
         for path in paths if capabilities(provider).child_preflight else ():  # ORT meets them in a child

@@ -31,10 +31,12 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from mha_onnx.errors import ConfigError
+from mha_onnx.graph.cache import KV_SCALE as SCALE  # (float32, for GQA)
+from mha_onnx.graph.cache import has_int8_cache  # noqa: F401 (its readers' name for it)
 from mha_onnx.graph.walk import subgraphs
 
 QMAX = 127.0
-SCALE, SCALE_T = "{}_kv_scale", "{}_kv_scale_t"  # float32 for GQA; the model's float type
+SCALE_T = "{}_kv_scale_t"  # the scale in the model's float type
 LIMITS = "kv_int8_{}"  # -127 / 127 in the model's float type
 SHAPE_ONLY = {"Shape", "Size"}
 MARK = "kv_int8"  # the nodes this module adds: MARK|past|n
@@ -51,13 +53,6 @@ def calibrate(presents: Mapping[str, np.ndarray], pairs: Mapping[str, str]
         peak = np.abs(cache).max(axis=(0, 2), keepdims=True)
         scales[past] = np.maximum(peak / QMAX, np.float32(1e-8)).astype(np.float32)
     return scales
-
-
-def has_int8_cache(model: onnx.ModelProto) -> bool:
-    """Did quantize_cache rewrite ``model``? (By its scales' names: nothing is read, so a
-    file whose tensors lie outside it answers too.)"""
-    names = {t.name for t in model.graph.initializer}
-    return any(SCALE.format(v.name) in names for v in model.graph.input)
 
 
 def kv_scales(model: onnx.ModelProto) -> dict[str, np.ndarray]:

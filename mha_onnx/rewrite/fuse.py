@@ -21,6 +21,7 @@ from mha_onnx.graph.dims import dim_floors, with_related_dims
 from mha_onnx.graph.files import prepare_output, read_model, to_ir, write_model
 from mha_onnx.graph.inputs import input_specs, load_inputs
 from mha_onnx.graph.original import record as record_original
+from mha_onnx.graph.preflight import Preflight, preflight
 from mha_onnx.rewrite.blocks import why_left
 from mha_onnx.rewrite.core import (
     BlockLog,
@@ -43,7 +44,6 @@ from mha_onnx.rewrite.verify import (
     verify,
     verify_on_openvino,
 )
-from mha_onnx.runtime.preflight import Preflight, preflight
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,6 @@ def fuse_file(
     rtol: float | None = None,
     inputs: str | Path | None = None,
     strict: bool = False,
-    genai: bool = True,
     logits: str = "all",
 ) -> FuseReport:
     """Fuse ``source`` into ``output``; refuses to write when the fused graph's outputs differ
@@ -139,8 +138,8 @@ def fuse_file(
     target, execution provider and forms (policy.py). ``inputs``: an
     .npz of real inputs to verify with instead of generated ones. ONNX Runtime first meets
     each model in a child process, so a crash in it cannot take this process down. A
-    decoder whose folder holds a HF config.json (Optimum's output) records it and, with
-    ``genai``, gets genai_config.json and the folder's tokenizer files beside ``output``.
+    decoder whose folder holds a HF config.json (Optimum's output) records it (GenAI's folder
+    beside ``output`` is generate.genai.deliver_genai's, as ``mha-onnx fuse`` writes it).
     ``logits="last"``: the LM head computes each row's last kept position only
     (last_logits.py), checked against the original before fusing."""
     started = time.perf_counter()
@@ -173,7 +172,7 @@ def fuse_file(
             verification = verify_on_openvino(original, fused, verification, cases=cases,
                                               given=given, atol=atol, rtol=rtol)
         refuse_mismatch(verification, unguarded)
-    notes += _write(source, original, fused, output, target, force, genai)
+    _write(source, original, fused, output, target, force)
     return FuseReport(
         input=str(source), output=str(output), target=target, blocks=tuple(results),
         verification=verification, seconds=time.perf_counter() - started, written=True,
@@ -182,19 +181,16 @@ def fuse_file(
 
 
 def _write(source, original: onnx.ModelProto, fused: onnx.ModelProto, output: Path,
-           target: str, force: bool, genai: bool) -> list[str]:
+           target: str, force: bool) -> None:
     """Write the fused model: (ORT target) its original kept inside for `mha-onnx tune` on
-    another machine; a decoder's HF config recorded and, with ``genai``, GenAI's folder
-    beside it. Returns the notes."""
-    from mha_onnx.generate.genai import folder_generation, write_genai_folder
+    another machine; a decoder's HF config recorded (Optimum's folder: what generate and
+    GenAI's folder read; GenAI's folder itself is the delivery's, generate.genai)."""
+    from mha_onnx.graph.decoder import folder_generation
 
     if target == "ort":
         record_original(original, fused)
-    decoder = folder_generation(source, fused)  # a decoder's HF config (Optimum's folder)
+    folder_generation(source, fused)
     write_model(fused, output, force=force)
-    if decoder and genai and target == "ort":
-        return [write_genai_folder(output, Path(source).parent, decoder).note()]
-    return []
 
 
 def _blocks_left(results: list[BlockResult], strict: bool) -> list[str]:

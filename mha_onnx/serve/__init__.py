@@ -5,9 +5,8 @@ batched engine (engine.py, rows.py) that a user may embed without HTTP:
     with Engine("model.onnx", EngineConfig(max_batch=8)) as engine:
         tokens = engine.submit(Request(prompt=(1, 2, 3), max_tokens=32)).result().tokens
 
-``package`` writes a Triton Inference Server model repository (package.py; its config text
-in pbtxt.py, its README in readme.py; decoders with a KV cache served statefully,
-decoder.py).
+``mha-onnx serve --replicas N`` runs N replicas behind Ray Serve (ray_serve.py). Triton's
+model repository is ``package``'s (mha_onnx.package).
 """
 
 from mha_onnx.serve.engine import Engine, EngineConfig, Observer

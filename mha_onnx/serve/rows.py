@@ -26,9 +26,9 @@ import numpy as np
 
 from mha_onnx.errors import ModelFileError
 from mha_onnx.generate.decode import GUARD
-from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS
 from mha_onnx.generate.loop import Generator
 from mha_onnx.graph.cache import LENGTH_INPUT
+from mha_onnx.graph.decoder import IDS, LOGITS, MASK, POSITIONS
 
 
 def _run(session, binding) -> None:

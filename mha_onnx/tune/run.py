@@ -77,8 +77,8 @@ def _dims(model: onnx.ModelProto) -> tuple[str, str]:
 def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force: bool = False,
                progress: Callable[[str], None] = lambda _: None) -> TuneReport:
     """Fuse every candidate, time them here, write the dispatching model (verified)."""
-    from mha_onnx.profile.roofline import machine_info
     from mha_onnx.rewrite.verify import verify
+    from mha_onnx.runtime.machine import machine_info
 
     started = time.perf_counter()
     output = prepare_output(output, force=force)

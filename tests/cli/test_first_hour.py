@@ -76,7 +76,7 @@ def test_validate_summarises_and_v_after_the_command_lists_every_comparison(tmp_
 
     source = FIXTURES / "llama" / "model.onnx"
     fused = tmp_path / "model.onnx"
-    fuse_file(source, fused, genai=False)
+    fuse_file(source, fused)
     summary = _cli("validate", fused, "--reference", source)
     assert summary.exit_code == 0, summary.output
     lines = summary.output.strip().splitlines()

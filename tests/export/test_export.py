@@ -10,8 +10,8 @@ import torch
 from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.errors import ExportError, OutputExistsError
 from mha_onnx.export.mha import export_model
-from mha_onnx.export.reference import build_reference, run_reference
 from mha_onnx.graph.inputs import ShapeCase, contract_specs, make_inputs
+from mha_onnx.reference.mha import build_reference, run_reference
 from mha_onnx.runtime.ort import OrtRunner
 
 SMALL = MhaConfig(d_model=32, num_heads=4, name="small")

@@ -189,7 +189,7 @@ def test_what_it_cannot_export_is_refused_with_the_reason(hf_folder, tmp_path):
 def test_experts_are_found_by_any_count_of_them(tmp_path, fields, routed):
     """A mixture of experts loads with batched-matmul experts (torch.export cannot lower
     transformers' grouped_mm): found by any `*_experts` count in its config."""
-    from mha_onnx.export.hf_model import _has_experts
+    from mha_onnx.reference.hf import _has_experts
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", **fields}))
     assert _has_experts(tmp_path) is routed

@@ -241,10 +241,10 @@ def test_only_an_amd_cpu_with_avx512_vnni_keeps_the_prompt_as_written():
 def test_the_cpu_is_read_once_for_its_vendor_and_its_isa(monkeypatch):
     """fast_int8 without a text reads /proc/cpuinfo's once and asks both questions of it
     (it read the file once per question)."""
-    from mha_onnx.profile import roofline
+    from mha_onnx.runtime import machine
 
     reads = []
-    monkeypatch.setattr(roofline, "cpuinfo_text", lambda: reads.append(1) or _cpuinfo(
+    monkeypatch.setattr(machine, "cpuinfo_text", lambda: reads.append(1) or _cpuinfo(
         "AuthenticAMD", "avx512f avx512_vnni"))
     assert float_prompt.fast_int8()
     assert len(reads) == 1

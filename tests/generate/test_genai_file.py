@@ -6,24 +6,28 @@ these folders: tests/generate/test_generate.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx
 import pytest
 
 from mha_onnx.generate import genai_file, read_interface
-from mha_onnx.generate.genai import write_genai_folder
+from mha_onnx.generate.genai import deliver_genai, write_genai_folder
 from mha_onnx.rewrite import fuse_file
 from mha_onnx.rewrite.policy import FormPolicy
 from tests.paths import OPTIMUM
 
 
 def _fused(folder, form: str):
+    """The Optimum Llama fused into ``folder`` with GenAI's folder beside it, as `mha-onnx
+    fuse` writes them (the fuse report's notes with the delivery's note)."""
     out = folder / "model.onnx"
     folder.mkdir(parents=True, exist_ok=True)
-    report = fuse_file(OPTIMUM / "llama" / "model.onnx", out, policy=FormPolicy(kv_cache=form),
-                       force=True)
-    return out, report
+    source = OPTIMUM / "llama" / "model.onnx"
+    report = fuse_file(source, out, policy=FormPolicy(kv_cache=form), force=True)
+    note = deliver_genai(out, source)
+    return out, replace(report, notes=(*report.notes, note))
 
 
 def _runs(out) -> str:

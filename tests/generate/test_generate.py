@@ -23,6 +23,7 @@ from mha_onnx.graph.walk import all_nodes
 from mha_onnx.rewrite.policy import FormPolicy
 from tests.genai import genai_generate, without_eos
 from tests.paths import OPTIMUM
+from tests.servers import served
 
 FIXTURES = OPTIMUM
 PROMPTS = [[20, 31, 5, 77, 12], [40, 3, 9, 91, 18, 60, 22, 7, 50], [66, 13, 84]]
@@ -251,10 +252,11 @@ def hf_decoder(tmp_path_factory):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "phi3", "gpt2"])
 def test_export_model_generates_what_transformers_generates(hf_decoder, tmp_path, family):
     """Both cache forms of `export --model`: our loop at batch 1 and at batch 3 with rows
-    of different lengths, and GenAI's generator on the folder export writes (genai_config
+    of different lengths, the serving engine with the rows joining a running batch, and
+    GenAI's generator on the folder export writes (genai_config
     and all) alone, as a batch of equal lengths and as a right-padded batch (GenAI pads so;
     each row as alone where the model has no window, the same in both forms)."""
-    from mha_onnx.export.hf_model import load_module
+    from mha_onnx.reference.hf import load_module
 
     folder = hf_decoder(family)
     model = load_module(folder, "text-generation-with-past")
@@ -268,6 +270,8 @@ def test_export_model_generates_what_transformers_generates(hf_decoder, tmp_path
         out = _export(folder, tmp_path, form)
         assert ours(out, PROMPTS[:1]) == want1, form
         assert ours(out, PROMPTS) == want3, form
+        # served: the rows joining a running batch (mha_onnx.serve), each as alone
+        assert served(out, PROMPTS, [NEW] * len(PROMPTS)) == alone, form
         config = json.loads((out.parent / "genai_config.json").read_text())
         assert config["search"]["past_present_share_buffer"] == (form == "shared")
         written = onnx.load(out, load_external_data=False)
@@ -304,7 +308,7 @@ def test_sink_families_through_export_model_generate_transformers_tokens(
     experts, each layer's cache with its own heads) failed in ORT at the second layer's
     cache, shaped as the first's; GenAI's config, which takes one head count, is not
     written for it."""
-    from mha_onnx.export.hf_model import load_module
+    from mha_onnx.reference.hf import load_module
 
     folder = hf_decoder(family)
     model = load_module(folder, "text-generation-with-past")
@@ -341,6 +345,7 @@ def test_optimum_exports_fused_generate_what_transformers_generated(tmp_path, fa
     from the same weights when the fixture was made (generate.json, tools/optimum_fixtures.py),
     and the fused folder carries genai_config.json for GenAI (where the model has an EOS
     inside its vocabulary, which GenAI needs), which generates them too."""
+    from mha_onnx.generate.genai import deliver_genai
     from mha_onnx.rewrite import fuse_file
     from tests.genai import genai_python
 
@@ -351,9 +356,10 @@ def test_optimum_exports_fused_generate_what_transformers_generated(tmp_path, fa
     for form in ("appended", "shared"):
         out = tmp_path / form / "model.onnx"
         out.parent.mkdir()
-        report = fuse_file(source / "model.onnx", out, policy=FormPolicy(kv_cache=form))
+        fuse_file(source / "model.onnx", out, policy=FormPolicy(kv_cache=form))
+        note = deliver_genai(out, source / "model.onnx")  # (as `mha-onnx fuse` writes it)
         written = (out.parent / "genai_config.json").exists()
-        assert written == bool(want["eos_token_id"]), report.notes
+        assert written == bool(want["eos_token_id"]), note
         assert ours(out, prompts[:1]) == want["batch1"], form
         assert ours(out, prompts) == want["batch3"], form
         if written and genai_python() is not None:
@@ -463,25 +469,25 @@ def test_a_model_that_is_not_a_decoder_exits_2(tmp_path):
 @pytest.mark.models
 def test_a_folder_without_an_eos_in_its_vocabulary_gets_no_genai_config(tmp_path):
     """GenAI needs an eos_token_id inside the vocabulary; a model without one is written
-    without genai_config.json, and fuse says why."""
-    from mha_onnx.rewrite import fuse_file
-
+    without genai_config.json, and `fuse` says why."""
     source = tmp_path / "src"
     shutil.copytree(FIXTURES / "qwen3", source)
     config = json.loads((source / "config.json").read_text())
     assert config.get("eos_token_id") is None or config["eos_token_id"] >= 128
-    report = fuse_file(source / "model.onnx", tmp_path / "out" / "model.onnx")
-    assert any("genai_config.json not written" in n and "eos_token_id" in n
-               for n in report.notes), report.notes
+    result = CliRunner().invoke(main, ["fuse", str(source / "model.onnx"), "-o",
+                                       str(tmp_path / "out" / "model.onnx"), "--json"])
+    assert result.exit_code == 0, result.output
+    notes = json.loads(result.output)["notes"]
+    assert any("genai_config.json not written" in n and "eos_token_id" in n for n in notes), notes
     assert not (tmp_path / "out" / "genai_config.json").exists()
 
 
 @pytest.mark.slow
 def test_a_float16_decoder_generates_transformers_float32_tokens(hf_decoder, tmp_path):
     """`export --model --dtype float16 --kv-cache shared`: the half-precision cache and
-    logits through the same loop and GenAI's (logits far apart: the same greedy tokens as
-    the float32 model in transformers)."""
-    from mha_onnx.export.hf_model import load_module
+    logits through the same loop, the serving engine and GenAI's (logits far apart: the same
+    greedy tokens as the float32 model in transformers)."""
+    from mha_onnx.reference.hf import load_module
     from tests.genai import genai_python
 
     folder = hf_decoder("llama")
@@ -494,6 +500,7 @@ def test_a_float16_decoder_generates_transformers_float32_tokens(hf_decoder, tmp
         assert generator.interface.kv_dtype == "float16"
         assert [list(s) for s in generator.generate(PROMPTS, GenerationConfig(NEW)).sequences] \
             == want
+    assert served(out, PROMPTS, [NEW] * len(PROMPTS)) == want  # rows joining a running batch
     if genai_python() is not None:
         got = genai_generate(tmp_path, PROMPTS, NEW, "batch")["sequences"]
         assert got == without_eos(want, {98})

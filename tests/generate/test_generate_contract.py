@@ -1,5 +1,5 @@
-"""The generation contract as the README writes it: its code block, run as written on a
-decoder in both cache forms, generates what `mha-onnx generate` does (so the README stays
+"""The generation contract as the generate guide writes it: its code block, run as written on a
+decoder in both cache forms, generates what `mha-onnx generate` does (so the guide stays
 true)."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from mha_onnx.generate import GenerationConfig, Generator
 from mha_onnx.rewrite.policy import FormPolicy
 from tests.paths import OPTIMUM, ROOT
 
-README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide" / "generate.md"
 FIXTURES = OPTIMUM
 PROMPTS = [[20, 31, 5, 77, 12], [40, 3, 9, 91, 18, 60, 22, 7, 50], [66, 13, 84]]
 
 
 def contract_block() -> str:
-    text = README.read_text()
+    text = GUIDE.read_text()
     start = text.index("```python", text.index("**The generation contract**"))
     code = text[start + len("```python"):]
     return code[:code.index("```")]
@@ -25,7 +25,7 @@ def contract_block() -> str:
 @pytest.fixture(scope="module")
 def greedy():
     scope: dict = {}
-    exec(compile(contract_block(), str(README), "exec"), scope)  # noqa: S102 - our README
+    exec(compile(contract_block(), str(GUIDE), "exec"), scope)  # noqa: S102 - our guide
     return scope["greedy"]
 
 
@@ -38,7 +38,7 @@ def test_the_readme_loop_generates_what_generate_does(greedy, tmp_path, family, 
     model = FIXTURES / family / "model.onnx"
     if form != "export":
         fused = tmp_path / "model.onnx"
-        fuse_file(model, fused, policy=FormPolicy(kv_cache=form), genai=False)
+        fuse_file(model, fused, policy=FormPolicy(kv_cache=form))
         model = fused
     got = greedy(str(model), PROMPTS, 12, shared=form == "shared")
     with Generator(model) as generator:

@@ -10,8 +10,8 @@ from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError, ResourceError
 from mha_onnx.profile import ProfileConfig, attention_flops, check_memory, profile_models
+from mha_onnx.profile.memory import estimate_bytes
 from mha_onnx.rewrite import fuse_model
-from mha_onnx.runtime.memory import estimate_bytes
 from tests.paths import OPTIMUM
 
 CFG = MhaConfig(d_model=32, num_heads=4, name="p")

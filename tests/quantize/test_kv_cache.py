@@ -29,11 +29,13 @@ def _cli(*args):
 
 @pytest.fixture(scope="module")
 def shared_llama(tmp_path_factory):
+    from mha_onnx.generate.genai import deliver_genai
     from mha_onnx.rewrite import fuse_file
 
     out = tmp_path_factory.mktemp("kv") / "float" / "model.onnx"
     out.parent.mkdir()
     fuse_file(OPTIMUM / "llama" / "model.onnx", out, policy=FormPolicy(kv_cache="shared"))
+    deliver_genai(out, OPTIMUM / "llama" / "model.onnx")  # (as `mha-onnx fuse` writes it)
     return out
 
 
@@ -125,6 +127,10 @@ def test_quantize_kv_bits_writes_an_int8_cache_generate_validate_and_genai_take(
     with Generator(out) as generator:
         run = generator.generate([[5, 6, 7, 8, 9], [3, 4]], GenerationConfig(6, eos=()))
     assert [len(s) for s in run.sequences] == [6, 6]
+    from tests.servers import alone, served  # the int8 cache in the serving engine's rows
+
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [9, 8, 7, 6, 5, 4, 3]]
+    assert served(out, prompts, [6, 9, 4]) == alone(out, prompts, [6, 9, 4])
     config = json.loads((out.parent / "genai_config.json").read_text())
     assert config["model"]["decoder"]["filename"] == "model.genai.onnx"
     validated = _cli("validate", out, *LOOSE, "--reference", shared_llama)

@@ -52,7 +52,8 @@ def _float_matmuls_with_weights(model: onnx.ModelProto) -> list[str]:
 @pytest.fixture(scope="module")
 def fused_llama(tmp_path_factory):
     """The Optimum Llama fixture fused in both forms, each in a folder of its own (with
-    genai_config.json, as fuse writes it)."""
+    GenAI's folder, as `mha-onnx fuse` writes it)."""
+    from mha_onnx.generate.genai import deliver_genai
     from mha_onnx.rewrite import fuse_file
 
     root = tmp_path_factory.mktemp("fused")
@@ -61,6 +62,7 @@ def fused_llama(tmp_path_factory):
         out = root / form / "model.onnx"
         out.parent.mkdir()
         fuse_file(FIXTURES / "llama" / "model.onnx", out, policy=FormPolicy(kv_cache=form))
+        deliver_genai(out, FIXTURES / "llama" / "model.onnx")  # (as `mha-onnx fuse` does)
         made[form] = out
     return made
 

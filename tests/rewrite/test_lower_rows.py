@@ -173,7 +173,7 @@ def test_genai_right_padded_batch_stays_on_gqa(tmp_path, form):
     from tests.rewrite.test_optimum import FIXTURES
 
     out = tmp_path / "model.onnx"
-    fuse_file(FIXTURES / "llama" / "model.onnx", out, policy=FormPolicy(kv_cache=form), genai=False)
+    fuse_file(FIXTURES / "llama" / "model.onnx", out, policy=FormPolicy(kv_cache=form))
     iface = Generator(out).interface
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], np.int64)  # right-padded prompt
     feeds = {"input_ids": np.array([[5, 6, 7, 8, 9], [10, 11, 0, 0, 0]], np.int64),

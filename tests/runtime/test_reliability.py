@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.graph.inputs import input_specs
-from mha_onnx.runtime.preflight import preflight
+from mha_onnx.graph.preflight import preflight
 from tests.irgraphs import Graph, model, node, tensor
 
 CFG = MhaConfig(d_model=32, num_heads=4, mask="key-padding", name="r")

@@ -149,15 +149,19 @@ def test_a_bad_request_is_one_line_and_the_server_serves_on(server, body, status
         == 200
 
 
-def test_chat_without_a_template_is_a_400(tmp_path):
+def test_chat_without_a_template_is_a_400_and_a_request_past_its_time_a_504(tmp_path):
     model = fused("llama", "appended", tmp_path / "plain")
     tokenizer(model.parent, template=None)
-    with serving(model.parent, "--name", "plain") as s:
+    with serving(model.parent, "--name", "plain", "--request-timeout", "0.000001") as s:
         sent = httpx.post(f"{s.url}/v1/chat/completions", timeout=30,
                           json={"messages": [{"role": "user", "content": "hi"}]})
         assert sent.status_code == 400 and "no chat template" in sent.json()["error"]["message"]
         assert httpx.post(f"{s.url}/v1/embeddings", json={"input": "hi"},
                           timeout=30).status_code == 400
+        late = httpx.post(f"{s.url}/v1/completions", json={"prompt": "the fox"}, timeout=30)
+        assert late.status_code == 504 and "timeout" in late.json()["error"]["message"]
+        streamed = _clients(s.url, [{"prompt": "the fox", "max_tokens": 4}])[0]
+        assert streamed["ids"] == [] and "timeout" in streamed["error"]
 
 
 def test_two_hundred_clients_against_a_queue_of_eight_get_429s_and_no_500(server):

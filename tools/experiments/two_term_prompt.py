@@ -53,7 +53,7 @@ def run(folder: Path) -> None:
 
     fused = folder / "shared.onnx"
     if not fused.exists():
-        fuse_file(folder / "model.onnx", fused, policy=FormPolicy(kv_cache="shared"), genai=False)
+        fuse_file(folder / "model.onnx", fused, policy=FormPolicy(kv_cache="shared"))
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     original, shared = (ort.InferenceSession(str(p), options, providers=["CPUExecutionProvider"])

@@ -8,8 +8,8 @@ from safetensors.torch import save_file
 
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import WeightsError
-from mha_onnx.export.reference import build_reference
-from mha_onnx.export.weights import checksum, load_weights
+from mha_onnx.reference.mha import build_reference
+from mha_onnx.reference.weights import checksum, load_weights
 
 CFG = MhaConfig(d_model=32, num_heads=4)
 

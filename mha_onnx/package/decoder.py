@@ -19,6 +19,13 @@ The first request of a sequence gets Triton's initial state, zeros:
 
 One sequence per batch slot (``max_batch_size`` 1, the Direct strategy): requests of
 different lengths do not batch; ``--instances N`` serves N sequences at once.
+
+What Triton can batch for a decoder, and what it cannot (said in the repository's README):
+its sequence batcher puts one sequence in each batch slot and runs the slots that have a
+request together, but the ONNX model takes one past length for the whole batch, so steps of
+sequences at different lengths never share a run, and no sequence joins a running batch
+between its steps. Many users at once on one decoder is ``mha-onnx serve``'s job
+(continuous batching: every running sequence in each decode step, mha_onnx.serve).
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mha_onnx.errors import ConfigError
-from mha_onnx.generate.interface import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
-from mha_onnx.serve.pbtxt import TRITON_TYPES
+from mha_onnx.graph.decoder import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
+from mha_onnx.package.pbtxt import TRITON_TYPES
 
 IDLE_MICROSECONDS = 60_000_000  # a sequence without a request for a minute is dropped
 
@@ -47,8 +54,8 @@ class DecoderServing:
 
 def decoder_serving(model, max_length: int) -> DecoderServing | None:
     """The serving plan of a token decoder with a KV cache (None for any other model)."""
-    from mha_onnx.generate.interface import read_interface
     from mha_onnx.graph.cache import cache_pairs
+    from mha_onnx.graph.decoder import read_interface
 
     names = {i.name for i in model.graph.input}
     if IDS not in names or not cache_pairs(model) \
@@ -110,7 +117,7 @@ def decoder_notes(serving: DecoderServing) -> list[str]:
              "and the whole attention_mask; see README.md"]
     if serving.iface.shared:
         notes.append(f"shared cache: each sequence holds {serving.initial_length} positions "
-                     "(--max-length), and Triton's onnxruntime backend copies the whole "
+                     "(the longest of --lengths), and Triton's onnxruntime backend copies the whole "
                      "buffer into the state after every request: the appended model is "
                      "cheaper to serve this way")
     return notes

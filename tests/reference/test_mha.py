@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mha_onnx.config import MhaConfig
-from mha_onnx.export.reference import build_reference
-from mha_onnx.export.weights import to_reference_state
+from mha_onnx.reference.mha import build_reference
+from mha_onnx.reference.weights import to_reference_state
 
 
 def numpy_mha(params, cfg, query, key, value, padded=None, causal=False):

@@ -3,7 +3,7 @@ a child process, so that a crash inside ORT (a segmentation fault at session cre
 becomes a message instead of a dead CLI. When the default optimisation level crashes, the
 lower ones are tried and the first that runs is reported: what still works.
 
-``python -m mha_onnx.runtime.preflight`` is the child: one JSON request on stdin, one line of JSON out.
+``python -m mha_onnx.graph.preflight`` is the child: one JSON request on stdin, one line of JSON out.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def preflight(model: str | os.PathLike[str] | bytes, provider: str = "cpu",
 
 
 def _child(request: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", "mha_onnx.runtime.preflight"], input=json.dumps(request),
+    done = subprocess.run([sys.executable, "-m", "mha_onnx.graph.preflight"], input=json.dumps(request),
                           capture_output=True, text=True,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode < 0:

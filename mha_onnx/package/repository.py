@@ -28,8 +28,8 @@ from mha_onnx.graph.files import external_files, prepare_folder, read_model
 from mha_onnx.graph.inputs import InputSpec, input_specs, split_dims
 from mha_onnx.graph.metadata import session_options
 from mha_onnx.graph.walk import all_nodes
-from mha_onnx.serve.pbtxt import TRITON_TYPES, to_pbtxt
-from mha_onnx.serve.readme import serving_readme
+from mha_onnx.package.pbtxt import TRITON_TYPES, to_pbtxt
+from mha_onnx.package.readme import serving_readme
 from mha_onnx.table import table
 
 TARGETS = ("cpu", "cuda", "tensorrt", "openvino")  # openvino: Triton's OpenVINO backend, CPU
@@ -265,7 +265,7 @@ def openvino_notes(model: bytes, specs: list[InputSpec]) -> list[str]:
 
 def package_model(source: str | Path, repository: str | Path, cfg: PackageConfig) -> PackageReport:
     """Write the model repository (refusing a non-empty model folder without ``force``)."""
-    from mha_onnx.serve.decoder import decoder_notes, decoder_serving, stateful_config
+    from mha_onnx.package.decoder import decoder_notes, decoder_serving, stateful_config
 
     started = time.perf_counter()
     model = read_model(source)

@@ -6,13 +6,13 @@ import json
 from typing import Any
 
 from mha_onnx.graph.inputs import InputSpec, input_specs, split_dims
-from mha_onnx.serve.pbtxt import TRITON_TYPES
+from mha_onnx.package.pbtxt import TRITON_TYPES
 
 
 def serving_readme(model, cfg, batching: dict[str, Any], outputs: list[InputSpec],
                    max_batch: int, serving=None) -> str:
     """How to serve the repository and send a request (written beside the model);
-    ``serving``: a KV decoder's stateful plan (serve/decoder.py)."""
+    ``serving``: a KV decoder's stateful plan (decoder.py)."""
     specs = input_specs(model)
     example = ", ".join(f'"{s.name}": {s.dtype.name}[{", ".join(str(d) for d in s.dims)}]'
                         for s in specs)
@@ -85,7 +85,7 @@ def _names(specs: list[InputSpec]) -> set:
 
 def _stateful(serving, name: str) -> list[str]:
     """A KV decoder's README part: the state contract and a client loop that runs."""
-    from mha_onnx.serve.decoder import decoder_request
+    from mha_onnx.package.decoder import decoder_request
 
     iface = serving.iface
     first = ("one position of zeros that the client's attention_mask hides with a leading 0 "
@@ -98,6 +98,10 @@ def _stateful(serving, name: str) -> list[str]:
         "attention_mask, with `sequence_id` (one per conversation) and `sequence_start` on "
         f"the first request; the reply is the logits. A sequence's cache starts as {first}. "
         "One sequence per batch slot (max batch size 1); `--instances` serves more at once. "
+        "What Triton cannot do here: batch the steps of sequences at different lengths (the "
+        "model takes one past length per run), or let a sequence join a running batch "
+        "between steps; for many users at once on one decoder, `mha-onnx serve` batches "
+        "every running sequence into each decode step. "
         "A greedy loop with `tritonclient` (pip install 'tritonclient[http]'):",
         "",
         "```python",

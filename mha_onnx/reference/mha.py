@@ -101,7 +101,7 @@ def build_reference(
     seed: int = 0,
 ) -> MultiHeadAttention:
     """The reference module in eval mode and the config's dtype; random weights from ``seed``
-    unless ``state_dict`` (in this module's naming, see :mod:`mha_onnx.export.weights`) is given."""
+    unless ``state_dict`` (in this module's naming, see :mod:`mha_onnx.reference.weights`) is given."""
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)

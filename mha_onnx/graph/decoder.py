@@ -268,3 +268,21 @@ def generation_record(config: Any) -> dict[str, Any]:
         if key not in out and isinstance(text, dict) and text.get(key) is not None:
             out[key] = text[key]
     return out
+
+
+def folder_generation(source: str | Path, model) -> dict[str, Any] | None:
+    """The HF config beside a token decoder with a KV cache (Optimum's folder), recorded in
+    ``model``'s metadata (what generate and GenAI read); None where the model is no such
+    decoder, already records one or its folder has no config.json."""
+    names = {i.name for i in model.graph.input}
+    if metadata.read(model).get("generation") or IDS not in names \
+            or "encoder_hidden_states" in names \
+            or not any(o.name == LOGITS for o in model.graph.output) \
+            or not metadata.loaded(model, "kv_cache"):
+        return None
+    config = read_hf_json(Path(source).resolve().parent)
+    if not config:
+        return None
+    record = generation_record(config)
+    metadata.write(model, {"generation": record})
+    return record

@@ -124,8 +124,8 @@ def validate_quantized(path: str | Path, config) -> QuantizedValidation:
 def _against_torch(model: onnx.ModelProto, path: str, thresholds: accuracy.Thresholds):
     """A quantized `export --model` whose float export is gone: its logits against the
     folder's PyTorch model's (float32), on the accuracy run's prompts (no greedy run)."""
-    from mha_onnx.export.hf_model import HfReference
     from mha_onnx.quantize.run import _decoder_feeds, _session_outputs
+    from mha_onnx.reference.hf import HfReference
     from mha_onnx.rewrite.last_logits import at_last
 
     record = metadata.loaded(model, "hf_model") or {}
