@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 # ONNX Runtime GenAI's generator, in an environment of its own (see genai-env below)
 GENAI_RT := .venv-genai-rt
 
-.PHONY: run test test-fast lint clean fixtures genai-fixtures bench-envs genai-env
+.PHONY: run test test-fast lint clean fixtures genai-fixtures bench-envs genai-env test-exports
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,10 +65,25 @@ $(GENAI_VENV)/.installed:
 		onnxruntime-genai==0.18.0 onnx-ir onnx==1.23.2 tokenizers
 	touch $@
 
-bench-envs: $(OPT_VENV)/.installed $(GENAI_VENV)/.installed
+# llama.cpp's OpenAI server (llama-cpp-python, built from its sdist on this CPU: 10-20 min), the
+# anchor of tools/bench_serve.py; never a dependency of the package.
+LLAMA_VENV := .venv-llama
+$(LLAMA_VENV)/.installed:
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -m pip install -q 'llama-cpp-python[server]'
+	touch $@
+
+bench-envs: $(OPT_VENV)/.installed $(GENAI_VENV)/.installed $(GENAI_RT)/.installed \
+	$(LLAMA_VENV)/.installed
 
 genai-fixtures: $(GENAI_VENV)/.installed
 	$(GENAI_VENV)/bin/python tools/genai_fixtures.py --out tests/fixtures/genai
+
+# The exports the suite remembers (tests/export_memo.py), made again: the suite run once with
+# every torch.export it makes written into tests/fixtures/exports (the old ones dropped).
+test-exports: $(VENV)/.installed $(GENAI_RT)/.installed
+	rm -rf tests/fixtures/exports
+	MHA_ONNX_RECORD_EXPORTS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # The loop of change-and-check: the unit tests (40 s on 2 cores; slow is set by what a test
 # runs, and one not marked slow that reaches torch.export fails here: tests/conftest.py).

@@ -60,6 +60,40 @@ SLOW_MARKS = ("timing", "models", "transformers")
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _remembered_exports(tmp_path_factory):
+    """Exports looked up by what decides them before torch.export runs (tests/export_memo.py):
+    the committed ones, then the run's own, shared by the workers. Off in the fast suite,
+    where torch.export must not run at all."""
+    if os.environ.get("MHA_ONNX_FORBID_TORCH_EXPORT"):
+        yield
+        return
+    from tests import export_memo
+
+    with pytest.MonkeyPatch.context() as patch:
+        export_memo.install(patch, _run_exports(tmp_path_factory.getbasetemp()))
+        yield
+
+
+def _run_exports(basetemp: Path) -> Path:
+    """The run's own exports: beside the workers' temporary folders (pytest-xdist gives each
+    worker one inside the run's), so that they share them; inside the run's otherwise."""
+    return (basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp) / "exports"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many torch.export runs the committed store did not hold (each took seconds)."""
+    factory = getattr(terminalreporter.config, "_tmp_path_factory", None)
+    if factory is None or os.environ.get("MHA_ONNX_FORBID_TORCH_EXPORT"):
+        return
+    folder = _run_exports(factory.getbasetemp())
+    missed = len(list(folder.glob("*.onnx"))) if folder.is_dir() else 0
+    if missed:
+        terminalreporter.write_line(
+            f"{missed} torch.export run(s) were not in tests/fixtures/exports (changed code or "
+            "models, or larger than 1 MB): `make test-exports` records them")
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _no_torch_export_in_the_fast_suite():
     """`make test-fast` (MHA_ONNX_FORBID_TORCH_EXPORT=1, slow tests deselected): anything
     that reaches torch.export fails, fixtures of any scope included, so the fast suite stays
@@ -79,7 +113,7 @@ def _no_torch_export_in_the_fast_suite():
 
 
 def pytest_collection_modifyitems(config, items):
-    """A fast suite (STYLE.md rule 21): what needs torch.export, times models, runs whole
+    """A fast suite (CONTRIBUTING.md, rule 17): what needs torch.export, times models, runs whole
     models end to end or runs transformers is ``slow``, so that ``pytest -m "not slow"``
     runs in under two minutes; ``make test`` runs everything."""
     for item in items:
