@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
+from google.protobuf.json_format import ParseError
 from google.protobuf.message import DecodeError
+from google.protobuf.text_format import ParseError as TextParseError
 
 from mha_onnx.errors import ModelFileError, OutputExistsError
 from mha_onnx.graph.walk import all_graphs, all_nodes
@@ -50,10 +52,12 @@ def read_model(path: str | os.PathLike[str], *, load_external_data: bool = True)
     path = check_readable(path)
     try:
         model = onnx.load_model(str(path), load_external_data=False)
-    except (DecodeError, RuntimeWarning, ValueError, TypeError) as exc:
+    except (DecodeError, ParseError, TextParseError, RuntimeWarning, ValueError,
+            TypeError) as exc:
         raise ModelFileError(
             f"{path} is not a valid ONNX model (protobuf parse failed: {type(exc).__name__})",
-            hint="the file may be truncated or not an .onnx file",
+            hint="the file may be truncated or not an .onnx file (onnx reads a .json or .txt "
+                 "path as text)",
         ) from exc
     except OSError as exc:
         raise ModelFileError(f"cannot read {path}: {exc.strerror or exc}") from exc

@@ -61,6 +61,8 @@ def files(tmp_path_factory, export_cache, hf_folder):
     f["folder"].mkdir()
     f["empty"] = root / "empty.onnx"
     f["empty"].write_bytes(b"")
+    f["json_file"] = root / "config.json"  # (onnx reads a .json path as JSON text)
+    f["json_file"].write_text('{"architectures": ["LlamaForCausalLM"]}')
     f["garbage"] = root / "garbage.onnx"
     f["garbage"].write_bytes(b"this is not a protobuf \xff\xfe" * 40)
     data = good.read_bytes()
@@ -87,7 +89,7 @@ def files(tmp_path_factory, export_cache, hf_folder):
     f["zero_toml"] = root / "zero.toml"
     f["zero_toml"].write_text("d_model = 0\nnum_heads = 8\n")
     wrong = MhaConfig(d_model=16, num_heads=2, d_v=4)
-    from mha_onnx.export.reference import build_reference
+    from mha_onnx.reference.mha import build_reference
 
     torch.save(build_reference(wrong).state_dict(), root / "wrong_shape.pt")
     f["wrong_shape"] = root / "wrong_shape.pt"
@@ -144,6 +146,7 @@ CASES = [
     ("model path is a folder", "inspect {folder}", 2, "is a folder"),
     ("empty file", "inspect {empty}", 2, "is empty"),
     ("not ONNX bytes", "fuse {garbage} -o {out}", 2, "not a valid ONNX model"),
+    ("a config.json given as the model", "inspect {json_file}", 2, "not a valid ONNX model"),
     ("truncated protobuf", "validate {truncated}", 2, "ONNX model"),
     ("opset newer than ORT", "fuse {opset30} -o {out}", 2, "uses opset 30"),
     ("IR version newer than ORT", "inspect {ir14}", 2, "IR version 14"),
@@ -163,11 +166,17 @@ CASES = [
     ("shape too large for memory", "profile {good} --seq-lens 3000000", 2, "needs about"),
     ("validate shape too large for memory", "validate {good} --shapes 1:3000000", 2, "needs about"),
     ("generate: no prompts", "generate {llama} --prompts {p_empty}", 2, "no prompts"),
+    ("serve: a folder without a model", "serve {folder}", 2, "holds 0 .onnx files"),
+    ("serve: --max-batch 0", "serve {llama} --max-batch 0", 2, "--max-batch must be >= 1"),
+    ("serve: --max-length past the position table", "serve {gpt2} --max-length 4096", 2,
+     "past the model's 256 positions"),
     ("generate: ids outside the vocabulary", "generate {llama} --prompts {p_vocab}", 2,
      "outside the vocabulary"),
     ("generate: prompt and new tokens longer than the buffer",
      "generate {llama} --prompts {p_ok} --max-length 8 --max-new-tokens 8", 2,
      "more than --max-length 8"),
+    ("generate: past a rotary model's context", "generate {llama} --prompts {p_long}", 2,
+     "past the model's context of 256 positions"),
     ("generate: past the position table", "generate {gpt2} --prompts {p_long}", 2,
      "position table of 256"),
     ("generate: not a token decoder", "generate {good} --prompts {p_ok}", 2,
