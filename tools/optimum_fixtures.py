@@ -6,8 +6,8 @@
         [--only llama,gpt2,...]
 
 optimum-onnx 0.1.0 (the newest release) needs transformers < 4.58 while this project pins
-transformers 5, so the exports are made in a second environment and committed (STYLE.md rule
-14): one folder per family holding the ONNX file(s) Optimum wrote (TorchScript exporter, opset
+transformers 5, so the exports are made in a second environment and committed (CONTRIBUTING.md,
+rule 15): one folder per family holding the ONNX file(s) Optimum wrote (TorchScript exporter, opset
 18, no value_info) and `versions.json` with what made them. Weights are random (seed 0),
 hidden size <= 64, so each file stays far below 1 MB. Nothing is downloaded: each model is
 built from a config, saved with `save_pretrained` and exported from that folder.
