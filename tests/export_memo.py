@@ -10,7 +10,9 @@ the clean-up each export runs; ``tests/models.py`` for the test library's);
 for every submodule, its class and the source file of that class where it lies in this
 repository, and its plain attributes (a Hugging Face config through its JSON); every
 parameter and buffer, bytes included; the example arguments, values included; and the
-other arguments. A model is remembered as the function returned it, first in
+other arguments. A model is remembered as the function returned it (the repository's path
+in its stack traces kept as a placeholder, so that another clone reads it as its own), first
+in
 ``tests/fixtures/exports/`` (made by ``make test-exports``: the suite run once with
 ``MHA_ONNX_RECORD_EXPORTS`` set; those of 1 MB or less), then in the run's own folder shared
 by the test workers;
@@ -155,6 +157,21 @@ def _dims(value: Any) -> Any:
     return value
 
 
+HERE = "{MHA_ONNX_ROOT}"  # the repository's path in a remembered model's stack traces
+
+
+def _relocated(proto, old: str, new: str):
+    """``proto`` with ``old`` replaced by ``new`` in its nodes' metadata (torch.onnx records
+    each node's stack trace, with the repository's absolute path in it), in place."""
+    from mha_onnx.graph.walk import all_nodes
+
+    for node in all_nodes(proto.graph):
+        for prop in node.metadata_props:
+            if old in prop.value:
+                prop.value = prop.value.replace(old, new)
+    return proto
+
+
 def remembered(export, keyed, run_folder: Path, kind: str = "hf"):
     """``export`` (a function returning an ONNX ModelProto) with its models remembered;
     ``keyed(*args, **kwargs)`` -> (module, example arguments, other options) of a call;
@@ -168,10 +185,12 @@ def remembered(export, keyed, run_folder: Path, kind: str = "hf"):
             return export(*args, **kwargs)
         for folder in (COMMITTED, run_folder):
             path = folder / f"{name}.onnx"
-            if path.is_file():
-                return onnx.load(path)
+            if path.is_file():  # (stack traces in this clone, as a fresh export writes them)
+                return _relocated(onnx.load(path), HERE, str(ROOT))
         proto = export(*args, **kwargs)
-        data = proto.SerializeToString()
+        stored = onnx.ModelProto()
+        stored.CopyFrom(proto)
+        data = _relocated(stored, str(ROOT), HERE).SerializeToString()
         record = os.environ.get(RECORD) and len(data) <= COMMITTED_BYTES
         targets = [run_folder] + ([COMMITTED] if record else [])
         for folder in targets:
