@@ -5,8 +5,9 @@ its result before it runs.
 
 The key of an export is a SHA-256 over everything its model depends on: the versions of
 torch, transformers, onnx, onnxscript and onnx-ir; the source of the code the exporting
-function runs (``CODE``: its module in ``mha_onnx/export/``, ``mha_onnx/rewrite/faithful.py``,
-the clean-up each export runs; ``tests/models.py`` for the test library's);
+function runs (``FILES`` and, in ``export/hf.py``, the functions that make the example
+inputs and call torch.onnx.export; ``rewrite/faithful.py``, the clean-up each export runs;
+``tests/models.py`` for the test library's);
 for every submodule, its class and the source file of that class where it lies in this
 repository, and its plain attributes (a Hugging Face config through its JSON); every
 parameter and buffer, bytes included; the example arguments, values included; and the
@@ -59,17 +60,33 @@ def _file_digest(path: str) -> bytes:
 
 
 # the code an export function runs besides its module's classes (whose files are hashed
-# anyway): what a change to invalidates its remembered models
-CODE = {
-    "hf": ("mha_onnx/export/hf.py", "mha_onnx/reference/hf.py", "mha_onnx/rewrite/faithful.py"),
+# anyway): what a change to invalidates its remembered models. Whole files, and in
+# export/hf.py (which also holds the export's report and checks) the functions that make the
+# example inputs and call torch.onnx.export, and the dim names they give.
+FILES = {
+    "hf": ("mha_onnx/reference/hf.py", "mha_onnx/rewrite/faithful.py"),
     "mha": ("mha_onnx/export/mha.py", "mha_onnx/reference/mha.py", "mha_onnx/config.py",
             "mha_onnx/rewrite/faithful.py"),
     "zoo": ("tests/models.py",),
 }
+HF_FUNCTIONS = ("_torch_export", "_examples", "_seq2seq_examples", "_random")
+_CODES: dict[str, bytes] = {}
 
 
 def _code(kind: str = "hf") -> bytes:
-    return b"".join(_file_digest(str(ROOT / path)) for path in CODE[kind])
+    if kind not in _CODES:
+        digest = b"".join(_file_digest(str(ROOT / path)) for path in FILES[kind])
+        if kind == "hf":
+            import inspect
+
+            import mha_onnx.export.hf as hf
+
+            text = [inspect.getsource(getattr(getattr(hf, name), "original",
+                                              getattr(hf, name))) for name in HF_FUNCTIONS]
+            text.append(repr((hf.NEW, hf.PAST, hf.TOTAL)))
+            digest += hashlib.sha256("\n".join(text).encode()).digest()
+        _CODES[kind] = digest
+    return _CODES[kind]
 
 
 def _plain(value: Any, depth: int = 0) -> str:
@@ -175,7 +192,7 @@ def _relocated(proto, old: str, new: str):
 def remembered(export, keyed, run_folder: Path, kind: str = "hf"):
     """``export`` (a function returning an ONNX ModelProto) with its models remembered;
     ``keyed(*args, **kwargs)`` -> (module, example arguments, other options) of a call;
-    ``kind``: which of CODE it runs."""
+    ``kind``: which of FILES it runs."""
     import onnx
 
     def memo(*args, **kwargs):
