@@ -113,7 +113,7 @@ def _no_torch_export_in_the_fast_suite():
 
 
 def pytest_collection_modifyitems(config, items):
-    """A fast suite (CONTRIBUTING.md, rule 17): what needs torch.export, times models, runs whole
+    """A fast suite (CONTRIBUTING.md, rule 18): what needs torch.export, times models, runs whole
     models end to end or runs transformers is ``slow``, so that ``pytest -m "not slow"``
     runs in under two minutes; ``make test`` runs everything."""
     for item in items:

@@ -59,6 +59,8 @@ def fuse(model, output, target, ep, forms, kv_cache, logits, no_verify, atol, rt
         return emit(run_tune(model, output, tune_batch, tune_seq_lens, tune_threads, force,
                              tune_max_size, tune_budget), as_json)
 
+    if policy.target == "ort":
+        _refuse_a_second_genai_model(model, output, force)
     report = fuse_file(model, output, policy=policy, verify_result=not no_verify, force=force,
                        atol=atol, rtol=rtol, inputs=inputs_npz, strict=strict, logits=logits)
     if policy.target == "ort":  # a decoder: GenAI's folder beside it
@@ -69,3 +71,14 @@ def fuse(model, output, target, ep, forms, kv_cache, logits, no_verify, atol, rt
         note = deliver_genai(output, model)
         report = replace(report, notes=(*report.notes, note)) if note else report
     emit(report, as_json)
+
+
+def _refuse_a_second_genai_model(model, output, force: bool) -> None:
+    """A decoder fused into a folder whose genai_config.json names another model: refused
+    before the fusion (its GenAI config would be replaced)."""
+    from mha_onnx.generate.genai import genai_clash
+    from mha_onnx.graph.cache import cache_pairs
+    from mha_onnx.graph.files import read_model
+
+    if cache_pairs(read_model(model, load_external_data=False)):
+        genai_clash(output, force)

@@ -34,16 +34,21 @@ class _Group(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
+        from mha_onnx.graph.files import remove_empty_outputs
+
         try:
             return super().invoke(ctx)
         except MhaOnnxError as exc:
+            remove_empty_outputs()
             self._fail(ctx, exc.message, exc.hint, exc.exit_code, type(exc).__name__)
         except KeyboardInterrupt:
+            remove_empty_outputs()
             click.echo("error: interrupted; no output was written", err=True)
             ctx.exit(130)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except Exception as exc:  # a bug of mha-onnx, not the user's input
+            remove_empty_outputs()
             self._fail(ctx, f"internal error: {type(exc).__name__}: {str(exc)[:300]}",
                        "please report it with the output of -v (the traceback)", EXIT_INTERNAL,
                        "InternalError")

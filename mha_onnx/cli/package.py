@@ -10,7 +10,9 @@ from mha_onnx.cli.options import emit
 @click.command("package")
 @click.argument("model")
 @click.option("-o", "--output", "repository", required=True, help="The model repository folder.")
-@click.option("--name", default=None, help="Model name in the repository (default: the file's stem).")
+@click.option("--name", default=None,
+              help="Model name in the repository (default: the file's stem, or its folder's "
+                   "name for a model.onnx).")
 @click.option("--max-batch-size", type=int, default=8, show_default=True)
 @click.option("--target", "targets", multiple=True,
               type=click.Choice(["cpu", "cuda", "tensorrt", "openvino"]),
@@ -43,9 +45,16 @@ def package_command(model, repository, name, max_batch_size, targets, instances,
     if any(len(p) != 2 or not all(p) for p in pairs):
         raise ConfigError(f"malformed --target-model {target_models}",
                           hint="e.g. --target-model cuda=model.cuda.tuned.onnx")
-    config = PackageConfig(name=name or Path(model).stem.replace(".", "_"),
+    config = PackageConfig(name=name or _default_name(Path(model)),
                            max_batch_size=max_batch_size, targets=tuple(targets) or ("cpu",),
                            instances=instances, from_profile=from_profile,
                            lengths=(low, opt, high), force=force, target_models=pairs,
                            stateless=stateless)
     emit(package_model(model, repository, config), as_json)
+
+
+def _default_name(model) -> str:
+    """The file's stem; a ``model.onnx`` (as export, fuse and quantize name their outputs in
+    folders of their own) by its folder's name, so that two such models are not both "model"."""
+    stem = model.stem if model.stem != "model" else model.resolve().parent.name
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in stem) or "model"

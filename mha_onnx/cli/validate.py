@@ -62,6 +62,8 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
         inputs=inputs_npz, save_outputs=save_outputs, load_outputs=load_outputs, force=force,
         strict=strict, bisect=bisect_, bisect_chunk=bisect_chunk,
         accuracy=Thresholds(max_kl, min_top1, min_cosine, min_greedy),
+        progress=(lambda _: None) if as_json else (
+            lambda line: click.echo(f"[validate] {line}", err=True)),
     )
     report = validate_model(model, config)
     if as_json:

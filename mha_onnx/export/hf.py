@@ -18,19 +18,19 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mha_onnx import __version__
 from mha_onnx.errors import ConfigError, ExportError, FusionError
+from mha_onnx.export.options import HfExportConfig, HfExportReport
 from mha_onnx.graph import metadata
 from mha_onnx.graph.files import prepare_output, write_model
 from mha_onnx.reference.hf import (
-    TASKS,
     DecoderWithPast,
     Seq2SeqParts,
     cache_shape,
+    check_decoder,
     check_task,
     decoder_layers,
     describe,
@@ -44,68 +44,10 @@ from mha_onnx.reference.hf import (
     read_config,
 )
 from mha_onnx.rewrite.faithful import optimize_faithfully
-from mha_onnx.rewrite.policy import KV_CACHES, FormPolicy
+from mha_onnx.rewrite.policy import FormPolicy
 
 PAST, NEW = "past_sequence_length", "sequence_length"
 TOTAL = f"{PAST} + {NEW}"
-
-
-@dataclass(frozen=True)
-class HfExportConfig:
-    task: str = "auto"
-    dtype: str = "float32"
-    opset: int = 18
-    fuse: bool = True
-    kv_cache: str = "appended"
-    force: bool = False
-    genai: bool = True  # text generation: genai_config.json and the tokenizer beside it
-    logits: str = "all"  # "last": the LM head of each row's last kept position only
-    weights: str = "float"  # int4 | int8: quantized after the export (mha_onnx.quantize)
-    atol: float | None = None  # fuse's verification and the check against PyTorch (default:
-    rtol: float | None = None  # the dtype's, mha_onnx.stats.DEFAULT_TOLERANCES)
-    kv_bits: int = 0  # 8: a shared cache in int8 too (quantize --kv-bits)
-
-    def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ConfigError(f"unknown task {self.task!r}", hint=f"tasks: {', '.join(TASKS)}")
-        if self.dtype not in ("float32", "float16"):
-            raise ConfigError(f"unsupported dtype {self.dtype!r}", hint="float32 | float16")
-        if self.kv_cache not in KV_CACHES:
-            raise ConfigError(f"unknown --kv-cache {self.kv_cache!r}",
-                              hint=" | ".join(KV_CACHES))
-        if self.logits not in ("all", "last"):
-            raise ConfigError(f"unknown --logits {self.logits!r}", hint="all | last")
-        if self.weights not in ("float", "int4", "int8"):
-            raise ConfigError(f"--weights {self.weights!r} with --model",
-                              hint="int4 or int8 (quantized after the export)")
-        decoder = self.task in ("auto", "text-generation-with-past")
-        if self.kv_bits and (self.weights == "float" or self.kv_cache != "shared"
-                             or not self.fuse or not decoder):
-            raise ConfigError("--kv-bits quantizes the cache of a decoder exported with "
-                              "--kv-cache shared and --weights int4|int8",
-                              hint="--model FOLDER --kv-cache shared --weights int4 --kv-bits 8")
-
-
-@dataclass(frozen=True)
-class HfExportReport:
-    output: str
-    task: str
-    fused: str  # what fuse made of the blocks, or why not fused
-    validation: Any
-    seconds: float
-    notes: tuple[str, ...] = field(default=())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"output": self.output, "task": self.task, "fused": self.fused,
-                "validation": self.validation.to_dict(), "seconds": round(self.seconds, 2),
-                "notes": list(self.notes)}
-
-    def render(self) -> str:
-        lines = [f"exported {self.output} ({self.task})", f"  fused: {self.fused}",
-                 f"  validated against PyTorch: {len(self.validation.comparisons)} comparisons, "
-                 f"passed"]
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
 
 
 def _random(seed: int = 0):
@@ -238,6 +180,10 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
     output = prepare_output(output, force=cfg.force)
     config = read_config(folder)
     task = infer_task(config) if cfg.task == "auto" else cfg.task
+    if cfg.genai and task == "text-generation-with-past":
+        from mha_onnx.generate.genai import genai_clash
+
+        genai_clash(output, cfg.force)  # (before the export, not after it)
     check_task(config, task)
     if "with-past" not in task and (cfg.kv_cache == "shared" or cfg.logits == "last"):
         given = "--kv-cache shared" if cfg.kv_cache == "shared" else "--logits last"
@@ -251,6 +197,8 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
         targets = {"encoder": encoder, "decoder": output}
     progress(f"loading {folder.name} ({config.model_type}, {task}, {cfg.dtype})")
     model = load_module(folder, task, cfg.dtype)
+    if task == "text-generation-with-past":
+        check_decoder(model, config)
     notes, fused, validations = [], [], []
     with tempfile.TemporaryDirectory(prefix="mha_onnx_hf_") as tmp:
         made = {}

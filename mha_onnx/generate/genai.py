@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mha_onnx.errors import ConfigError
+from mha_onnx.errors import ConfigError, OutputExistsError
 from mha_onnx.graph.decoder import IDS, LOGITS, MASK, POSITIONS, DecoderInterface
 
 CONFIG = "genai_config.json"
@@ -172,3 +172,22 @@ def deliver_genai(output: str | Path, source: str | Path) -> str | None:
     if not record:
         return None
     return write_genai_folder(output, Path(source).resolve().parent, dict(record)).note()
+
+
+def genai_clash(output: str | Path, force: bool) -> None:
+    """Refuses (before any work) a decoder written into a folder whose genai_config.json
+    names another model: GenAI's config of that one would be replaced silently (a folder
+    holds one GenAI model). ``force``: replace it."""
+    output = Path(output)
+    config = output.parent / "genai_config.json"
+    if force or not config.is_file():
+        return
+    try:
+        named = json.loads(config.read_text())["model"]["decoder"]["filename"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if named not in (output.name, output.name.replace(".onnx", ".genai.onnx")):
+        raise OutputExistsError(f"{config} is GenAI's config of {named}: a second decoder in "
+                                f"this folder would replace it",
+                                hint="write each decoder into a folder of its own, or --force "
+                                     "to replace it")

@@ -232,11 +232,49 @@ def prepare_output(path: str | os.PathLike[str], *, force: bool) -> Path:
         raise OutputExistsError(f"output path is a folder: {path}")
     if path.exists() and not force:
         raise OutputExistsError(f"output exists: {path}", hint="pass --force to replace it")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ModelFileError(f"cannot create folder {path.parent}: {exc.strerror or exc}") from exc
+    _make_folder(path.parent)
     return path
+
+
+# the folders this process created for its outputs (the topmost of each new chain): a
+# command that fails or is interrupted removes those still empty (remove_empty_outputs)
+_CREATED: list[Path] = []
+
+
+def _make_folder(folder: Path) -> None:
+    top = next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelFileError(f"cannot create folder {folder}: {exc.strerror or exc}") from exc
+    if top is not None:
+        _CREATED.append(top)
+    _writable(folder)
+
+
+def remove_empty_outputs() -> None:
+    """Removes the folders this process created for outputs that hold no file (after a
+    failure or an interrupt: nothing was written, and nothing is left behind)."""
+    while _CREATED:
+        top = _CREATED.pop()
+        if not top.is_dir():
+            continue
+        for folder, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+            try:
+                os.rmdir(folder)  # only an empty folder goes
+            except OSError:
+                pass
+
+
+def _writable(folder: Path) -> None:
+    """Refuses a folder no file can be written into (read-only, or a file system that
+    takes none) now, not after the work: a probe file created and removed."""
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".mha_onnx_probe_"):
+            pass
+    except OSError as exc:
+        raise ModelFileError(f"cannot write into {folder}: {exc.strerror or exc}",
+                             hint="pick an output folder you can write to") from None
 
 
 def prepare_folder(path: str | os.PathLike[str], *, force: bool) -> Path:
@@ -248,10 +286,7 @@ def prepare_folder(path: str | os.PathLike[str], *, force: bool) -> Path:
     if path.is_dir() and any(path.iterdir()) and not force:
         raise OutputExistsError(f"output folder is not empty: {path}",
                                 hint="pass --force to write into it anyway")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ModelFileError(f"cannot create folder {path}: {exc.strerror or exc}") from exc
+    _make_folder(path)
     return path
 
 

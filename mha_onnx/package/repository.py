@@ -89,7 +89,9 @@ class PackageReport:
         rows = [(f, ) for f in self.files]
         return "\n".join([f"packaged {self.name} into {self.repository} for "
                           f"{', '.join(self.configs)} in {self.seconds:.1f} s",
-                          f"  dynamic batching: {json.dumps(self.batching)}",
+                          "  dynamic batching: " + (json.dumps(self.batching) if self.batching
+                                                    else "none (sequence batching, or batch "
+                                                         "size 0)"),
                           *(f"  note: {n}" for n in self.notes),
                           table(["file"], rows, indent="  ")])
 

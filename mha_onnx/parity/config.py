@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,8 @@ class ValidateConfig:
     bisect: bool = False  # on a failure, name the first node whose output differs
     bisect_chunk: int = 256  # intermediate values exposed per run while bisecting
     accuracy: Any = None  # a quantized model's thresholds (quantize/accuracy.Thresholds)
+    # a line per step that takes time (the CLI prints it as "[validate] ..." on stderr)
+    progress: Callable[[str], None] = field(default=lambda _: None, compare=False, repr=False)
 
     def tolerance_for(self, output: str, dtype: np.dtype, provider: str = "cpu"
                       ) -> tuple[float, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 from mha_onnx import __version__
 from mha_onnx.errors import InputSpecError
 from mha_onnx.graph.files import atomic_path
+from mha_onnx.graph.metadata import CheckResult
 
 FORMAT = "mha-onnx golden outputs 1"
 
@@ -91,3 +93,30 @@ class GoldenReference:
                     np.array_equal(run.inputs[k], feeds[k]) for k in feeds):
                 return run.outputs
         raise InputSpecError("these inputs are not in the golden file")
+
+
+def golden_provenance(golden: GoldenReference, path: str | Path, strict: bool) -> list:
+    """Was the golden file saved from this very model? A different sha256 is said (a fused
+    model checked against its original's golden outputs is legitimate); --strict fails it."""
+    saved = golden.meta.get("model_sha256")
+    here = file_sha256(path)
+    if saved == here:
+        return [CheckResult("golden model", True, "saved from this model (same sha256)")]
+    detail = (f"saved from another model (sha256 {str(saved)[:12]}, this one {here[:12]}, "
+              f"{golden.meta.get('model', '?')})")
+    return [CheckResult("golden model", not strict, detail + ("" if strict else "; compared "
+                                                             "anyway (--strict fails this)"))]
+
+
+def golden_coverage(golden: GoldenReference, model, comparisons: Sequence[Any]) -> CheckResult:
+    """Every output of the model is compared with the golden file, else the check fails."""
+    outputs = [o.name for o in model.graph.output]
+    stored = sorted({name for run in golden.runs for name in run.outputs})
+    compared = {c.output for c in comparisons if c.against == "golden"}
+    missing = [o for o in outputs if o not in compared]
+    if not compared or missing:
+        return CheckResult("golden outputs", False,
+                           f"{len(compared)} of {len(outputs)} outputs compared: the golden file "
+                           f"holds {stored[:6]}, the model has {outputs[:6]}")
+    return CheckResult("golden outputs", True,
+                       f"{len(outputs)} output(s) compared over {len(golden.runs)} stored run(s)")

@@ -17,6 +17,7 @@ from mha_onnx.graph.inputs import input_specs
 from mha_onnx.graph.metadata import CheckResult, session_options
 from mha_onnx.graph.preflight import preflight
 from mha_onnx.parity.config import ValidateConfig
+from mha_onnx.parity.golden import golden_provenance
 from mha_onnx.runtime.ort import OrtRunner
 
 
@@ -149,3 +150,14 @@ def _reference_runner(ref_model: onnx.ModelProto, config: ValidateConfig):
         runner = SharedCache(runner, specs, pairs, rows=row_layout(ref_model))
     return runner, (f"reference = {config.reference} on ORT CPU"
                     + (f" ({checked.message()})" if checked.crashed else ""))
+
+
+def with_golden(model, path, config: ValidateConfig, golden):
+    """references_for's, with a golden file's outputs as one more reference."""
+    references, labels, checks, ref_specs = references_for(model, str(path), config,
+                                                           needed=golden is None)
+    if golden is not None:
+        references["golden"] = golden
+        labels.append(golden.label)
+        checks += golden_provenance(golden, path, config.strict)
+    return references, labels, checks, ref_specs

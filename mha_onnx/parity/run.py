@@ -27,7 +27,7 @@ from mha_onnx.graph.inputs import (
     load_inputs,
     make_inputs,
 )
-from mha_onnx.graph.metadata import CheckResult, session_options
+from mha_onnx.graph.metadata import session_options
 from mha_onnx.graph.preflight import preflight
 from mha_onnx.graph.roles import length_limit
 from mha_onnx.parity.bisect import after_failure
@@ -37,12 +37,13 @@ from mha_onnx.parity.golden import (
     GoldenReference,
     GoldenRun,
     file_sha256,
+    golden_coverage,
     load_golden,
     save_golden,
 )
 from mha_onnx.parity.held import held_note, hold_routes, routed_source
 from mha_onnx.parity.kernels import attention_kernels, describe
-from mha_onnx.parity.references import references_for
+from mha_onnx.parity.references import with_golden
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
 from mha_onnx.profile.memory import ensure_fits
 from mha_onnx.runtime import capabilities, make_runner
@@ -134,6 +135,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     model = read_model(path)
     if "quantization" in metadata.read(model):  # accuracy against its float original
         from mha_onnx.parity.quantized import validate_quantized
+        config.progress("a quantized model: its accuracy against its float original")
         return validate_quantized(path, config)
     shared = cache.is_shared(model)  # then fed and compared through the appended interface
     specs, pairs = cache.shared_view(model)
@@ -141,12 +143,9 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     if config.memory_check:  # the model, PyTorch and the reference run at once
         ensure_fits(model, [c for c, _ in runs], copies=3,
                     hint="use smaller --shapes or pass --no-memory-check")
-    references, labels, checks, ref_specs = references_for(model, str(path), config,
-                                                           needed=golden is None)
-    if golden is not None:
-        references["golden"] = golden
-        labels.append(golden.label)
-        checks += golden_provenance(golden, path, config.strict)
+    references, labels, checks, ref_specs = with_golden(model, path, config, golden)
+    config.progress(f"{len(runs)} input shapes on {', '.join(config.providers)} against "
+                    f"{', '.join(labels) or 'nothing'}")
     level = session_options(model).get("optimization", "all")
     rows = cache.row_layout(model)  # per-row lengths: buffers hold each row's kept keys first
     probe = cache.to_shared(runs[0][1], specs, pairs, rows=rows,
@@ -163,6 +162,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
                                                    runners, config, set(pairs.values()))
         kernels: list[str] = []
         if pairs and golden is None and not config.inputs and config.decode_steps > 0:
+            config.progress(f"decode chains ({config.decode_steps} steps)")
             decoded, kernels = _decode(str(path), model, specs, pairs, references, runners,
                                        config)
             comparisons += decoded
@@ -175,6 +175,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         checks.append(golden_coverage(golden, model, comparisons))
     bisected = None
     if config.bisect and any(not c.stats.passed for c in comparisons):
+        config.progress("bisecting the first mismatch")
         bisected = after_failure(str(path), config, comparisons, runs,
                                  [s.provider for s in statuses if s.ran],
                                  lambda feeds: _cast_feeds(feeds, ref_specs))
@@ -191,34 +192,6 @@ def _save_outputs(path, config: ValidateConfig, saved, provider: str) -> None:
     save_golden(config.save_outputs, saved, {
         "model": Path(path).name, "model_sha256": file_sha256(path), "provider": provider,
         "machine": machine_info()}, force=config.force)
-
-
-def golden_provenance(golden: GoldenReference, path: str | Path, strict: bool) -> list:
-    """Was the golden file saved from this very model? A different sha256 is said (a fused
-    model checked against its original's golden outputs is legitimate); --strict fails it."""
-    saved = golden.meta.get("model_sha256")
-    here = file_sha256(path)
-    if saved == here:
-        return [CheckResult("golden model", True, "saved from this model (same sha256)")]
-    detail = (f"saved from another model (sha256 {str(saved)[:12]}, this one {here[:12]}, "
-              f"{golden.meta.get('model', '?')})")
-    return [CheckResult("golden model", not strict, detail + ("" if strict else "; compared "
-                                                             "anyway (--strict fails this)"))]
-
-
-def golden_coverage(golden: GoldenReference, model, comparisons: Sequence[Comparison]
-                    ) -> CheckResult:
-    """Every output of the model is compared with the golden file, else the check fails."""
-    outputs = [o.name for o in model.graph.output]
-    stored = sorted({name for run in golden.runs for name in run.outputs})
-    compared = {c.output for c in comparisons if c.against == "golden"}
-    missing = [o for o in outputs if o not in compared]
-    if not compared or missing:
-        return CheckResult("golden outputs", False,
-                           f"{len(compared)} of {len(outputs)} outputs compared: the golden file "
-                           f"holds {stored[:6]}, the model has {outputs[:6]}")
-    return CheckResult("golden outputs", True,
-                       f"{len(outputs)} output(s) compared over {len(golden.runs)} stored run(s)")
 
 
 ATTENTION_KERNELS = ("(MultiHeadAttention)", "(GroupQueryAttention)", "(Attention)")
@@ -303,7 +276,8 @@ def _compare_runs(model, specs, runs, references, ref_specs, runners, config: Va
     comparisons: list[Comparison] = []
     masked: list[MaskedRows] = []
     saved: list[GoldenRun] = []
-    for case, feeds in runs:
+    for number, (case, feeds) in enumerate(runs, 1):
+        config.progress(f"shape {number}/{len(runs)}: {case.describe()}")
         gots = {p: r.infer(feeds) for p, r in runners.items()}  # (first: held.py)
         wants = {key: ref.infer(_cast_feeds(feeds, ref_specs) if key == "reference" else feeds)
                  for key, ref in references.items()}

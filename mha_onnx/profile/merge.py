@@ -17,6 +17,7 @@ from typing import Any
 
 from mha_onnx.errors import InputSpecError
 from mha_onnx.graph.files import atomic_path, check_readable, prepare_output
+from mha_onnx.profile.report import short_names
 from mha_onnx.table import human_bytes
 
 MIN_SCHEMA = 2
@@ -54,9 +55,10 @@ class MergedReport:
                  "", "Cells: p50 ms / tokens per s / % of that machine's matmul roofline "
                  "(decode points, whose L is the cached context: % of its memory bandwidth, "
                  "`bw`; `>100%?` where the probe measured less than the run achieved) / "
-                 "memory. One column per machine, provider and thread count; a forward run "
-                 "(L tokens) and a decode step (one token after L cached) of one model are "
-                 "rows of their own.", "",
+                 "peak memory (the profiling process's resident set, or the GPU's). One "
+                 "column per machine, provider and thread count; a forward run (L tokens) "
+                 "and a decode step (one token after L cached) of one model are rows of "
+                 "their own.", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in self.rows:
             cells = [row["model"], row["run"], str(row["batch"]), str(row["seq_len"] or "-")]
@@ -78,7 +80,7 @@ def _cell(point: dict[str, Any] | None) -> str:
     if roof is None and bandwidth is not None:  # a decode step: what it reads is the ceiling
         fraction = f"{_share(bandwidth)} bw"
     memory = point.get("device_bytes") if point.get("device_bytes") is not None else \
-        point.get("run_rss_bytes")
+        point.get("peak_rss_bytes")
     tokens = point.get("tokens_per_s")
     return (f"{point['p50_ms']:.2f} ms / {'-' if tokens is None else f'{tokens:,.0f}'} / "
             f"{fraction} / {'-' if memory is None else human_bytes(memory)}")
@@ -119,11 +121,14 @@ def merge_profiles(paths: list[str | Path]) -> MergedReport:
     for path in paths:
         data = load_profile(path)
         machine = _machine(data)
+        # each model by as much of its path as tells it from the file's others (two models
+        # both named model.onnx, each in a folder of its own, were merged into one row)
+        names = short_names(p["model"] for p in data.get("points", []))
         for point in data.get("points", []):
             target = Target(machine, point["provider"], point.get("threads"))
             targets.setdefault(target)
             run = "decode step" if data.get("decode") else "forward"  # (never one row)
-            key = (Path(point["model"]).name, run, point["batch"], point["seq_len"])
+            key = (names[str(point["model"])], run, point["batch"], point["seq_len"])
             row = rows.setdefault(key, {"model": key[0], "run": run, "batch": key[2],
                                         "seq_len": key[3]})
             row[target.label] = point

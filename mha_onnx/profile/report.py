@@ -96,7 +96,9 @@ class Point:
 
     @property
     def memory(self) -> int | None:
-        return self.device_bytes if self.device_bytes is not None else self.run_rss_bytes
+        """The peak: the device's memory in use on a GPU, else the worker's peak resident
+        set (the weights, the sessions and the runs: what the host must have free)."""
+        return self.device_bytes if self.device_bytes is not None else self.peak_rss_bytes
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -178,14 +180,14 @@ class ProfileReport:
                          "'roofline' = time to read the cache and the weights once at that "
                          "bandwidth / p50")
             head = ["model", "ep", "batch", "cache", "threads", "p50 ms", "p90 ms", "p99 ms",
-                    "min ms", "tokens/s", "cache MB", "roofline", "memory", "load s"]
+                    "min ms", "tokens/s", "cache MB", "roofline", "peak mem", "load s"]
             lines.append(table(head, [_decode_row(p, label[p.model]) for p in self.points]))
         else:
             lines.append(table(["model", "ep", "batch", "seq", "threads", "p50 ms", "p90 ms",
-                                "p99 ms", "min ms", "tokens/s", "GFLOP/s", "roofline", "memory",
+                                "p99 ms", "min ms", "tokens/s", "GFLOP/s", "roofline", "peak mem",
                                 "load s"], [_row(p, label[p.model]) for p in self.points]))
         for s in self.speedups():
-            ratio = "" if s["memory_ratio"] is None else f", memory x{s['memory_ratio']:.2f}"
+            ratio = "" if s["memory_ratio"] is None else f", peak memory x{s['memory_ratio']:.2f}"
             lines.append(f"  {label[s['model']]} vs {label[self.models[0]]} ({s['provider']}, "
                          f"batch {s['batch']}, seq {s['seq_len']}, {s['threads']} threads): "
                          f"{speed_words(s['speedup'])}{ratio}")

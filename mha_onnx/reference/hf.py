@@ -148,6 +148,7 @@ def load_module(folder: str | Path, task: str, dtype: str = "float32") -> Any:
     order = ("eager", None) if task == "text2text-generation-with-past" else ("sdpa", None)
     # transformers' grouped_mm experts are a custom op torch.export cannot lower; bmm it can
     experts = {"experts_implementation": "batched_mm"} if _has_experts(folder) else {}
+    tf.utils.logging.disable_progress_bar()  # (its "Loading weights" bars are not ours to show)
     for attn in order:
         try:
             extra = {"attn_implementation": attn, **experts} if attn else dict(experts)
@@ -250,6 +251,21 @@ def _cache_of(pasts) -> Any:
 def _returned_cache(out: Any) -> Any:
     made = getattr(out, "cache", None)
     return made if made is not None else out.past_key_values
+
+
+def check_decoder(model: Any, config: Any) -> None:
+    """Refuses, before torch.export's minutes, a model whose forward returns no cache
+    (an encoder loaded under a causal-LM head: BERT's BertLMHeadModel without
+    ``is_decoder``): one eager step of two tokens."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[1, 2]]), use_cache=True)
+    if _returned_cache(out) is None:
+        arch = " ".join(getattr(config, "architectures", None) or []) or config.model_type
+        raise ConfigError(f"--task text-generation-with-past does not fit {arch} "
+                          f"({config.model_type}): its forward returns no cache (its task "
+                          f"is {infer_task(config)})", hint="--task auto picks it")
 
 
 def _presents(cache: Any) -> list:

@@ -173,9 +173,10 @@ def find_blocks(graph: ir.Graph) -> list[Block]:
     blocks = []
     for node in graph:
         inner = [b for sub in subgraphs(node) for b in find_blocks(sub)]
-        fused_inner = sorted({b.op for b in inner if b.kind == "fused"})
-        if fused_inner:
-            blocks.append(Block("fused", f"{op_label(node)}[{', '.join(fused_inner)}]",
+        if any(b.kind == "fused" for b in inner):  # one label, however deep the nesting
+            leaves, depth = _fused_leaves(node)
+            label = f"{op_label(node)}[{', '.join(sorted(leaves))}]"
+            blocks.append(Block("fused", label + (f" ({depth} levels)" if depth > 1 else ""),
                                 node.name or "", graph.name or ""))
         blocks.extend(b for b in inner if b.kind == "unfused")
         if is_fused_attention(node):
@@ -184,3 +185,19 @@ def find_blocks(graph: ir.Graph) -> list[Block]:
             blocks.append(Block("unfused", "MatMul-Softmax-MatMul", node.name or "",
                                 graph.name or "", node))
     return blocks
+
+
+def _fused_leaves(node: ir.Node) -> tuple[set[str], int]:
+    """The attention ops inside a control-flow node's subgraphs at any depth, and how many
+    control-flow levels hold them (mha-onnx's key-padding forms nest Ifs)."""
+    leaves, depth = set(), 1
+    for sub in subgraphs(node):
+        for inner in sub:
+            if is_fused_attention(inner):
+                leaves.add(op_label(inner))
+            if any(True for _ in subgraphs(inner)):
+                found, levels = _fused_leaves(inner)
+                leaves |= found
+                if found:
+                    depth = max(depth, levels + 1)
+    return leaves, depth

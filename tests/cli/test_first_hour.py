@@ -166,3 +166,45 @@ def test_fusing_a_graph_that_neither_runtime_runs_is_one_line_not_an_internal_er
     assert "reference evaluator raised NotImplementedError" in error[0]
     assert "--inputs FILE.npz" in error[0]
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_an_output_folder_nothing_can_be_written_into_is_refused_before_the_export(
+        hf_folder, tmp_path):
+    """(/proc takes no new file, for root too: a read-only folder as every user meets it)"""
+    result = _cli("export", "--model", hf_folder("bert"), "-o", "/proc/model.onnx")
+    assert result.exit_code == 2, result.output
+    assert "cannot write into /proc" in result.output and "[export]" not in result.output
+
+
+def test_an_encoder_exported_as_a_decoder_is_refused_before_torch_export(hf_folder, tmp_path):
+    """BERT loads under a causal-LM head (BertLMHeadModel) and returns no cache: refused
+    after one eager step, not after torch.export's minutes with an AttributeError."""
+    result = _cli("export", "--model", hf_folder("bert"), "--task", "text-generation-with-past",
+                  "-o", tmp_path / "new" / "x.onnx")
+    assert result.exit_code == 2, result.output
+    assert "returns no cache" in result.output and "feature-extraction" in result.output
+    assert "internal error" not in result.output and "torch.export" not in result.output
+    assert not (tmp_path / "new").exists()  # the folder it made for the output: gone too
+
+
+def test_an_interrupted_export_exits_130_and_leaves_no_folder(hf_folder, tmp_path):
+    """Ctrl-C during torch.export: exit 130 with one line, and the output's folder (made
+    for it) is not left behind empty."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "new" / "deeper" / "x.onnx"
+    proc = subprocess.Popen([sys.executable, "-m", "mha_onnx.cli", "export", "--model",
+                             str(hf_folder("bert")), "-o", str(out)],
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # bounded: the export ends by itself if never interrupted
+        seen.append(line)
+        if "torch.export" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted; no output was written" in rest and "Traceback" not in rest
+    assert not (tmp_path / "new").exists()

@@ -17,6 +17,7 @@ from mha_onnx.parity import ValidateConfig, validate_model
 def _export(folder, out, *extra):
     result = CliRunner().invoke(main, ["export", "--model", str(folder), "-o", str(out), "--json",
                                        *extra])
+    assert "Loading weights" not in result.output  # (transformers' bars leaked into stderr)
     return result
 
 

@@ -11,7 +11,9 @@ from dataclasses import replace
 import numpy as np
 import onnx
 import pytest
+from click.testing import CliRunner
 
+from mha_onnx.cli import main
 from mha_onnx.generate import genai_file, read_interface
 from mha_onnx.generate.genai import deliver_genai, write_genai_folder
 from mha_onnx.rewrite import fuse_file
@@ -194,3 +196,23 @@ def test_an_inlined_file_ort_refuses_leaves_the_file_as_written_with_the_reason(
     made = write_genai_folder(out, None)  # (no exception: the export stays written)
     assert made.filename == "model.onnx" == _runs(out)
     assert "ORT could not run the probe" in made.note()
+
+
+@pytest.mark.models
+def test_a_second_decoder_in_one_folder_is_refused_before_it_replaces_genais_config(tmp_path):
+    """A folder holds one GenAI model: a second decoder fused into it replaced the first's
+    genai_config.json silently; now it is refused before the fusion (exit 2), --force
+    replaces it."""
+    source = str(OPTIMUM / "llama" / "model.onnx")
+    first = CliRunner().invoke(main, ["fuse", source, "-o", str(tmp_path / "a.onnx")])
+    assert first.exit_code == 0, first.output
+    before = (tmp_path / "genai_config.json").read_text()
+    second = CliRunner().invoke(main, ["fuse", source, "-o", str(tmp_path / "b.onnx")])
+    assert second.exit_code == 2 and "genai_config.json" in second.output, second.output
+    assert "--force" in second.output and not (tmp_path / "b.onnx").exists()
+    assert (tmp_path / "genai_config.json").read_text() == before
+    forced = CliRunner().invoke(main, ["fuse", source, "-o", str(tmp_path / "b.onnx"),
+                                       "--force"])
+    assert forced.exit_code == 0, forced.output
+    config = json.loads((tmp_path / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["filename"] == "b.onnx"

@@ -183,6 +183,30 @@ def test_report_keeps_every_thread_count_of_one_machine(export_cache, tmp_path):
         assert all(row.get(t) for t in merged["targets"])
 
 
+def test_report_keeps_two_models_of_one_name_apart_and_one_model_across_files(export_cache,
+                                                                            tmp_path):
+    """Two models both named model.onnx, each in a folder of its own (the layout export,
+    fuse and quantize write): the report merged their rows into one and lost a model's
+    numbers; it keeps them apart by their folders now, and still merges one model across
+    two profiles (two machines)."""
+    first = _profile(export_cache, tmp_path)
+    data = json.loads(first.read_text())
+    twice = [{**p, "model": f"/somewhere/{name}/model.onnx", "p50_ms": p["p50_ms"] * k}
+             for name, k in (("llama", 1), ("llama-int4", 2)) for p in data["points"]]
+    one, other = tmp_path / "one.json", tmp_path / "other.json"
+    one.write_text(json.dumps({**data, "points": twice}))
+    moved = [{**p, "model": p["model"].replace("/somewhere/", "/elsewhere/")} for p in twice]
+    other.write_text(json.dumps({**data, "machine": {**data.get("machine", {}),
+                                                      "hostname": "another"}, "points": moved}))
+    result = CliRunner().invoke(main, ["report", str(one), str(other), "-o",
+                                       str(tmp_path / "r.md"), "--json"])
+    assert result.exit_code == 0, result.output
+    merged = json.loads(result.output)
+    assert {r["model"] for r in merged["rows"]} == {"llama/model.onnx", "llama-int4/model.onnx"}
+    shapes = {(p["batch"], p["seq_len"]) for p in data["points"]}
+    assert len(merged["rows"]) == 2 * len(shapes)  # (the two files' points in the same rows)
+
+
 @pytest.mark.models
 def test_package_says_what_a_deployment_must_know(tmp_path):
     """An Optimum GPT-2 (256 positions), fused and served stateless (the client sends the
@@ -338,3 +362,14 @@ def test_a_stateless_decoders_readme_request_runs(tmp_path, model_config_pb2):
     assert result.exit_code == 0, result.output
     scope = run_readme(repo / "lm" / "README.md", Server(repo, "lm", model_config_pb2))
     assert scope["result"].as_numpy("present.0.key").shape == (2, 2, 32, 16)
+
+
+def test_a_model_onnx_is_named_by_its_folder(tmp_path):
+    """export, fuse and quantize write model.onnx into folders of their own: two such models
+    were both packaged as "model"; by default a model.onnx is named by its folder now."""
+    result = CliRunner().invoke(main, ["package", str(OPTIMUM / "llama" / "model.onnx"), "-o",
+                                       str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "r" / "llama" / "config.pbtxt").is_file()
+    assert not (tmp_path / "r" / "model").exists()
+    assert "dynamic batching: none (sequence batching" in result.output  # (it printed {})

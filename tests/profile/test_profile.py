@@ -41,10 +41,12 @@ def test_profile_points_and_comparison(export_cache, tmp_path):
         assert p.iters == 3 and 0 < p.min_ms <= p.p50_ms <= p.p90_ms <= p.p99_ms
         assert p.tokens_per_s > 0 and p.gflops > 0 and p.roofline_fraction > 0
         assert p.peak_rss_bytes > p.run_rss_bytes >= 0
+        assert p.memory == p.peak_rss_bytes  # the column: the peak, not the runs' growth
         assert p.top_ops and abs(sum(o.share for o in p.top_ops) - 1) < 0.2
         assert p.trace and (tmp_path / "traces").is_dir()
     assert {o.op_type for p in report.points if p.model == str(fused) for o in p.top_ops} >= {
         "MultiHeadAttention"}
+    assert "peak mem" in report.render() and " 0 B " not in report.render()
     speed = report.speedups()
     assert len(speed) == 4 and all(s["speedup"] > 0 for s in speed)
     assert "cpu float32" in report.roofline_gflops and report.roofline_gflops["cpu float32"] > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mha_onnx.rewrite.blocks import find_blocks
 from mha_onnx.rewrite.policy import FormPolicy
 from tests.sdpa_graphs import (
     Meaning,
@@ -73,6 +74,10 @@ def test_auto_switches_by_length_and_padding(t):
     model, chosen = _check(Meaning(padded=True), FormPolicy(), 4, t, _padding(4, t))
     assert {"GroupQueryAttention", "MultiHeadAttention", "Loop", "If"} <= ops(model)
     assert chosen.switch_at and chosen.otherwise is not None
+    if t == 200:  # inspect's op column: one label however deep the Ifs nest
+        (block,) = find_blocks(model.graph)
+        assert block.op == ("If[com.microsoft.GroupQueryAttention, "
+                            "com.microsoft.MultiHeadAttention] (4 levels)"), block.op
 
 
 def test_grouped_kv_heads_are_repeated_for_mha():

@@ -1,0 +1,80 @@
+"""What ``export --model`` is asked (HfExportConfig) and what it answers (HfExportReport)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mha_onnx.errors import ConfigError
+from mha_onnx.reference.hf import TASKS
+from mha_onnx.rewrite.policy import KV_CACHES
+
+
+@dataclass(frozen=True)
+class HfExportConfig:
+    task: str = "auto"
+    dtype: str = "float32"
+    opset: int = 18
+    fuse: bool = True
+    kv_cache: str = "appended"
+    force: bool = False
+    genai: bool = True  # text generation: genai_config.json and the tokenizer beside it
+    logits: str = "all"  # "last": the LM head of each row's last kept position only
+    weights: str = "float"  # int4 | int8: quantized after the export (mha_onnx.quantize)
+    atol: float | None = None  # fuse's verification and the check against PyTorch (default:
+    rtol: float | None = None  # the dtype's, mha_onnx.stats.DEFAULT_TOLERANCES)
+    kv_bits: int = 0  # 8: a shared cache in int8 too (quantize --kv-bits)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"unknown task {self.task!r}", hint=f"tasks: {', '.join(TASKS)}")
+        if self.dtype not in ("float32", "float16"):
+            raise ConfigError(f"unsupported dtype {self.dtype!r}", hint="float32 | float16")
+        if self.kv_cache not in KV_CACHES:
+            raise ConfigError(f"unknown --kv-cache {self.kv_cache!r}",
+                              hint=" | ".join(KV_CACHES))
+        if self.logits not in ("all", "last"):
+            raise ConfigError(f"unknown --logits {self.logits!r}", hint="all | last")
+        if self.weights not in ("float", "int4", "int8"):
+            raise ConfigError(f"--weights {self.weights!r} with --model",
+                              hint="int4 or int8 (quantized after the export)")
+        decoder = self.task in ("auto", "text-generation-with-past")
+        if self.kv_bits and (self.weights == "float" or self.kv_cache != "shared"
+                             or not self.fuse or not decoder):
+            raise ConfigError("--kv-bits quantizes the cache of a decoder exported with "
+                              "--kv-cache shared and --weights int4|int8",
+                              hint="--model FOLDER --kv-cache shared --weights int4 --kv-bits 8")
+
+
+@dataclass(frozen=True)
+class HfExportReport:
+    output: str
+    task: str
+    fused: str  # what fuse made of the blocks, or why not fused
+    validation: Any
+    seconds: float
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": self.output, "task": self.task, "fused": self.fused,
+                "validation": self.validation.to_dict(), "seconds": round(self.seconds, 2),
+                "notes": list(self.notes)}
+
+    def render(self) -> str:
+        lines = [f"exported {self.output} ({self.task})", f"  fused: {_grouped(self.fused)}",
+                 f"  validated against PyTorch: {len(self.validation.comparisons)} comparisons, "
+                 f"passed"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _grouped(fused: str) -> str:
+    """Each block's form said once with how many blocks took it (a 16-layer decoder's line
+    was 16 repeats of one long form); --json keeps every block's."""
+    forms = [f for f in fused.split("; ") if f]
+    counts: dict[str, int] = {}
+    for form in forms:
+        counts[form] = counts.get(form, 0) + 1
+    if len(forms) <= 1:
+        return fused
+    return "; ".join(f"{n} block{'s' if n > 1 else ''}: {form}" for form, n in counts.items())
