@@ -161,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     backend = (EngineBackend if args.mode == "engine" else GeneratorBackend)(args.folder,
                                                                            args.max_batch)
-    server = ThreadingHTTPServer((args.host, args.port), handler(backend))
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # (http.server's 5 refused clients past the fifth waiting)
+        daemon_threads = True
+
+    server = Server((args.host, args.port), handler(backend))
     print(f"serving {args.folder} ({args.mode}) on http://{args.host}:{server.server_port}",
           file=sys.stderr, flush=True)
     try:
