@@ -34,7 +34,7 @@ from mha_onnx.rewrite.irutil import opset
 from mha_onnx.rewrite.kv_interface import past_dim
 from mha_onnx.rewrite.norms import unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
-from mha_onnx.rewrite.passes import FuseRun, Prepare, run_pipeline
+from mha_onnx.rewrite.passes import Prepare, run_pipeline
 from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.shapes import with_symbolic_shapes
@@ -56,15 +56,14 @@ def fuse_model(model_proto: onnx.ModelProto, policy: FormPolicy | None = None,
     specs = input_specs(model_proto)
     related = with_related_dims(model_proto, specs)  # one name per axis
     model = to_ir(with_symbolic_shapes(related))
-    run = FuseRun(policy, floors=dim_floors(specs))
-    notes = run_pipeline(model, run)
-    results = _results(run.before, run.blog, run.chosen)
+    facts, notes = run_pipeline(model, policy, floors=dim_floors(specs))
+    results = _results(facts.before, facts.blog, facts.chosen)
     fused = ir.to_proto(model)
-    if run.packed:  # validate rebuilds PyTorch references from weights: where each one went
-        metadata.write(fused, {"packed": {k: list(v) for k, v in run.packed.items()}})
-    if run.cache:  # which outputs are which past's present, by any names
-        run.cache["past_dim"] = past_dim(model_proto, run.cache["pairs"])
-        metadata.write(fused, {"kv_cache": run.cache})
+    if facts.packed:  # validate rebuilds PyTorch references from weights: where each went
+        metadata.write(fused, {"packed": {k: list(v) for k, v in facts.packed.items()}})
+    if facts.cache:  # which outputs are which past's present, by any names
+        cache = {**facts.cache, "past_dim": past_dim(model_proto, facts.cache["pairs"])}
+        metadata.write(fused, {"kv_cache": cache})
     if fused.ir_version > 10 and model_proto.ir_version <= 10:
         fused.ir_version = model_proto.ir_version
     return fused, results, notes
@@ -76,7 +75,7 @@ def understand(model_proto: onnx.ModelProto) -> dict[str, str]:
     specs = input_specs(model_proto)
     related = with_related_dims(model_proto, specs)  # one name per axis
     model = to_ir(with_symbolic_shapes(related))
-    Prepare(FuseRun())(model)
+    Prepare()(model)
     oracle = Oracle(model, floors=dim_floors(specs))
     out: dict[str, str] = {}
     for node in model.graph:

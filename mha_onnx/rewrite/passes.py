@@ -1,13 +1,17 @@
 """Fusion as an ordered list of passes: what ``fuse_model`` runs, per target.
 
-Each stage is an onnx-ir ``InPlacePass`` (``requires`` checks that it is on the list of its
-target, ``call`` returns a ``PassResult``) that counts what it did; the fuse report's notes
-are rendered from those counts. The passes share one ``FuseRun``: the policy (policy.py)
-going in, the blocks and forms found coming out.
+Each stage is an onnx-ir ``InPlacePass`` with its settings in ``__init__`` (the policy,
+policy.py, and the facts earlier passes found); ``requires`` checks that it is on its
+target's list and that the facts it ``NEEDS`` were given by an earlier pass, ``call``
+returns a ``FusionResult`` (what it counted, the notes users read, and the facts with those
+it ``GIVES`` added: a new ``Facts``, never an edit of the one it was given), ``ensures``
+checks that it gave them. ``run_pipeline`` runs the list as onnx-ir's PassManager would,
+each pass made with the facts of the one before: a list in the wrong order stops at the
+first pass whose facts are missing, by name.
 
     prepare -> normalise -> recognise -> lower (ORT | ONNX) -> tighten -> cache record -> tidy
 
-``pipeline(run)`` gives the list. The ORT target lowers onto ORT's contrib kernels and
+``pipeline(policy)`` gives the list. The ORT target lowers onto ORT's contrib kernels and
 tightens the layer around them (below); passes measured on the CPU kernels only (residual
 Sum, rotary fold, packed Q/K/V) are listed for ``ep == "cpu"`` alone: what a GPU gets is read
 off the list. The ONNX target (and OpenVINO: the same ops) lowers onto ONNX's Attention.
@@ -23,7 +27,8 @@ what its kernel alone reads). The guards' cost: tools/experiments/guard_cost.py.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import onnx_ir as ir
@@ -64,62 +69,109 @@ ROTATING_NOTE = ("{} block(s) rotate Q and K inside GroupQueryAttention (do_rota
                  "first row's); other runs take the exporter's rotation")
 
 
-@dataclass
-class FuseRun:
-    """What the passes of one fuse share: the policy (target, ep, forms) and floors (in); the
-    blocks found before recognition, the log of each block, the form each
-    fused block got, where packed weights went and the KV-cache record (out)."""
+@dataclass(frozen=True)
+class Facts:
+    """What the passes of one fuse found, for the passes after them and for the report: the
+    blocks before recognition and the log of each (Recognise), the form each fused block
+    got (the lowering, then FoldRotary), where packed weights went (FoldRotary,
+    PackKernelInputs), the KV interface (past -> present pairs, a shared cache's row
+    layout and layer count: LowerToOrt; its past length read from the shapes: Guards) and
+    the cache record (RecordCache). ``given``: the fields some pass has set."""
 
-    policy: FormPolicy = field(default_factory=FormPolicy)
-    floors: dict = field(default_factory=dict)
-    before: list = field(default_factory=list)
+    before: tuple = ()
     blog: BlockLog = field(default_factory=BlockLog)
-    chosen: dict[str, Form] = field(default_factory=dict)
-    packed: dict[str, tuple[str, int, int]] = field(default_factory=dict)
-    cache: dict | None = None  # the record written into the fused model (RecordCache)
+    chosen: Mapping[str, Form] = field(default_factory=dict)
+    packed: Mapping[str, tuple[str, int, int]] = field(default_factory=dict)
     rotating: Folded = field(default_factory=lambda: Folded({}))
-    pairs: dict[str, str] = field(default_factory=dict)  # past -> present (LowerToOrt)
-    rows: Any = None  # a shared cache's per-row layout (lower/shared.py), or None
-    shared: int = 0  # how many layers share their cache buffers
-    from_shapes: bool = False  # their past length read from the shapes (Guards), no input
+    pairs: Mapping[str, str] = field(default_factory=dict)
+    rows: Any = None
+    shared: int = 0
+    from_shapes: bool = False
+    cache: Mapping | None = None
+    given: frozenset[str] = frozenset()
+
+    @classmethod
+    def known(cls, **values: Any) -> Facts:
+        """Facts given by hand (a pass run alone on a model already lowered, in tests)."""
+        return cls(**values, given=frozenset(values))
+
+    def add(self, new: Mapping[str, Any]) -> Facts:
+        return replace(self, **new, given=self.given | frozenset(new))
+
+
+@dataclass
+class FusionResult(ir.passes.PassResult):
+    """A pass's answer: onnx-ir's (the model, whether it changed) with what it counted, the
+    notes users read in the fuse report, and the facts with the ones it gave."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    facts: Facts = field(default_factory=Facts)
+
+
+class FusionPass(ir.passes.InPlacePass):
+    """A stage of fuse: ``apply`` rewrites the model and returns what it did, by name
+    (counts), and the facts it found (their names in ``GIVES``); ``NOTES`` renders the counts
+    that users read. ``TARGETS``/``EPS``: the targets and execution providers whose list it
+    is on; ``NEEDS``: the facts an earlier pass must have given."""
+
+    TARGETS: tuple[str, ...] = ("ort", "onnx")
+    EPS: tuple[str, ...] | None = None  # None: any
+    NEEDS: tuple[str, ...] = ()
+    GIVES: tuple[str, ...] = ()
+    NOTES: dict[str, str] = {}
+
+    def __init__(self, policy: FormPolicy | None = None, facts: Facts | None = None, *,
+                 floors: Mapping | None = None) -> None:
+        super().__init__()
+        self.policy = policy or FormPolicy()
+        self.facts = facts or Facts()
+        self.floors = dict(floors or {})  # the least value of each dim (recognition's)
+        self.result: FusionResult | None = None
 
     @property
     def target(self) -> str:  # the lowering: "ort" or "onnx" (OpenVINO's is onnx's)
         return self.policy.lowering
 
-
-class FusionPass(ir.passes.InPlacePass):
-    """A stage of fuse: ``apply`` rewrites the model and returns what it did, by name
-    (``counts``); ``NOTES`` renders the counts that users read in the fuse report.
-    ``TARGETS``/``EPS``: the targets and execution providers whose list it is on."""
-
-    TARGETS: tuple[str, ...] = ("ort", "onnx")
-    EPS: tuple[str, ...] | None = None  # None: any
-    NOTES: dict[str, str] = {}
-
-    def __init__(self, run: FuseRun) -> None:
-        super().__init__()
-        self.run = run
-        self.counts: dict[str, int] = {}
-
     def requires(self, model: ir.Model) -> None:
-        if self.run.target not in self.TARGETS or (
-                self.EPS is not None and self.run.policy.ep not in self.EPS):
+        name = type(self).__name__
+        if self.target not in self.TARGETS or (
+                self.EPS is not None and self.policy.ep not in self.EPS):
             raise ir.passes.PreconditionError(
-                f"{type(self).__name__} is a pass for target(s) {', '.join(self.TARGETS)}"
+                f"{name} is a pass for target(s) {', '.join(self.TARGETS)}"
                 + (f" on {', '.join(self.EPS)}" if self.EPS else "")
-                + f", not {self.run.target} on {self.run.policy.ep}")
+                + f", not {self.target} on {self.policy.ep}")
+        missing = [fact for fact in self.NEEDS if fact not in self.facts.given]
+        if missing:
+            raise ir.passes.PreconditionError(
+                f"{name} needs {', '.join(missing)} from an earlier pass "
+                f"({', '.join(sorted({giver(fact) for fact in missing}))})")
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.counts = self.apply(model)
-        return ir.passes.PassResult(model, modified=any(bool(v) for v in self.counts.values()))
+    def call(self, model: ir.Model) -> FusionResult:
+        counts, found = self.apply(model)
+        self.result = FusionResult(model, any(bool(v) for v in counts.values()), counts,
+                                   tuple(self.notes(counts, found)), self.facts.add(found))
+        return self.result
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
+    def ensures(self, model: ir.Model) -> None:
+        assert self.result is not None
+        unsaid = set(self.GIVES) - set(self.result.facts.given)
+        if unsaid:
+            raise ir.passes.PostconditionError(
+                f"{type(self).__name__} did not give {', '.join(sorted(unsaid))}")
+
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
         raise NotImplementedError
 
-    def notes(self) -> list[str]:
-        return [self.NOTES[k].format(n=v) for k, v in self.counts.items()
+    def notes(self, counts: Mapping[str, int], found: Mapping[str, Any]) -> list[str]:
+        return [self.NOTES[k].format(n=v) for k, v in counts.items()
                 if v and k in self.NOTES]
+
+
+def giver(fact: str) -> str:
+    """The pass of the ORT list that gives ``fact`` first."""
+    return next((kind.__name__ for kind in ORT_PASSES + ONNX_PASSES if fact in kind.GIVES),
+                "none")
 
 
 class Prepare(FusionPass):
@@ -131,12 +183,12 @@ class Prepare(FusionPass):
     NOTES = {"upgraded_from": "opset upgraded {n} -> " + str(ONNX_ATTENTION_OPSET)
              + " for the ONNX Attention op"}
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
         counts = {"inlined": len(model.functions)}
         if model.functions:
             common_passes.InlinePass()(model)
         counts["renamed"] = unique_node_names(model)
-        if self.run.target == "onnx" and opset(model) < ONNX_ATTENTION_OPSET:
+        if self.target == "onnx" and opset(model) < ONNX_ATTENTION_OPSET:
             from onnxscript.version_converter import convert_version
 
             counts["upgraded_from"] = opset(model)
@@ -152,7 +204,7 @@ class Prepare(FusionPass):
             optimize_faithfully(model)
         except Exception as exc:  # noqa: BLE001 - optional clean-up
             log.warning("onnxscript optimizer failed (%s); fusing the graph as it is", exc)
-        return counts
+        return counts, {}
 
 
 def unique_node_names(model: ir.Model) -> int:
@@ -193,7 +245,7 @@ class Normalise(FusionPass):
                                 "attention per Softmax",
         "blocked": BLOCKED_NOTE}
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
         repaired, windows, scaled = [], [], []  # type: ignore[var-annotated]
         RewriteRuleSet([RotaryCachesOverBatch.rule(repaired), *window_mask_rules(windows),
                         *scaled_sink_rules(scaled)]).apply_to_model(model)
@@ -204,24 +256,26 @@ class Normalise(FusionPass):
         if merged or blocked:
             remove_unused_nodes(model)  # the scaled weights, the Einsums now read by nothing
         return {"repaired": len(repaired), "views": len(windows), "scaled_sinks": len(scaled),
-                "shared_probabilities": merged, "blocked": blocked}
+                "shared_probabilities": merged, "blocked": blocked}, {}
 
 
 class Recognise(FusionPass):
     """Every attention block (a Softmax between Q·K^T and ·V, or ONNX's Attention) whose mask
     is proven by evaluation becomes the internal Sdpa node (core.py); the others keep a
-    reason in the run's block log. The blocks as found before are kept for the report."""
+    reason in the block log. The blocks as found before are kept for the report."""
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
-        run = self.run
-        run.before = find_blocks(model.graph)
-        oracle = Oracle(model, floors=run.floors)
-        RewriteRuleSet([SoftmaxAttention.rule(run.blog, opset(model), oracle, run.target,
-                                              run.policy)]).apply_to_model(model)
-        RewriteRuleSet([OnnxAttention.rule(run.blog, oracle, run.target, run.policy)]
+    GIVES = ("before", "blog")
+
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
+        before, blog = tuple(find_blocks(model.graph)), BlockLog()
+        oracle = Oracle(model, floors=self.floors)
+        RewriteRuleSet([SoftmaxAttention.rule(blog, opset(model), oracle, self.target,
+                                              self.policy)]).apply_to_model(model)
+        RewriteRuleSet([OnnxAttention.rule(blog, oracle, self.target, self.policy)]
                        ).apply_to_model(model)
         remove_unused_nodes(model)
-        return {"blocks": len(run.before), "recognised": len(run.blog.matched)}
+        return ({"blocks": len(before), "recognised": len(blog.matched)},
+                {"before": before, "blog": blog})
 
 
 class LowerToOrt(FusionPass):
@@ -230,28 +284,29 @@ class LowerToOrt(FusionPass):
     interface made max-length buffers (lower/shared.py)."""
 
     TARGETS = ("ort",)
+    GIVES = ("chosen", "pairs", "rows", "shared")
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
-        run = self.run
-        stage = lower_to_ort(model, run.policy)
-        run.chosen.update(stage.forms)
-        run.pairs = stage.pairs(model.graph)
-        run.rows = shared_rows(stage.layers)
-        run.shared = share_interface(model.graph, stage.layers)
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
+        stage = lower_to_ort(model, self.policy)
+        pairs = stage.pairs(model.graph)
+        found = {"chosen": {**self.facts.chosen, **stage.forms}, "pairs": pairs,
+                 "rows": shared_rows(stage.layers),
+                 "shared": share_interface(model.graph, stage.layers)}
         model.opset_imports.setdefault(MS_DOMAIN, 1)
-        return {"lowered": len(stage.forms), "cache_pairs": len(run.pairs)}
+        return {"lowered": len(stage.forms), "cache_pairs": len(pairs)}, found
 
 
 class LowerToOnnx(FusionPass):
     """Sdpa onto ONNX's Attention (opset 23), K/V heads repeated for OpenVINO."""
 
     TARGETS = ("onnx",)
+    GIVES = ("chosen",)
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
-        before = len(self.run.chosen)
-        RewriteRuleSet([LowerToOnnxAttention.rule(self.run.chosen, self.run.policy.ungroup)]
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
+        chosen = dict(self.facts.chosen)  # (the rule adds each block's form)
+        RewriteRuleSet([LowerToOnnxAttention.rule(chosen, self.policy.ungroup)]
                        ).apply_to_model(model)
-        return {"lowered": len(self.run.chosen) - before}
+        return {"lowered": len(chosen) - len(self.facts.chosen)}, {"chosen": chosen}
 
 
 class FuseNorms(FusionPass):
@@ -262,8 +317,8 @@ class FuseNorms(FusionPass):
     NOTES = {"norms": "{n} RMS normalisation(s) (with the residual Add where there is one) "
                       "onto ORT's SimplifiedLayerNormalization kernels"}
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
-        return {"norms": fuse_norms(model)}
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
+        return {"norms": fuse_norms(model)}, {}
 
 
 class ResidualSums(FusionPass):
@@ -275,8 +330,8 @@ class ResidualSums(FusionPass):
                      "ORT would fuse them into SkipLayerNormalization, 1.5-5.5x slower on the "
                      "CPU"}
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
-        return {"sums": residual_sums(model)}
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
+        return {"sums": residual_sums(model)}, {}
 
 
 class FoldRotary(FusionPass):
@@ -288,22 +343,26 @@ class FoldRotary(FusionPass):
     NOTES = {"packed_groups": "{n} Q/K/V projection(s) packed into one MatMul each, read whole "
                               "by the kernel that rotates them"}
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
-        run = self.run
-        run.rotating = rotating = fold_rotary(model)
-        run.packed.update(rotating.packed)
-        for block, positions in rotating.blocks.items():
-            if block in run.chosen:  # (a kernel node not lowered from a recognised block)
-                run.chosen[block] = rotating_kernels(run.chosen[block], positions,
-                                                     step=block in rotating.steps,
-                                                     prompt=block in rotating.prompts)
-        return {"packed_groups": len({name for name, _, _ in rotating.packed.values()}),
-                "rotating": len(rotating.blocks)}
+    NEEDS = ("chosen",)
+    GIVES = ("rotating", "packed", "chosen")
 
-    def notes(self) -> list[str]:
-        rows = " / ".join(map(str, self.run.rotating.rows))
-        return super().notes() + ([ROTATING_NOTE.format(self.counts["rotating"], rows)]
-                                  if self.counts.get("rotating") else [])
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
+        rotating = fold_rotary(model)
+        chosen = dict(self.facts.chosen)
+        for block, positions in rotating.blocks.items():
+            if block in chosen:  # (a kernel node not lowered from a recognised block)
+                chosen[block] = rotating_kernels(chosen[block], positions,
+                                                 step=block in rotating.steps,
+                                                 prompt=block in rotating.prompts)
+        return ({"packed_groups": len({name for name, _, _ in rotating.packed.values()}),
+                 "rotating": len(rotating.blocks)},
+                {"rotating": rotating, "packed": {**self.facts.packed, **rotating.packed},
+                 "chosen": chosen})
+
+    def notes(self, counts: Mapping[str, int], found: Mapping[str, Any]) -> list[str]:
+        rows = " / ".join(map(str, found["rotating"].rows))
+        return super().notes(counts, found) + (
+            [ROTATING_NOTE.format(counts["rotating"], rows)] if counts.get("rotating") else [])
 
 
 class Guards(FusionPass):
@@ -313,16 +372,18 @@ class Guards(FusionPass):
     general branches read (that length too) behind one If."""
 
     TARGETS = ("ort",)
+    NEEDS = ("pairs", "rows", "shared")  # (and what FoldRotary folded, where it ran)
+    GIVES = ("from_shapes",)
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
-        run = self.run
-        run.from_shapes = bool(run.shared) and run.rows is not None and length_from_shapes(
-            model.graph, run.rows, set(run.pairs))
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
+        facts = self.facts
+        from_shapes = bool(facts.shared) and facts.rows is not None and length_from_shapes(
+            model.graph, facts.rows, set(facts.pairs))
         merge_nested_guards(model.graph)
         share_guards(model)  # (also drops the readers the rewrites left)
-        sink_into_branches(model.graph, run.rotating.copyable(model.graph))
+        sink_into_branches(model.graph, facts.rotating.copyable(model.graph))
         hoist_by_condition(model.graph)
-        return {}
+        return {}, {"from_shapes": from_shapes}
 
 
 class PackKernelInputs(FusionPass):
@@ -334,11 +395,12 @@ class PackKernelInputs(FusionPass):
                         "tensor (their projections joined into one MatMul, or the exporter's "
                         "own before its split)"}
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
+    GIVES = ("packed",)
+
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
         kernels, plain = pack_kernel_inputs(model)
-        if kernels:
-            self.run.packed.update(plain)
-        return {"kernels": kernels}
+        packed = {**self.facts.packed, **(plain if kernels else {})}
+        return {"kernels": kernels}, {"packed": packed}
 
 
 class RecordCache(FusionPass):
@@ -346,37 +408,38 @@ class RecordCache(FusionPass):
     buffer row's layout, the past length's source) and the note on ``kv_cache="shared"``."""
 
     TARGETS = ("ort",)
-    _note: str | None = None
+    NEEDS = ("chosen", "pairs", "rows", "shared", "from_shapes")
+    GIVES = ("cache",)
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
-        run = self.run
-        pairs, rows, shared, from_shapes = run.pairs, run.rows, run.shared, run.from_shapes
-        self._note = shared_note(shared, run.chosen, rows, from_shapes) \
-            if run.policy.kv_cache == "shared" else None
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
+        facts = self.facts
+        pairs, rows, shared = dict(facts.pairs), facts.rows, facts.shared
         if not pairs:
-            return {"pairs": 0}
+            return {"pairs": 0}, {"cache": None}
         cache: dict = {"form": "shared" if shared else "appended", "pairs": pairs}
         if shared and rows is not None:  # each buffer row holds that row's kept keys first
             cache["rows"] = rows.to_dict()
         if shared:  # where the cached length comes from
-            cache["past_length"] = "mask - ids" if from_shapes else LENGTH_INPUT
-        run.cache = cache
-        return {"pairs": len(pairs), "shared": int(shared)}
+            cache["past_length"] = "mask - ids" if facts.from_shapes else LENGTH_INPUT
+        return {"pairs": len(pairs), "shared": int(shared)}, {"cache": cache}
 
-    def notes(self) -> list[str]:
-        return [self._note] if self._note else []
+    def notes(self, counts: Mapping[str, int], found: Mapping[str, Any]) -> list[str]:
+        facts = self.facts
+        note = shared_note(facts.shared, facts.chosen, facts.rows, facts.from_shapes) \
+            if self.policy.kv_cache == "shared" else None
+        return [note] if note else []
 
 
 class Tidy(FusionPass):
     """The internal domain dropped, nodes nothing reads removed, names fixed, outputs nothing
     reads left unwritten (LayerNormalization's mean and inverse deviation)."""
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
         model.opset_imports.pop(FUSION_DOMAIN, None)
         remove_unused_nodes(model)
         common_passes.NameFixPass()(model)
         omit_unread_outputs(model.graph)
-        return {}
+        return {}, {}
 
 
 ORT_PASSES = (Prepare, Normalise, Recognise, LowerToOrt, FuseNorms, ResidualSums,
@@ -384,17 +447,22 @@ ORT_PASSES = (Prepare, Normalise, Recognise, LowerToOrt, FuseNorms, ResidualSums
 ONNX_PASSES = (Prepare, Normalise, Recognise, LowerToOnnx, Tidy)
 
 
-def pipeline(run: FuseRun) -> list[FusionPass]:
-    """The passes of ``run``'s target, in order; those for other execution providers left
+def pipeline(policy: FormPolicy) -> list[type[FusionPass]]:
+    """The passes of ``policy``'s target, in order; those for other execution providers left
     out (a GPU's list has no residual Sum, rotary fold or packed Q/K/V)."""
-    kinds = ORT_PASSES if run.target == "ort" else ONNX_PASSES
-    return [kind(run) for kind in kinds
-            if kind.EPS is None or run.policy.ep in kind.EPS]
+    kinds = ORT_PASSES if policy.lowering == "ort" else ONNX_PASSES
+    return [kind for kind in kinds if kind.EPS is None or policy.ep in kind.EPS]
 
 
-def run_pipeline(model: ir.Model, run: FuseRun) -> list[str]:
-    """Every pass of ``pipeline(run)`` on ``model`` (in place); the notes they give."""
-    passes = pipeline(run)
-    for each in passes:
-        each(model)
-    return [note for each in passes for note in each.notes()]
+def run_pipeline(model: ir.Model, policy: FormPolicy | None = None, *,
+                 floors: Mapping | None = None, kinds: list[type[FusionPass]] | None = None,
+                 facts: Facts | None = None) -> tuple[Facts, list[str]]:
+    """Every pass of ``pipeline(policy)`` (or ``kinds``) on ``model`` (in place), each made
+    with the facts the passes before it gave (``facts``: those known before the first); the
+    facts at the end and the notes."""
+    policy = policy or FormPolicy()
+    facts, notes = facts or Facts(), []
+    for kind in kinds if kinds is not None else pipeline(policy):
+        result = kind(policy, facts, floors=floors)(model)
+        facts, notes = result.facts, notes + list(result.notes)
+    return facts, notes

@@ -1,5 +1,6 @@
-"""rewrite/passes.py: fuse as a list of passes per target, each counting what it did; a pass
-off its target's list refuses to run; notes come from the counts."""
+"""rewrite/passes.py: fuse as a list of passes per target, each with its settings in
+__init__, returning what it counted, its notes and the facts it found; a pass off its
+target's list, or before the pass whose facts it needs, refuses to run by name."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.passes import (
     ONNX_PASSES,
     ORT_PASSES,
+    Facts,
     FoldRotary,
     FuseNorms,
-    FuseRun,
+    FusionResult,
     Guards,
     LowerToOnnx,
     LowerToOrt,
@@ -48,9 +50,9 @@ def _ops(m: ir.Model) -> list[str]:
 
 
 def test_each_target_and_provider_has_its_list():
-    cpu = [type(p) for p in pipeline(FuseRun(FormPolicy.for_ep("cpu")))]
-    cuda = [type(p) for p in pipeline(FuseRun(FormPolicy.for_ep("cuda")))]
-    onnx_list = [type(p) for p in pipeline(FuseRun(FormPolicy(target="onnx")))]
+    cpu = pipeline(FormPolicy.for_ep("cpu"))
+    cuda = pipeline(FormPolicy.for_ep("cuda"))
+    onnx_list = pipeline(FormPolicy(target="onnx"))
     assert cpu == list(ORT_PASSES) and onnx_list == list(ONNX_PASSES)
     # measured on the CPU kernels only: not on a GPU's list
     assert cuda == [k for k in ORT_PASSES if k not in (ResidualSums, FoldRotary,
@@ -58,13 +60,40 @@ def test_each_target_and_provider_has_its_list():
     assert cpu[:3] == [Prepare, Normalise, Recognise] and cpu[-1] is Tidy
 
 
-@pytest.mark.parametrize("kind, run", [
-    (LowerToOrt, FuseRun(FormPolicy(target="onnx"))), (LowerToOnnx, FuseRun()),
-    (ResidualSums, FuseRun(FormPolicy.for_ep("cuda"))),
-    (FoldRotary, FuseRun(FormPolicy.for_ep("cuda")))])
-def test_a_pass_off_its_list_refuses_to_run(kind, run):
+@pytest.mark.parametrize("kind, policy", [
+    (LowerToOrt, FormPolicy(target="onnx")), (LowerToOnnx, FormPolicy()),
+    (ResidualSums, FormPolicy.for_ep("cuda")), (FoldRotary, FormPolicy.for_ep("cuda"))])
+def test_a_pass_off_its_list_refuses_to_run(kind, policy):
     with pytest.raises(ir.passes.PreconditionError, match=kind.__name__):
-        kind(run)(ir.from_proto(_attention()))
+        kind(policy)(ir.from_proto(_attention()))
+
+
+@pytest.mark.parametrize("kind, missing, giver", [
+    (Guards, "pairs, rows, shared", "LowerToOrt"), (FoldRotary, "chosen", "LowerToOrt"),
+    (RecordCache, "chosen, pairs, rows, shared, from_shapes", "Guards, LowerToOrt")])
+def test_a_pass_before_the_one_whose_facts_it_needs_refuses_by_name(kind, missing, giver):
+    """The list in another order stops at the first pass that lacks a fact, and says which
+    pass gives it; no pass reads a default where an earlier one should have spoken."""
+    with pytest.raises(ir.passes.PreconditionError,
+                       match=f"{kind.__name__} needs {missing} from an earlier pass \\({giver}\\)"):
+        kind()(ir.from_proto(_attention()))
+    reordered = [Prepare, Normalise, Recognise, Guards, LowerToOrt, RecordCache, Tidy]
+    with pytest.raises(ir.passes.PreconditionError, match="Guards needs"):
+        run_pipeline(ir.from_proto(_attention()), kinds=reordered)
+
+
+def test_facts_are_new_each_pass_never_edited():
+    m = ir.from_proto(_attention())
+    start = Facts()
+    prepared = Prepare(FormPolicy(), start)(m)
+    recognised = Recognise(FormPolicy(), prepared.facts)(m)
+    lowered = LowerToOrt(FormPolicy(), recognised.facts)(m)
+    assert isinstance(lowered, FusionResult) and lowered.modified
+    assert start.given == prepared.facts.given == frozenset() and not start.chosen
+    assert recognised.facts.given == {"before", "blog"} and not recognised.facts.chosen
+    assert lowered.facts.given == {"before", "blog", "chosen", "pairs", "rows", "shared"}
+    assert list(lowered.facts.chosen) == [b.node for b in recognised.facts.before]
+    assert lowered.counts == {"lowered": 1, "cache_pairs": 0}
 
 
 def test_prepare_names_nodes_once_and_raises_the_opset_for_onnx():
@@ -73,12 +102,11 @@ def test_prepare_names_nodes_once_and_raises_the_opset_for_onnx():
         n.name = "same"
     for target, upgraded in (("ort", 0), ("onnx", 18)):
         m = ir.from_proto(proto)
-        prepare = Prepare(FuseRun(FormPolicy(target=target)))
-        prepare(m)
-        assert prepare.counts["renamed"] == len(proto.graph.node) - 1
+        result = Prepare(FormPolicy(target=target))(m)
+        assert result.counts["renamed"] == len(proto.graph.node) - 1
         assert len({n.name for n in m.graph}) == len(list(m.graph))
-        assert prepare.counts.get("upgraded_from", 0) == upgraded
-        assert bool(prepare.notes()) is bool(upgraded)
+        assert result.counts.get("upgraded_from", 0) == upgraded
+        assert bool(result.notes) is bool(upgraded)
 
 
 def test_normalise_counts_masks_on_a_view_of_the_scores():
@@ -86,41 +114,36 @@ def test_normalise_counts_masks_on_a_view_of_the_scores():
 
     m = ir.from_proto(_view([-1, H, N, N]))
     ir.passes.common.ShapeInferencePass()(m)  # (Prepare's, before it in the list)
-    normalise = Normalise(FuseRun())
-    result = normalise(m)
-    assert result.modified and normalise.counts["views"] == 1
-    assert normalise.notes() == [Normalise.NOTES["views"].format(n=1)]
+    result = Normalise()(m)
+    assert result.modified and result.counts["views"] == 1
+    assert result.notes == (Normalise.NOTES["views"].format(n=1),)
 
 
 @pytest.mark.parametrize("target, kernel", [("ort", "MultiHeadAttention"),
                                             ("onnx", "Attention")])
 def test_recognise_then_lower_then_tidy(target, kernel):
-    run = FuseRun(FormPolicy(target=target))
+    policy = FormPolicy(target=target)
     m = ir.from_proto(_attention())
-    for kind in (Prepare, Recognise):
-        kind(run)(m)
-    assert run.blog.matched and "Sdpa" in _ops(m)
-    lower = (LowerToOrt if target == "ort" else LowerToOnnx)(run)
-    lower(m)
-    assert lower.counts["lowered"] == 1 and kernel in _ops(m)
-    Tidy(run)(m)
+    facts, _ = run_pipeline(m, policy, kinds=[Prepare, Recognise])
+    assert facts.blog.matched and "Sdpa" in _ops(m)
+    lowered = (LowerToOrt if target == "ort" else LowerToOnnx)(policy, facts)(m)
+    assert lowered.counts["lowered"] == 1 and kernel in _ops(m)
+    Tidy(policy, lowered.facts)(m)
     assert FUSION_DOMAIN not in m.opset_imports and "Sdpa" not in _ops(m)
 
 
 def test_the_whole_list_gives_forms_and_notes():
-    run = FuseRun()
     m = ir.from_proto(_attention())
-    notes = run_pipeline(m, run)
-    assert list(run.chosen) == [b.node for b in run.before]
-    assert notes == [] and run.cache is None  # nothing to say, no cache
+    facts, notes = run_pipeline(m)
+    assert list(facts.chosen) == [b.node for b in facts.before]
+    assert notes == [] and facts.cache is None  # nothing to say, no cache
 
 
 def test_norms_and_residual_sums():
     from tests.rewrite.test_norms import _model as rms_model
 
     m = ir.from_proto(rms_model())
-    norms = FuseNorms(FuseRun())
-    norms(m)
+    norms = FuseNorms()(m)
     assert norms.counts["norms"] > 0 and "SimplifiedLayerNormalization" in " ".join(_ops(m))
     x = [helper.make_tensor_value_info(n, F, ["B", 8]) for n in "ab"]
     graph = helper.make_graph(
@@ -130,31 +153,27 @@ def test_norms_and_residual_sums():
         initializer=[onnx.numpy_helper.from_array(np.ones(8, np.float32), "g"),
                      onnx.numpy_helper.from_array(np.zeros(8, np.float32), "beta")])
     m = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
-    sums = ResidualSums(FuseRun())
-    sums(m)
-    assert sums.counts == {"sums": 1} and "Sum" in _ops(m) and sums.notes()
+    sums = ResidualSums()(m)
+    assert sums.counts == {"sums": 1} and "Sum" in _ops(m) and sums.notes
 
 
 def test_rotary_guards_and_packing_on_a_lowered_model():
     from tests.rewrite.test_rotary import _model as rotary_model
 
-    run = FuseRun()
-    m = ir.from_proto(rotary_model())
-    fold, guards, pack = FoldRotary(run), Guards(run), PackKernelInputs(run)
-    for each in (fold, guards, pack):
-        each(m)
-    assert fold.counts["rotating"] == 1 and any("rotate Q and K" in n for n in fold.notes())
+    m = ir.from_proto(rotary_model())  # (already lowered: the lowering's facts by hand)
+    lowered = Facts.known(chosen={}, pairs={}, rows=None, shared=0)
+    facts, notes = run_pipeline(m, kinds=[FoldRotary, Guards, PackKernelInputs], facts=lowered)
+    assert facts.rotating.blocks and any("rotate Q and K" in n for n in notes)
     assert any(n.op_type == "GroupQueryAttention" and n.attributes.get("do_rotary")
                for n in ir.traversal.RecursiveGraphIterator(m.graph))
-    assert "kernels" in pack.counts and guards.counts == {}
+    assert facts.from_shapes is False and "packed" in facts.given
 
 
 def test_the_cache_record_after_lowering():
-    run = FuseRun()
     m = cached_model(Meaning(causal=True, alignment="bottom-right", kv_heads=2))
-    LowerToOrt(run)(m)
+    lowered = LowerToOrt()(m)
     assert MS_DOMAIN in m.opset_imports
-    record = RecordCache(run)
-    record(m)
-    assert record.counts["pairs"] == 2 and run.cache["form"] == "appended"
-    assert run.cache["pairs"] == {"past_k": "present_k", "past_v": "present_v"}
+    guarded = Guards(FormPolicy(), lowered.facts)(m)
+    record = RecordCache(FormPolicy(), guarded.facts)(m)
+    assert record.counts["pairs"] == 2 and record.facts.cache["form"] == "appended"
+    assert record.facts.cache["pairs"] == {"past_k": "present_k", "past_v": "present_v"}

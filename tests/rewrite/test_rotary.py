@@ -355,15 +355,16 @@ def test_a_step_whose_total_passes_the_tables_takes_the_exporters_rotation(past,
 def test_the_fold_is_only_for_the_cpu_kernel_it_was_measured_on(ep):
     """fuse --ep cuda (and tensorrt): how the GPU kernel reads position_ids was never
     measured (issue 14: no GPU run of it), so the fold is not on a GPU's list of passes."""
-    from mha_onnx.rewrite.passes import FoldRotary, FuseRun, Guards, pipeline
+    from mha_onnx.rewrite.passes import Facts, FoldRotary, Guards, pipeline
     from mha_onnx.rewrite.policy import FormPolicy
 
-    run = FuseRun(FormPolicy.for_ep(ep))
-    kinds = [type(p) for p in pipeline(run)]
+    policy = FormPolicy.for_ep(ep)
+    kinds = pipeline(policy)
     assert (FoldRotary in kinds) is (ep == "cpu")
-    model = ir.from_proto(_model())
+    model = ir.from_proto(_model())  # (already lowered: the lowering's facts by hand)
+    lowered = Facts.known(chosen={}, pairs={}, rows=None, shared=0)
     for kind in kinds[kinds.index(FoldRotary if ep == "cpu" else Guards):]:
-        kind(run)(model)
+        lowered = kind(policy, lowered)(model).facts
     nodes = ir.traversal.RecursiveGraphIterator(model.graph)
     folded = [n for n in nodes if n.op_type == "GroupQueryAttention"
               and n.attributes.get("do_rotary") is not None]
