@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import onnx_ir as ir
@@ -41,7 +40,8 @@ from mha_onnx.rewrite.blocks import find_blocks
 from mha_onnx.rewrite.core import BlockLog, OnnxAttention, SoftmaxAttention
 from mha_onnx.rewrite.einsums import BLOCKED_NOTE, blocked_einsums
 from mha_onnx.rewrite.faithful import optimize_faithfully
-from mha_onnx.rewrite.forms import Form, rotating_kernels
+from mha_onnx.rewrite.forms import rotating_kernels
+from mha_onnx.rewrite.fusion_pass import Facts, FusionPass
 from mha_onnx.rewrite.irutil import MS_DOMAIN, all_graphs, opset
 from mha_onnx.rewrite.kv_interface import shared_note
 from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
@@ -52,7 +52,7 @@ from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.packing import pack_kernel_inputs
 from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
-from mha_onnx.rewrite.rotary import Folded, fold_rotary
+from mha_onnx.rewrite.rotary import fold_rotary
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 from mha_onnx.rewrite.shapes import fold_static_dims, probability_shapes
 from mha_onnx.rewrite.shared_probs import distribute_combinations, merge_value_matmuls
@@ -67,111 +67,6 @@ ROTATING_NOTE = ("{} block(s) rotate Q and K inside GroupQueryAttention (do_rota
                  "tables of {} positions taken from the graph's own rotation) where a run's "
                  "positions allow it (inside the tables; a prompt's counted up from the "
                  "first row's); other runs take the exporter's rotation")
-
-
-@dataclass(frozen=True)
-class Facts:
-    """What the passes of one fuse found, for the passes after them and for the report: the
-    blocks before recognition and the log of each (Recognise), the form each fused block
-    got (the lowering, then FoldRotary), where packed weights went (FoldRotary,
-    PackKernelInputs), the KV interface (past -> present pairs, a shared cache's row
-    layout and layer count: LowerToOrt; its past length read from the shapes: Guards) and
-    the cache record (RecordCache). ``given``: the fields some pass has set."""
-
-    before: tuple = ()
-    blog: BlockLog = field(default_factory=BlockLog)
-    chosen: Mapping[str, Form] = field(default_factory=dict)
-    packed: Mapping[str, tuple[str, int, int]] = field(default_factory=dict)
-    rotating: Folded = field(default_factory=lambda: Folded({}))
-    pairs: Mapping[str, str] = field(default_factory=dict)
-    rows: Any = None
-    shared: int = 0
-    from_shapes: bool = False
-    cache: Mapping | None = None
-    given: frozenset[str] = frozenset()
-
-    @classmethod
-    def known(cls, **values: Any) -> Facts:
-        """Facts given by hand (a pass run alone on a model already lowered, in tests)."""
-        return cls(**values, given=frozenset(values))
-
-    def add(self, new: Mapping[str, Any]) -> Facts:
-        return replace(self, **new, given=self.given | frozenset(new))
-
-
-@dataclass
-class FusionResult(ir.passes.PassResult):
-    """A pass's answer: onnx-ir's (the model, whether it changed) with what it counted, the
-    notes users read in the fuse report, and the facts with the ones it gave."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()
-    facts: Facts = field(default_factory=Facts)
-
-
-class FusionPass(ir.passes.InPlacePass):
-    """A stage of fuse: ``apply`` rewrites the model and returns what it did, by name
-    (counts), and the facts it found (their names in ``GIVES``); ``NOTES`` renders the counts
-    that users read. ``TARGETS``/``EPS``: the targets and execution providers whose list it
-    is on; ``NEEDS``: the facts an earlier pass must have given."""
-
-    TARGETS: tuple[str, ...] = ("ort", "onnx")
-    EPS: tuple[str, ...] | None = None  # None: any
-    NEEDS: tuple[str, ...] = ()
-    GIVES: tuple[str, ...] = ()
-    NOTES: dict[str, str] = {}
-
-    def __init__(self, policy: FormPolicy | None = None, facts: Facts | None = None, *,
-                 floors: Mapping | None = None) -> None:
-        super().__init__()
-        self.policy = policy or FormPolicy()
-        self.facts = facts or Facts()
-        self.floors = dict(floors or {})  # the least value of each dim (recognition's)
-        self.result: FusionResult | None = None
-
-    @property
-    def target(self) -> str:  # the lowering: "ort" or "onnx" (OpenVINO's is onnx's)
-        return self.policy.lowering
-
-    def requires(self, model: ir.Model) -> None:
-        name = type(self).__name__
-        if self.target not in self.TARGETS or (
-                self.EPS is not None and self.policy.ep not in self.EPS):
-            raise ir.passes.PreconditionError(
-                f"{name} is a pass for target(s) {', '.join(self.TARGETS)}"
-                + (f" on {', '.join(self.EPS)}" if self.EPS else "")
-                + f", not {self.target} on {self.policy.ep}")
-        missing = [fact for fact in self.NEEDS if fact not in self.facts.given]
-        if missing:
-            raise ir.passes.PreconditionError(
-                f"{name} needs {', '.join(missing)} from an earlier pass "
-                f"({', '.join(sorted({giver(fact) for fact in missing}))})")
-
-    def call(self, model: ir.Model) -> FusionResult:
-        counts, found = self.apply(model)
-        self.result = FusionResult(model, any(bool(v) for v in counts.values()), counts,
-                                   tuple(self.notes(counts, found)), self.facts.add(found))
-        return self.result
-
-    def ensures(self, model: ir.Model) -> None:
-        assert self.result is not None
-        unsaid = set(self.GIVES) - set(self.result.facts.given)
-        if unsaid:
-            raise ir.passes.PostconditionError(
-                f"{type(self).__name__} did not give {', '.join(sorted(unsaid))}")
-
-    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
-        raise NotImplementedError
-
-    def notes(self, counts: Mapping[str, int], found: Mapping[str, Any]) -> list[str]:
-        return [self.NOTES[k].format(n=v) for k, v in counts.items()
-                if v and k in self.NOTES]
-
-
-def giver(fact: str) -> str:
-    """The pass of the ORT list that gives ``fact`` first."""
-    return next((kind.__name__ for kind in ORT_PASSES + ONNX_PASSES if fact in kind.GIVES),
-                "none")
 
 
 class Prepare(FusionPass):

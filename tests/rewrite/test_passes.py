@@ -10,6 +10,7 @@ import onnx_ir as ir
 import pytest
 from onnx import helper
 
+from mha_onnx.rewrite.fusion_pass import FusionResult
 from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.passes import (
     ONNX_PASSES,
@@ -17,7 +18,6 @@ from mha_onnx.rewrite.passes import (
     Facts,
     FoldRotary,
     FuseNorms,
-    FusionResult,
     Guards,
     LowerToOnnx,
     LowerToOrt,
