@@ -5,12 +5,12 @@ a time, the same requests (tools/loadgen.py) at each concurrency.
 
     .venv/bin/python -m tools.bench_serve DIR [--concurrency 1,4,16,64] [--requests 64]
         [--prompt 32:1024] [--output 16:256] [--time-limit 900] [--servers ours,ours-b1,...]
-        [--threads 2] [--out docs/serve-bench.md]
+        [--threads 2] [--out docs/serve-bench.md] [--merge docs/serve-bench.json]
 
 DIR is the bench folder of tools/bench_optimum (``make DIR --layers 16``, then ``genai DIR
 --precision int4``) with, beside it: ``int4/`` (our int4 folder: the Optimum export fused
-with --kv-cache shared, then ``quantize --weights int4``) and ``llama16-q4_0.gguf`` (see
-docs/serve.md for the commands). Each server starts, is warmed with one request, serves
+with --kv-cache shared, then ``quantize --weights int4``) and ``llama16-q4_0.gguf``
+(tools/gguf_anchor.py). Each server starts, is warmed with one request, serves
 every concurrency in turn, and stops before the next starts. Results: a markdown table (the
 date, machine and command at its head), a JSON file beside it, and a plot of output tokens/s
 and p99 inter-token latency against concurrency.
@@ -38,7 +38,8 @@ def servers(folder: Path, threads: int) -> dict[str, tuple[list[str], str]]:
              "genai_server.py"), str(folder / "genai-int4"), "--port", "{port}"]
     llama = [str(ROOT / ".venv-llama" / "bin" / "python"), "-m", "llama_cpp.server",
              "--model", str(folder / "llama16-q4_0.gguf"), "--n_ctx", "1400", "--n_threads",
-             str(threads), "--n_threads_batch", str(threads), "--port", "{port}"]
+             str(threads), "--n_threads_batch", str(threads), "--port", "{port}",
+             "--interrupt_requests", "False"]  # (its default cuts a stream at the next request)
     return {"mha-onnx serve (continuous, --max-batch 16)": (ours + ["--max-batch", "16"], "ours"),
             "mha-onnx serve (continuous, --prefill-chunk 64)": (
                 ours + ["--max-batch", "16", "--prefill-chunk", "64"], "ours"),
@@ -117,6 +118,60 @@ def bench_server(name: str, command: list[str], style: str, args) -> dict[int, d
     return results
 
 
+PAGE = """# Serving many users at once: measured
+
+{date}, {cpu} ({isa}), {cores} cores, every server with the same threads; made by (each
+command measures the servers it names; `--merge` keeps the rows of the run before)
+
+    {command}
+
+The same requests at each concurrency (tools/loadgen.py: prompts and output lengths drawn
+uniformly from the ranges, greedy, `ignore_eos` so every request runs to its length, every
+answer streamed), one server at a time on one quiet machine. The weights are one
+16-layer hidden-1024 Llama-like model (tools/bench_optimum `make DIR --layers 16`): ours
+is its Optimum export fused with `--kv-cache shared` and quantized with `--weights int4`
+(MatMulNBits, block 32); ONNX Runtime GenAI's is its builder's `-p int4` of the same
+folder; llama.cpp's is the folder converted by llama-cpp-python's `convert_hf_to_gguf.py`
+and quantized to Q4_0 (tools/gguf_anchor.py). TTFT: time to the first streamed token; ITL: time between two
+tokens of one stream.
+
+{table}
+
+{ratios}
+
+![output tokens/s and p99 inter-token latency against concurrent clients]({plot})
+"""
+
+
+def ratios(results: dict[str, dict[int, dict]]) -> list[str]:
+    """The comparisons the issue asks for, computed from this run's figures."""
+    ours, single = results.get(SHORT["ours"], {}), results.get(SHORT["ours-b1"], {})
+    lines = []
+
+    def rate(points, clients):
+        r = points.get(clients) or {}
+        return r.get("output_tokens_per_s") if "error" not in r else None
+
+    for clients in sorted(ours):
+        mine = rate(ours, clients)
+        if not mine:
+            continue
+        for short in ("ours-b1", "genai", "genai-engine", "llama-cpp"):
+            other = rate(results.get(SHORT[short], {}), clients)
+            if other:
+                lines.append(f"{clients} clients: continuous batching {mine / other:.2f}x the "
+                             f"output tokens/s of {SHORT[short]}")
+    one = (ours.get(1) or {}).get("itl_p99_ms")
+    for clients in sorted(ours):
+        p99 = (ours.get(clients) or {}).get("itl_p99_ms")
+        if one and p99 and clients > 1:
+            lines.append(f"{clients} clients: p99 inter-token latency {p99 / one:.1f}x a "
+                         "single client's")
+    if single and not lines:
+        lines.append("(no continuous-batching figures in this run)")
+    return lines
+
+
 def table(results: dict[str, dict[int, dict]], args) -> str:
     head = ("| server | clients | requests (errors) | output tokens/s | TTFT p50 / p99 ms | "
             "ITL p50 / p99 ms |\n|---|---|---|---|---|---|")
@@ -124,7 +179,8 @@ def table(results: dict[str, dict[int, dict]], args) -> str:
     for name, points in results.items():
         for clients, r in points.items():
             if "error" in r:
-                rows.append(f"| {name} | {clients} | failed: {r['error']} | | | |")
+                said = r["error"] or "stopped before it ended (no figures)"
+                rows.append(f"| {name} | {clients} | {said} | | | |")
                 continue
             errors = sum(r["errors"].values())
             rows.append(f"| {name} | {clients} | {r['requests']} ({errors}) | "
@@ -168,19 +224,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--servers", default="ours,ours-b1,genai,genai-engine,llama-cpp")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "serve-bench.md")
+    p.add_argument("--merge", type=Path, default=None,
+                   help="An earlier run's JSON: its servers kept, those measured now replaced.")
     args = p.parse_args(argv)
     known = servers(args.dir, args.threads)
-    results = {}
+    command = " ".join([".venv/bin/python -m tools.bench_serve",
+                        *(sys.argv[1:] if argv is None else argv)])
+    earlier = json.loads(args.merge.read_text()) if args.merge else {}
+    commands = [*earlier.pop("commands", []), command]
+    results = {name: {int(c): r for c, r in points.items()} for name, points in earlier.items()}
     for short in args.servers.split(","):
         name = SHORT[short]
-        command, style = known[name]
-        results[name] = bench_server(name, command, style, args)
-        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        server, style = known[name]
+        results[name] = bench_server(name, server, style, args)
+        args.out.with_suffix(".json").write_text(json.dumps({**results, "commands": commands},
+                                                            indent=1))
     from mha_onnx.profile.roofline import cpu_isa, cpu_name
 
-    text = (f"{time.strftime('%Y-%m-%d')}, {cpu_name()} ({cpu_isa()}), "
-            f"{os.cpu_count()} cores; `{' '.join(['python -m tools.bench_serve', *sys.argv[1:]])}`"
-            f"\n\n{table(results, args)}\n")
+    text = PAGE.format(date=time.strftime("%Y-%m-%d"), cpu=cpu_name(), isa=cpu_isa(),
+                       cores=os.cpu_count(), command="\n    ".join(commands),
+                       table=table(results, args),
+                       ratios="\n".join(f"- {line}" for line in ratios(results)),
+                       plot=args.out.with_suffix(".png").name)
     args.out.write_text(text)
     plot(results, args.out.with_suffix(".png"))
     print(text)
