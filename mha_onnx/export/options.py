@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,9 +73,7 @@ def _grouped(fused: str) -> str:
     """Each block's form said once with how many blocks took it (a 16-layer decoder's line
     was 16 repeats of one long form); --json keeps every block's."""
     forms = [f for f in fused.split("; ") if f]
-    counts: dict[str, int] = {}
-    for form in forms:
-        counts[form] = counts.get(form, 0) + 1
     if len(forms) <= 1:
         return fused
-    return "; ".join(f"{n} block{'s' if n > 1 else ''}: {form}" for form, n in counts.items())
+    return "; ".join(f"{n} block{'s' if n > 1 else ''}: {form}"
+                     for form, n in Counter(forms).items())  # (in the order first met)
