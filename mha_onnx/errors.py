@@ -56,6 +56,13 @@ class FusionError(MhaOnnxError):
     exit_code = EXIT_MISMATCH
 
 
+class FuseBug(FusionError):
+    """A graph fuse wrote that ORT refuses to load or run, or that the model's opset cannot
+    spell: mha-onnx's bug, not the user's input (exit 4, as any internal error)."""
+
+    exit_code = EXIT_INTERNAL
+
+
 class VerifyError(MhaOnnxError):
     """The original model cannot be run to verify the fused one against (exit 2)."""
 

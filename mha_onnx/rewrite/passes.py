@@ -48,6 +48,7 @@ from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAt
 from mha_onnx.rewrite.lower.rules import lower_to_ort
 from mha_onnx.rewrite.lower.shared import length_from_shapes, share_interface, shared_rows
 from mha_onnx.rewrite.norms import fuse_norms, omit_unread_outputs, residual_sums
+from mha_onnx.rewrite.opset_fit import fit_to_opset
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.packing import pack_kernel_inputs
 from mha_onnx.rewrite.policy import FormPolicy
@@ -325,6 +326,14 @@ class RecordCache(FusionPass):
         return [note] if note else []
 
 
+class FitToOpset(FusionPass):
+    """Nodes the lowering wrote in a newer spelling than the model's opset allows written in
+    the older one (opset_fit.py): a TorchScript export at opset 14-17 keeps its opset."""
+
+    def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
+        return {"fitted_to_opset": fit_to_opset(model)}, {}
+
+
 class Tidy(FusionPass):
     """The internal domain dropped, nodes nothing reads removed, names fixed, outputs nothing
     reads left unwritten (LayerNormalization's mean and inverse deviation)."""
@@ -338,8 +347,8 @@ class Tidy(FusionPass):
 
 
 ORT_PASSES = (Prepare, Normalise, Recognise, LowerToOrt, FuseNorms, ResidualSums,
-              FoldRotary, Guards, PackKernelInputs, RecordCache, Tidy)
-ONNX_PASSES = (Prepare, Normalise, Recognise, LowerToOnnx, Tidy)
+              FoldRotary, Guards, PackKernelInputs, RecordCache, FitToOpset, Tidy)
+ONNX_PASSES = (Prepare, Normalise, Recognise, LowerToOnnx, FitToOpset, Tidy)
 
 
 def pipeline(policy: FormPolicy) -> list[type[FusionPass]]:

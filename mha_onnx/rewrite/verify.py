@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from mha_onnx.errors import FusionError, MhaOnnxError, ModelFileError, VerifyError
+from mha_onnx.errors import FuseBug, FusionError, MhaOnnxError, ModelFileError, VerifyError
 from mha_onnx.graph.cache import SharedCache, cache_pairs, is_shared, row_layout
 from mha_onnx.graph.expressions import evaluate, symbols
 from mha_onnx.graph.inputs import (
@@ -206,8 +206,9 @@ def _gist(message: str) -> str:
 
 
 def _fuse_bug(what: str, exc: Exception) -> FusionError:
-    """A fused graph ORT refuses is fuse's failure (exit 1), not the user's bad input."""
-    return FusionError(f"the fused graph {what}: {exc}; nothing was written",
+    """A fused graph ORT refuses is fuse's bug (exit 4), neither the user's bad input (2)
+    nor outputs that differ (1)."""
+    return FuseBug(f"the fused graph {what}: {exc}; nothing was written",
                        hint="please report this model (fuse --no-verify writes it anyway)")
 
 

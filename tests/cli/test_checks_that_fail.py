@@ -143,12 +143,12 @@ def test_forms_are_said_plainly(export_cache, tmp_path):
     assert not any(line.strip().startswith("fusion: {") for line in inspected.output.splitlines())
 
 
-def test_a_fused_graph_ort_cannot_run_is_a_fuse_failure_not_bad_input():
-    """verify() running a fused graph that ORT refuses: exit 1, 'please report' (fuse's
-    bug), never exit 2 (the user's input)."""
+def test_a_fused_graph_ort_cannot_run_is_a_fuse_bug_not_bad_input():
+    """verify() running a fused graph that ORT refuses: exit 4, 'please report' (fuse's
+    bug), never exit 2 (the user's input) nor 1 (outputs that differ)."""
     from onnx import TensorProto, helper
 
-    from mha_onnx.errors import EXIT_MISMATCH, FusionError
+    from mha_onnx.errors import EXIT_INTERNAL, FuseBug
     from mha_onnx.rewrite.verify import verify
 
     f = TensorProto.FLOAT
@@ -162,9 +162,9 @@ def test_a_fused_graph_ort_cannot_run_is_a_fuse_failure_not_bad_input():
                                                                    ["y"])], "g", [x], [y],
                                                  initializer=[shape]),
                                opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
-    with pytest.raises(FusionError, match="the fused graph does not run") as caught:
+    with pytest.raises(FuseBug, match="the fused graph does not run") as caught:
         verify(original, broken)
-    assert caught.value.exit_code == EXIT_MISMATCH and "report" in caught.value.hint
+    assert caught.value.exit_code == EXIT_INTERNAL and "report" in caught.value.hint
 
 
 def test_a_failure_while_reading_a_block_leaves_the_block_not_the_run(export_cache, tmp_path,
