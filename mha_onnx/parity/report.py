@@ -34,6 +34,7 @@ class MaskedRows:
     output: str
     rows: str
     behaviour: dict[str, str]
+    compared: tuple[str, ...] = ()  # the references these rows were compared with too
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,7 +126,9 @@ class ValidationReport:
         lines += self._comparisons(detail)
         for m in self.masked_rows if detail else self.masked_rows[:1]:
             seen = ", ".join(f"{k} {v}" for k, v in m.behaviour.items())
-            lines.append(f"  fully masked rows ({m.case}, {m.output}, {m.rows}): {seen}")
+            how = (f"; compared with {', '.join(m.compared)} as every row" if m.compared
+                   else "; not compared (PyTorch's kernels differ among themselves there)")
+            lines.append(f"  fully masked rows ({m.case}, {m.output}, {m.rows}): {seen}{how}")
         if len(self.masked_rows) > 1 and not detail:
             lines.append(f"  ... fully masked rows in {len(self.masked_rows) - 1} more case(s) "
                          "(-v lists them)")

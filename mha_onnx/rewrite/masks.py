@@ -70,8 +70,9 @@ class ScoreDims:
 
 @dataclass(frozen=True)
 class Padding:
-    """Key padding: ``source`` [B, T]; a key is masked where ``source != 0``, or where it is 0
-    when ``inverted`` (a keep mask such as Hugging Face's ``attention_mask``)."""
+    """Key padding: ``source`` [B, T] (or [B, 1, T], [B, 1, 1, T]); a key is masked where
+    ``source != 0``, or where it is 0 when ``inverted`` (a keep mask such as Hugging Face's
+    ``attention_mask``)."""
 
     source: ir.Value
     inverted: bool
@@ -192,13 +193,17 @@ def key_axis_only(value: ir.Value, sd: ScoreDims) -> bool:
 
 def padding_leaf(outer: ir.Value, source: ir.Value, sd: ScoreDims, masked_when: bool
                  ) -> Padding | None:
-    """Key padding: ``source`` a [B, T] tensor that reaches ``outer`` through layout and
-    value-keeping ops only, ``outer`` broadcast onto the scores over queries (and heads)."""
+    """Key padding: ``source`` a [B, T] tensor (or a [B, 1, T], [B, 1, 1, T] model input: a
+    mask already shaped to broadcast, as some seq2seq exports take it) that reaches ``outer``
+    through layout and value-keeping ops only, ``outer`` broadcast onto the scores over
+    queries (and heads)."""
     source, layout_ok = strip_layout(source)
     shape = dims(source)
-    if not layout_ok or shape is None or len(shape) != 2 or source.dtype is None:
+    if not layout_ok or shape is None or not 2 <= len(shape) <= 4 or source.dtype is None:
         return None
-    if not (same_dim(shape[0], sd.batch) and same_dim(shape[1], sd.seq_kv)):
+    if len(shape) > 2 and (any(d != 1 for d in shape[1:-1]) or not source.is_graph_input()):
+        return None  # computed [B, 1, 1, T] values are proven by evaluation (value_masks.py)
+    if not (same_dim(shape[0], sd.batch) and same_dim(shape[-1], sd.seq_kv)):
         return None
     if not key_axis_only(outer, sd):
         return None

@@ -305,6 +305,8 @@ def _as_source(padded: np.ndarray, padding: Padding) -> np.ndarray:
     """The padding source's values for ``padded`` (a keep mask when ``inverted``)."""
     flags = ~padded if padding.inverted else padded
     dtype = padding.source.dtype
+    rank = len(padding.source.shape or ()) or 2  # [B, 1, T]: the middle dims are 1
+    flags = flags.reshape(flags.shape[0], *([1] * (rank - 2)), flags.shape[-1])
     return flags.astype(dtype.numpy() if dtype is not None else np.bool_)
 
 

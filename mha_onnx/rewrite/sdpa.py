@@ -158,6 +158,8 @@ def split_heads(op, x3: ir.Value, heads: int) -> ir.Value:
 def _padded_keys(op, padding) -> ir.Value:
     """bool [B, T], True where the key is padded."""
     source = padding.source
+    if len(source.shape or ()) > 2:  # [B, 1, T] / [B, 1, 1, T]
+        source = op.Reshape(source, op.Constant(value_ints=[0, -1]))
     if source.dtype == ir.DataType.BOOL:
         return op.Not(source) if padding.inverted else source
     is_zero = op.Equal(source, op.CastLike(op.Constant(value_float=0.0), source))

@@ -235,3 +235,49 @@ def test_a_shared_cache_reference_runs_behind_the_appended_interface_as_the_mode
         assert report.exit_code == EXIT_OK, (model, reference, report.render())
         assert any(c.against == "reference" and c.output.startswith("present.")
                    for c in report.comparisons)
+
+
+def _masked_fill_attention(path, zero_masked_rows: bool) -> None:
+    """Self-attention over x [B, T, 8] with ``Where(mask == 0, -1e9, scores)``: a query whose
+    keys are all masked averages the values. ``zero_masked_rows``: a file that gives zeros
+    there instead and equals it everywhere else."""
+    from onnx import TensorProto, helper
+
+    f, i = TensorProto.FLOAT, TensorProto.INT64
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["x", "xt"], ["scores"]),
+             helper.make_node("Unsqueeze", ["attention_mask", "one"], ["mask3"]),
+             helper.make_node("Equal", ["mask3", "zero"], ["masked"]),
+             helper.make_node("Where", ["masked", "fill", "scores"], ["filled"]),
+             helper.make_node("Softmax", ["filled"], ["probs"], axis=-1),
+             helper.make_node("MatMul", ["probs", "x"], ["out" if not zero_masked_rows else "o"])]
+    if zero_masked_rows:
+        nodes += [helper.make_node("ReduceMax", ["attention_mask", "one"], ["kept"], keepdims=1),
+                  helper.make_node("Unsqueeze", ["kept", "one"], ["kept3"]),
+                  helper.make_node("Cast", ["kept3"], ["keep"], to=f),
+                  helper.make_node("Mul", ["o", "keep"], ["out"])]
+    inits = [helper.make_tensor("one", i, [1], [1]), helper.make_tensor("zero", i, [], [0]),
+             helper.make_tensor("fill", f, [], [-1e9])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["B", "T", 8]),
+                                           helper.make_tensor_value_info("attention_mask", i,
+                                                                         ["B", "T"])],
+                              [helper.make_tensor_value_info("out", f, ["B", "T", 8])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                                ir_version=9), path)
+
+
+def test_fully_masked_rows_are_compared_against_the_original(tmp_path):
+    """Against an ONNX reference (the original's own graph) a fully masked row counts as any
+    other: a file that gives zeros where the original averages V fails, and says the rows
+    were compared; the original against itself passes."""
+    original, zeroed = tmp_path / "original.onnx", tmp_path / "zeroed.onnx"
+    _masked_fill_attention(original, False)
+    _masked_fill_attention(zeroed, True)
+    same = validate_model(original, ValidateConfig(reference=str(original)))
+    assert same.exit_code == EXIT_OK, same.render()
+    assert same.masked_rows and all(m.compared == ("reference",) for m in same.masked_rows)
+    assert "compared with reference as every row" in same.render()
+    differs = validate_model(zeroed, ValidateConfig(reference=str(original)))
+    assert differs.exit_code == EXIT_MISMATCH, differs.render()
+    failed = {c.case for c in differs.failures()}
+    assert failed and failed == {m.case for m in differs.masked_rows}, failed

@@ -76,6 +76,24 @@ def test_a_data_mask_over_queries_is_not_key_padding():
     assert "not a [B, T] key padding" in pieces.reason
 
 
+def test_a_mask_input_shaped_to_broadcast_is_key_padding():
+    """A seq2seq export that takes its mask as [B, 1, T] (or [B, 1, 1, T]) and masks with
+    ``Where(mask == 0, -1e9, scores)``: key padding, not a dense bias; [B, S, T] is not."""
+    for shape, padding in ((["B", 1, "S"], True), (["B", 1, 1, "S"], True),
+                           (["B", "S", "S"], False)):
+        axes = [1] if len(shape) == 3 else []
+        nodes = ([const("ax", axes), node("Unsqueeze", ["m", "ax"], "m4")] if axes else
+                 [node("Identity", ["m"], "m4")])
+        nodes += [const("zero", 0), node("Equal", ["m4", "zero"], "masked")]
+        g = Graph(model(nodes, qkv_inputs() + [tensor("m", B64, shape)], ["masked"]))
+        pieces = take_apart([Term("replace", g["masked"], 1.0, -1e9, True)], SD, _size_only(g))
+        if padding:
+            assert not pieces.reason, (shape, pieces.reason)
+            assert [p for p, _ in pieces.padding] == [Padding(g["m"], inverted=True)], shape
+        else:
+            assert "not a [B, T] key padding" in pieces.reason, shape
+
+
 def test_a_float_bias_on_merged_heads_is_kept_as_a_bias():
     """BLOOM's ALiBi: slopes x positions computed from the padding mask, added to [B*H, 1, T]
     scores; a bias added as it is, whatever its values."""
@@ -182,3 +200,49 @@ def test_a_float_mask_cast_to_bool_is_read_through_its_spelling():
     assert not pieces.reason and [leaf.value for leaf in pieces.size] == [g["causal"]]
     (padding, _), = pieces.padding
     assert padding.source is g["am"] and padding.inverted
+
+
+def test_a_b1t_mask_input_fuses_as_key_padding_with_its_fully_masked_rows():
+    """End to end: q [B, 4, S, 8], k/v [B, 4, T, 8], mask [B, 1, T] (1 = keep) through
+    ``Where(mask == 0, -1e9, scores)``; fused as key padding and verified, fully masked rows
+    (every key -1e9: the mean of V) included."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from mha_onnx.rewrite.fuse import fuse_model
+    from mha_onnx.rewrite.verify import verify
+    from mha_onnx.runtime.ort import OrtRunner
+
+    f, i = TensorProto.FLOAT, TensorProto.INT64
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+             helper.make_node("Mul", ["qk", "scale"], ["scores"]),
+             helper.make_node("Equal", ["mask", "zero"], ["masked3"]),
+             helper.make_node("Unsqueeze", ["masked3", "one"], ["masked"]),
+             helper.make_node("Where", ["masked", "fill", "scores"], ["filled"]),
+             helper.make_node("Softmax", ["filled"], ["probs"], axis=-1),
+             helper.make_node("MatMul", ["probs", "v"], ["out"])]
+    inits = [helper.make_tensor("one", i, [1], [1]), helper.make_tensor("zero", i, [], [0]),
+             helper.make_tensor("fill", f, [], [-1e9]),
+             helper.make_tensor("scale", f, [], [8 ** -0.5])]
+    ins = [helper.make_tensor_value_info("q", f, ["B", 4, "S", 8]),
+           helper.make_tensor_value_info("k", f, ["B", 4, "T", 8]),
+           helper.make_tensor_value_info("v", f, ["B", 4, "T", 8]),
+           helper.make_tensor_value_info("mask", i, ["B", 1, "T"])]
+    original = helper.make_model(
+        helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info(
+            "out", f, ["B", 4, "S", 8])], inits),
+        opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    fused, blocks, _ = fuse_model(original)
+    assert [b.status for b in blocks] == ["fused"], [b.reason for b in blocks]
+    assert blocks[0].mask == "key_padding", blocks[0].meaning
+    assert verify(original, fused).passed
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(np.float32)
+             for n, s in (("q", (2, 4, 3, 8)), ("k", (2, 4, 5, 8)), ("v", (2, 4, 5, 8)))}
+    feeds["mask"] = np.array([[[1, 1, 1, 0, 0]], [[0, 0, 0, 0, 0]]], np.int64)
+    want = OrtRunner(original.SerializeToString()).infer(feeds)["out"]
+    got = OrtRunner(fused.SerializeToString()).infer(feeds)["out"]
+    np.testing.assert_allclose(got, want, atol=1e-5)  # row 1: every key masked
+    np.testing.assert_allclose(want[1], np.broadcast_to(feeds["v"][1].mean(1, keepdims=True),
+                                                        want[1].shape), atol=1e-5)
