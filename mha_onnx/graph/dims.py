@@ -3,9 +3,13 @@
 An Optimum ViT names every dim of ``pixel_values`` (``[batch_size, num_channels, height,
 width]``), yet its Conv weight fixes the channels and its position table the image size: fed
 a 1x1x1x1 image, nothing runs. An image input (one that reaches a Conv's data input) gets its
-channels from the Conv weight (``C = W.shape[1] * group``) and, where height and width are
-symbolic, the smallest size among the kernel's multiples and the usual image sizes at which
-ONNX Runtime runs the model (batch 1). None runs: a one-line error naming ``--inputs``.
+channels from the Conv weight (``C = W.shape[1] * group``) and, where height or width is
+symbolic (a declared size kept), the size of a position table, else the smallest among the
+kernel's multiples and the usual image sizes at which ONNX Runtime runs the model (batch 1)
+and its first attention sees at least ``MIN_TOKENS`` tokens (an OCR recogniser [N, 3, 48, W]
+runs at W = 3, attention over one token: a sweep that says nothing), else the one with the
+most. None runs: a one-line error naming ``--inputs``. The spec keeps the declared dims
+(``InputSpec.declared``): a real input of any size they admit is accepted.
 
 torch.export with ``Dim.DYNAMIC`` names one axis anew on every input (batch ``s33`` on
 input_ids, ``s6`` on attention_mask; a KV export's mask length unrelated to past + new), and
@@ -40,6 +44,9 @@ log = logging.getLogger(__name__)
 PASS_THROUGH = {"Cast", "Identity", "Sub", "Div", "Mul", "Add"}  # normalising an image
 COMMON_SIZES = (224, 384, 512)
 MAX_TRIALS = 10
+MIN_TOKENS = 16  # the least tokens an image's first attention should see in a sweep
+ATTENTION_OPS = {"Softmax": -1, "MultiHeadAttention": 1, "GroupQueryAttention": 1,
+                 "Attention": -2}  # op -> the axis of its token count (Softmax: the keys)
 
 
 def _conv_weights(model: onnx.ModelProto) -> dict[str, tuple[int, int, int, int, int]]:
@@ -125,13 +132,13 @@ def pin_dims(model: onnx.ModelProto, specs: Sequence) -> list:
         dims = list(spec.dims)
         if not isinstance(dims[1], int):
             dims[1] = channels
-        pinned[n] = replace(spec, dims=tuple(dims))
+        pinned[n] = replace(spec, dims=tuple(dims), declared=spec.dims)
         if isinstance(dims[2], int) and isinstance(dims[3], int):
             continue
         size = _image_size(model, pinned, n, max(kh, kw), _table_sizes(model, width, stride))
         dims[2] = size if not isinstance(dims[2], int) else dims[2]
         dims[3] = size if not isinstance(dims[3], int) else dims[3]
-        pinned[n] = replace(spec, dims=tuple(dims))
+        pinned[n] = replace(spec, dims=tuple(dims), declared=spec.dims)
     return pinned
 
 
@@ -175,34 +182,71 @@ _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BF
 
 def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int,
                tables: list[int]) -> int:
+    """A position table's size where the model runs at it; else the smallest candidate at
+    which the first attention sees MIN_TOKENS tokens; else the one where it sees the most."""
     from mha_onnx.runtime.ort import OrtRunner
 
     smallest = sorted({kernel * 2**k for k in range(8)} | set(COMMON_SIZES))[:MAX_TRIALS]
     candidates = tables + [s for s in smallest if s not in tables]
     spec = specs[index]
-    reasons = []
-    with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
+    reasons, seen = [], {}
+    watched, axis = _attention_tokens(model)
+    with OrtRunner(watched.SerializeToString(), "cpu", optimization="basic") as runner:
         for size in candidates:
-            failed = _trial(runner, specs, {spec.dims[2]: size, spec.dims[3]: size})
+            sizes = {d: size for d in spec.dims[2:] if not isinstance(d, int)}
+            failed, tokens = _counted_trial(runner, specs, sizes, axis)
             if failed:
                 reasons.append(f"{size}: {failed[:120]}")
                 continue
-            log.info("input %s: images of %dx%d (%s)", spec.name, size, size,
-                     "its position table's" if size in tables else "the smallest size it runs at")
-            return size
+            seen[size] = tokens
+            if size in tables or tokens is None or tokens >= MIN_TOKENS:
+                break
+    if seen:
+        size = max(seen, key=lambda s: (seen[s] or 0, -candidates.index(s))) \
+            if all((t or 0) < MIN_TOKENS for t in seen.values()) else list(seen)[-1]
+        log.info("input %s: images of %s (%s)", spec.name,
+                 "x".join(str(d if isinstance(d, int) else size) for d in spec.dims[2:]),
+                 "its position table's" if size in tables else
+                 f"its first attention over {seen[size]} tokens" if seen[size] else
+                 "the smallest size it runs at")
+        return size
     raise InputSpecError(
         f"input {spec.name!r} {list(spec.dims)}: the model runs at none of the image sizes "
         f"{candidates} ({reasons[0] if reasons else '?'})",
         hint="pass real inputs with --inputs FILE.npz")
 
 
+def _attention_tokens(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int | None]:
+    """``model`` with the token-counting value of its first attention (ATTENTION_OPS; the
+    main graph's) as an extra output, and the axis to read; ``model`` and None without one."""
+    for node in model.graph.node:
+        if node.op_type in ATTENTION_OPS:
+            value = node.output[0] if node.op_type == "Softmax" else node.input[0]
+            if value in {o.name for o in model.graph.output}:
+                return model, None
+            watched = onnx.ModelProto()
+            watched.CopyFrom(model)
+            watched.graph.output.append(onnx.helper.make_empty_tensor_value_info(value))
+            return watched, ATTENTION_OPS[node.op_type]
+    return model, None
+
+
 def _trial(runner, specs: Sequence, sizes: dict) -> str:
     """One trial run at ``sizes`` (see _trial_array): '' when the graph ran, else why not."""
+    return _counted_trial(runner, specs, sizes, None)[0]
+
+
+def _counted_trial(runner, specs: Sequence, sizes: dict, axis: int | None
+                   ) -> tuple[str, int | None]:
+    """``_trial`` and the last output's length along ``axis`` (where one is given and ran)."""
     try:
-        runner.infer({s.name: _trial_array(s, sizes) for s in specs})
+        outputs = runner.infer({s.name: _trial_array(s, sizes) for s in specs})
     except Exception as exc:  # noqa: BLE001 - sizes the graph does not take
-        return str(exc) or type(exc).__name__
-    return ""
+        return str(exc) or type(exc).__name__, None
+    last = list(outputs.values())[-1] if axis is not None else None
+    if last is None or last.ndim < (axis + 1 if axis >= 0 else -axis):
+        return "", None
+    return "", int(last.shape[axis])
 
 
 def _external(model: onnx.ModelProto) -> bool:

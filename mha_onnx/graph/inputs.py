@@ -50,6 +50,9 @@ class InputSpec:
     # symbolic dims below whose size the graph does not run (a convolution stack's receptive
     # field over raw audio samples): ((dim, least size), ...), found by graphdims.floor_dims
     floors: tuple[tuple[str, int], ...] = ()
+    # the dims as the file declares them where ``dims`` made some concrete (an image's size,
+    # dims.pin_dims): what a given input is checked against
+    declared: tuple[int | str | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -297,10 +300,11 @@ def load_feeds(feeds: dict[str, np.ndarray], specs: Sequence[InputSpec],
     out = {}
     for spec in specs:
         array = feeds[spec.name]
-        if array.ndim != len(spec.dims) or any(isinstance(d, int) and d != n
-                                               for d, n in zip(spec.dims, array.shape, strict=False)):
+        wanted = spec.declared if spec.declared is not None else spec.dims
+        if array.ndim != len(wanted) or any(isinstance(d, int) and d != n
+                                            for d, n in zip(wanted, array.shape, strict=False)):
             raise InputSpecError(f"input {spec.name} in {path} has shape {list(array.shape)}; "
-                                 f"the model wants {list(spec.dims)}")
+                                 f"the model wants {list(wanted)}")
         out[spec.name] = array.astype(spec.dtype, copy=False)
     return out
 
