@@ -134,7 +134,9 @@ class Normalise(FusionPass):
         "repaired": "repaired {n} RotaryEmbedding node(s) that onnxruntime 1.31 refuses "
                     "(cos/sin caches broadcast over the batch, now expanded)",
         "views": "{n} mask(s) added on a view of the scores with one more axis (Swin's [B, "
-                 "windows, heads, N, N], DETR's [B, heads, T, S]) made a bias on the scores",
+                 "windows, heads, N, N], DETR's [B, heads, T, S]) made a bias on the scores "
+                 "(on the CPU a Swin-T stage ran 1.03-1.15x slower fused, docs/families.md: "
+                 "`mha-onnx tune` keeps the original where it is faster)",
         "scaled_sinks": SCALED_NOTE,
         "shared_probabilities": "{n} differential attention(s) (Softmax weights applied to "
                                 "several value tensors, or combined before V) made one "

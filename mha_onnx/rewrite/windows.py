@@ -57,7 +57,7 @@ class WindowMaskOnView(pattern.RewriteRuleClassBase):
         if not all(same_dim(a, b) for a, b in zip(sd[1:], od[1:], strict=True)):
             return result.fail("the view's round trip does not keep the heads and lengths")
         if not _sizes(shape5):
-            return result.fail("the view's shape has a -1 or 0 (Expand cannot take it)")
+            return result.fail("the view's shape has a 0 or more than one -1")
         if any(_reads(v, s) for v in (shape5, shape4, *masks)):
             return result.fail("the view's shapes or the masks are computed from the scores")
         self._view, self._masks = view, masks
@@ -66,6 +66,8 @@ class WindowMaskOnView(pattern.RewriteRuleClassBase):
     def rewrite(self, op, added, shape4, out, **_):
         self.found.append(out.producer().name or "Reshape")
         s, shape5 = self._view.inputs[0], self._view.inputs[1]
+        if not _sizes(shape5, inferred=False):
+            shape5 = _inferred(op, shape5, s)
         total = s
         for mask in self._masks:
             total = op.Add(total, _bias(op, mask, shape5, shape4))
@@ -106,15 +108,28 @@ def _bias(op, mask: ir.Value, shape5: ir.Value, shape4: ir.Value) -> ir.Value:
     return op.Reshape(op.Expand(mask, shape5), shape4)
 
 
-def _sizes(shape: ir.Value) -> bool:
-    """Is ``shape`` made of sizes only (no Reshape -1 or 0 among its constant parts)?"""
+def _sizes(shape: ir.Value, inferred: bool = True) -> bool:
+    """Is ``shape`` made of sizes only (no Reshape 0 among its constant parts, and no -1
+    unless ``inferred``, then at most one: torch.export folds ``view(B // nW, nW, ...)`` to
+    ``[-1, nW, ...]``; ``_inferred`` gives it its size)?"""
     whole = const_ints(shape)
-    if whole is not None:
-        return all(d > 0 for d in whole)
-    concat = producer(shape, "Concat")
-    return concat is not None and all(
-        const_ints(part) is None or all(d > 0 for d in const_ints(part))
-        for part in concat.inputs)
+    if whole is None:
+        concat = producer(shape, "Concat")
+        if concat is None:
+            return False
+        parts = [const_ints(part) for part in concat.inputs]
+        whole = [d for part in parts if part is not None for d in part]
+    return all(d > 0 or (inferred and d == -1) for d in whole) and whole.count(-1) <= 1
+
+
+def _inferred(op, shape: ir.Value, scores: ir.Value) -> ir.Value:
+    """``shape`` with its -1 replaced by the size Reshape infers for it: the scores' element
+    count over the product of the other dims (Expand takes no -1)."""
+    minus_one = op.Constant(value_ints=[-1])
+    unknown = op.Equal(shape, minus_one)
+    others = op.ReduceProd(op.Where(unknown, op.Constant(value_ints=[1]), shape), keepdims=1)
+    count = op.ReduceProd(op.Shape(scores), keepdims=1)
+    return op.Where(unknown, op.Div(count, others), shape)
 
 
 def _reads(value: ir.Value, target: ir.Value, limit: int = 400) -> bool:

@@ -48,9 +48,12 @@ def _rewritten(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     return ir.to_proto(graph), found
 
 
-@pytest.mark.parametrize("mask_heads, twice", [(1, False), (H, False), (1, True)])
-def test_a_mask_on_the_window_view_becomes_a_bias_on_the_scores(mask_heads, twice):
-    proto = _view([-1, H, N, N], mask_heads, twice=twice)
+@pytest.mark.parametrize("mask_heads, twice, first", [(1, False, 2), (H, False, 2), (1, True, 2),
+                                                     (1, False, -1)])
+def test_a_mask_on_the_window_view_becomes_a_bias_on_the_scores(mask_heads, twice, first):
+    """``first`` -1: the view as torch.export folds torchvision's and timm's
+    ``view(B // nW, nW, ...)``; the bias's Expand gets the size Reshape infers."""
+    proto = _view([-1, H, N, N], mask_heads, first=first, twice=twice)
     out, found = _rewritten(proto)
     assert len(found) == 1
     assert not [n for n in out.graph.node if n.op_type == "Reshape"
@@ -69,7 +72,7 @@ def test_a_mask_on_the_window_view_becomes_a_bias_on_the_scores(mask_heads, twic
 
 @pytest.mark.parametrize("back, first", [
     ([-1, N, H, N], 2),   # back with heads and lengths swapped: not the scores' layout
-    ([-1, H, N, N], -1),  # a view sized by -1: no Expand target to make the bias with
+    ([-1, H, N, N], 0),   # a view that copies a dim (0): not sizes to expand the mask to
 ])
 def test_a_view_that_does_not_give_the_scores_back_is_left(back, first):
     out, found = _rewritten(_view(back, first=first))
@@ -100,3 +103,31 @@ def test_a_mask_on_a_view_of_3d_scores_becomes_a_bias_on_them():
     np.testing.assert_array_equal(_run(out, feeds), _run(proto, feeds))
     # back as [B*H, S, T]: not the scores' layout, left
     assert not _rewritten(_view_of_3d([2 * H, N + 1, N]))[1]
+
+
+def test_a_shifted_window_block_as_torch_export_writes_it_fuses():
+    """torchvision's shifted_window_attention as torch.export folds it: scores [b*nW, H, N, N]
+    (b symbolic), the window mask [nW, N, N] (constant, -100 across windows' regions) added
+    on a ``[-1, nW, H, N, N]`` view; the whole block fused, verified at several batches."""
+    from mha_onnx.rewrite.fuse import fuse_model
+    from mha_onnx.rewrite.verify import verify
+
+    rng = np.random.default_rng(2)
+    mask = np.where(rng.random((WINDOWS, N, N)) < 0.4, -100.0, 0.0).astype(np.float32)
+    nodes = [node("Transpose", ["k"], "kt", perm=[0, 1, 3, 2]),
+             node("MatMul", ["q", "kt"], "s"),
+             const("v5", [-1, WINDOWS, H, N, N]), node("Reshape", ["s", "v5"], "view"),
+             const("ax", [0, 2]), node("Unsqueeze", ["mask", "ax"], "mask5"),
+             node("Add", ["view", "mask5"], "added"),
+             const("v4", [-1, H, N, N]), node("Reshape", ["added", "v4"], "scores"),
+             node("Softmax", ["scores"], "probs", axis=-1), node("MatMul", ["probs", "v"], "out")]
+    proto = model(nodes, [tensor(x, F, ["bw", H, N, 8]) for x in "qkv"], ["out"],
+                  out_types={"out": (F, ["bw", H, N, 8])})
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(mask, "mask"))
+    fused, blocks, _ = fuse_model(proto)
+    assert [b.status for b in blocks] == ["fused"], [b.reason for b in blocks]
+    assert not [n for n in fused.graph.node if n.op_type == "Softmax"]
+    feeds = [{x: rng.standard_normal((WINDOWS * b, H, N, 8)).astype(np.float32) for x in "qkv"}
+             for b in (1, 3)]
+    for given in feeds:
+        assert verify(proto, fused, given=given).passed

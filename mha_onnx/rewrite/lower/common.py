@@ -229,6 +229,21 @@ def kv_operands(op, info: SdpaInfo) -> tuple[ir.Value, ir.Value, bool]:
     return k, v, False
 
 
+def _as_wide_as_scores(op, dense: ir.Value, q3: ir.Value, v: ir.Value, t_axis: int
+                       ) -> ir.Value:
+    """``dense`` with its last two dims [S, T] as ORT's MHA wants them: expanded, unless its
+    static shape already says so (an Expand to the same shape still copies it, every run: a
+    shifted window's [B*nW, H, N, N] bias is as large as the scores). Symbolic dims do not
+    count: Moonshine's mask is inferred as [.., T] and is one column when the audio is short."""
+    have, q, k = dims(dense), dims(q3), dims(v)
+    if have and q and k and len(have) == 4 and isinstance(have[2], int) \
+            and isinstance(have[3], int) and have[2] == q[1] and have[3] == k[t_axis]:
+        return dense
+    full = op.Concat(op.Constant(value_ints=[1, 1]), seq_dim(op, q3, 1),
+                     seq_dim(op, v, t_axis), axis=0)  # (V: never K^T)
+    return op.Expand(dense, full)
+
+
 def dense_mha(op, info: SdpaInfo, q3: ir.Value, *, lazy: bool) -> ir.Value:
     """The general form: MultiHeadAttention with every mask term added as the original adds
     it (so fully masked rows come out as there; a NaN guard is kept), K/V heads repeated
@@ -241,9 +256,7 @@ def dense_mha(op, info: SdpaInfo, q3: ir.Value, *, lazy: bool) -> ir.Value:
     # ORT's MHA wants the bias' last two dims as [S, T]; the original may broadcast either
     # (Moonshine's cross-attention mask, cut to a length ORT's inference cannot relate to
     # the keys, is one column when the audio is short)
-    full = op.Concat(op.Constant(value_ints=[1, 1]), seq_dim(op, q3, 1),
-                     seq_dim(op, v, 1 if k3d else 2), axis=0)  # (V: never K^T)
-    bias = op.Expand(dense, full)
+    bias = _as_wide_as_scores(op, dense, q3, v, 1 if k3d else 2)
     if info.sink is not None:
         k, v, bias = _sink_key(op, info, q3, k, v, bias, 1 if k3d else 2)
     if info.softcap:
