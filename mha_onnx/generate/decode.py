@@ -18,8 +18,8 @@ error, never a token from the wrong form.
 from __future__ import annotations
 
 import onnx
-
-from mha_onnx.graph.walk import all_nodes, subgraphs
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 
 GUARD = "mha_onnx_decode_fast_form"  # bool []: the step met the fast form's guard
 
@@ -37,78 +37,75 @@ def shared_guard(model: onnx.ModelProto) -> str | None:
     return next(iter(conditions)) if len(conditions) == 1 else None
 
 
+class InlineThenBranches(ir.passes.InPlacePass):
+    """Every ``If`` of the main graph replaced by the nodes of its then branch (they read the
+    outer values they read before: one value object, no names to match), what the ``If``
+    gave now given by the branch; a graph output keeps its name (an Identity where the
+    branch passes an outer value through). Names made unique over the model after."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        ifs = [n for n in graph if n.op_type == "If" and n.domain in ("", "ai.onnx")]
+        for node in ifs:
+            branch = node.attributes["then_branch"].as_graph()
+            for name in list(branch.initializers):
+                graph.register_initializer(branch.initializers.pop(name))
+            inner = list(branch)
+            branch.remove(inner)
+            graph.insert_before(node, inner)
+            given_values = list(branch.outputs)
+            branch.outputs.clear()  # (a value is the output of one graph at a time)
+            for out, given in zip(list(node.outputs), given_values, strict=True):
+                if out.is_graph_output():
+                    given = self._as_output(graph, node, out, given, set(inner))
+                out.replace_all_uses_with(given, replace_graph_outputs=True)
+            graph.remove(node, safe=True)
+            _let_go(node)
+        if ifs:
+            common_passes.NameFixPass()(model)
+        return ir.passes.PassResult(model, modified=bool(ifs))
+
+    @staticmethod
+    def _as_output(graph: ir.Graph, node: ir.Node, out: ir.Value, given: ir.Value,
+                   inlined: set) -> ir.Value:
+        """``given`` under the output's name; an Identity of it where it is an outer value
+        (a graph input or another output keeps its own name)."""
+        if given.producer() not in inlined or given in graph.outputs:
+            copy = ir.node("Identity", [given], name=f"{node.name}_passed")
+            graph.insert_before(node, copy)
+            given = copy.outputs[0]
+        name = out.name
+        out.name = None
+        given.name = name
+        return given
+
+
+def _let_go(node: ir.Node) -> None:
+    """The nodes of ``node``'s branches (the else branch, dropped with it) read nothing any
+    more: outer values they read would still count them as uses, and be kept for them."""
+    for attr in node.attributes.values():
+        if attr.type != ir.AttributeType.GRAPH:
+            continue
+        for inner in attr.as_graph():
+            _let_go(inner)
+            for i in range(len(inner.inputs)):
+                inner.replace_input_with(i, None)
+
+
 def inline_ifs(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` with every ``If`` of its main graph replaced by the nodes of its
-    then branch: what the branch outputs renamed to the ``If``'s outputs, another name it
-    defines that the main graph has already suffixed (names are unique per graph only:
-    torch.export names a branch's nodes and values as the main graph's); an output the
-    branch passes through from outside becomes an Identity."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph, nodes = out.graph, []
-    names = {n.name for n in graph.node}
-    values = {v.name for v in (*graph.input, *graph.initializer)} | {
-        o for n in graph.node for o in n.output}
-    for node in graph.node:
-        if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
-            nodes.append(node)
-            continue
-        branch = next(a.g for a in node.attribute if a.name == "then_branch")
-        given = {o.name: t for o, t in zip(branch.output, node.output, strict=True)}
-        defined = [t.name for t in branch.initializer] + [o for n in branch.node for o in n.output]
-        renamed = {name: given.get(name) or _unique(name, values) for name in defined if name}
-        for tensor in branch.initializer:
-            tensor.name = renamed[tensor.name]
-        graph.initializer.extend(branch.initializer)
-        for inner in branch.node:
-            _rename(inner.input, renamed)
-            _rename(inner.output, renamed)
-            for nested in subgraphs(inner):  # (what they read from the branch, not their own)
-                own = {o for n in all_nodes(nested) for o in n.output}
-                for n in all_nodes(nested):
-                    _rename(n.input, {k: v for k, v in renamed.items() if k not in own})
-            inner.name = _unique(inner.name, names) if inner.name else inner.name
-            nodes.append(inner)
-        nodes += [onnx.helper.make_node("Identity", [name], [target])
-                  for name, target in given.items() if name not in renamed]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return out
-
-
-def _rename(field, renamed: dict[str, str]) -> None:
-    for i, name in enumerate(field):
-        field[i] = renamed.get(name, name)
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    """``name``, or it with the first free ``_inlined{n}`` suffix; recorded as taken."""
-    n, free = 0, name
-    while free in taken:
-        n += 1
-        free = f"{name}_inlined{n}"
-    taken.add(free)
-    return free
+    then branch (InlineThenBranches)."""
+    graph = ir.from_proto(model)
+    InlineThenBranches()(graph)
+    return ir.to_proto(graph)
 
 
 def without_unread(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` without the main-graph nodes no output depends on (a value read
-    inside a kept node's subgraph counts as read)."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    needed = {o.name for o in out.graph.output}
-    kept = []
-    for node in reversed(out.graph.node):
-        if any(name in needed for name in node.output):
-            kept.append(node)
-            needed.update(node.input)
-            needed.update(name for g in subgraphs(node) for n in all_nodes(g) for name in n.input)
-    del out.graph.node[:]
-    out.graph.node.extend(reversed(kept))
-    kept_inits = [t for t in out.graph.initializer if t.name in needed]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(kept_inits)
-    return out
+    """A copy of ``model`` without the main-graph nodes and initializers no output depends
+    on (a value read inside a kept node's subgraph counts as read)."""
+    graph = ir.from_proto(model)
+    common_passes.RemoveUnusedNodesPass()(graph)
+    return ir.to_proto(graph)
 
 
 def decode_graph(model: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -117,7 +114,13 @@ def decode_graph(model: onnx.ModelProto) -> onnx.ModelProto | None:
     guard = shared_guard(model)
     if guard is None:
         return None
-    out = inline_ifs(model)
-    out.graph.node.append(onnx.helper.make_node("Identity", [guard], [GUARD]))
-    out.graph.output.append(onnx.helper.make_tensor_value_info(GUARD, onnx.TensorProto.BOOL, []))
-    return without_unread(out)
+    graph = ir.from_proto(model)
+    condition = next(n.inputs[0] for n in graph.graph if n.op_type == "If")
+    InlineThenBranches()(graph)
+    told = ir.node("Identity", [condition], name="decode_guard")
+    told.outputs[0].name = GUARD
+    told.outputs[0].type, told.outputs[0].shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([])
+    graph.graph.append(told)
+    graph.graph.outputs.append(told.outputs[0])
+    common_passes.RemoveUnusedNodesPass()(graph)
+    return ir.to_proto(graph)

@@ -17,8 +17,9 @@ import numpy as np
 import onnx
 
 from mha_onnx.errors import InputSpecError
-from mha_onnx.graph.dims import dim_floors, floor_dims, lifted, pin_dims, relate_dims
+from mha_onnx.graph.dims import dim_floors, floor_dims, lifted, relate_dims
 from mha_onnx.graph.expressions import evaluate, is_expression
+from mha_onnx.graph.images import pin_dims
 from mha_onnx.graph.roles import integer_roles
 from mha_onnx.graph.walk import all_nodes
 
@@ -51,7 +52,7 @@ class InputSpec:
     # field over raw audio samples): ((dim, least size), ...), found by graphdims.floor_dims
     floors: tuple[tuple[str, int], ...] = ()
     # the dims as the file declares them where ``dims`` made some concrete (an image's size,
-    # dims.pin_dims): what a given input is checked against
+    # images.pin_dims): what a given input is checked against
     declared: tuple[int | str | None, ...] | None = None
 
 

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from mha_onnx.errors import InputSpecError
-from mha_onnx.graph.dims import MIN_TOKENS
+from mha_onnx.graph.images import MIN_TOKENS
 from mha_onnx.graph.inputs import input_specs, load_feeds
 from mha_onnx.parity import ValidateConfig, validate_model
 
