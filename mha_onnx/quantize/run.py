@@ -171,11 +171,12 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
     model reads it back; a weight that is not the main graph's, in a model of its own with
     every MatMul reading it quantized as ``config`` says); by the first MatMul reading it."""
     from mha_onnx.quantize import sensitivity
-    from mha_onnx.quantize.weights import cut_slices, targets
+    from mha_onnx.quantize.weights import cut_slices, targets, untie_transposes
     from mha_onnx.runtime.ort import OrtRunner
 
     base = onnx.ModelProto.FromString(float_model.SerializeToString())
-    cut_slices(base)  # (as quantize_weights does: the weights' names are the cut ones)
+    cut_slices(base)  # (as quantize_weights does: the weights' names are the cut ones,
+    untie_transposes(base)  # the tied head's its own)
     readers: dict[str, list[str]] = {}
     for target in targets(base, config):
         readers.setdefault(target.weight, []).append(target.node)
@@ -230,7 +231,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
         notes.append(_int8_cache(model, str(source), first.model, calibration))
     report = measure(model, str(source), first.model, thresholds,
                      sensitive=names if sensitivity else None, config=config)
-    quantized = {t.node: t.bits for t in first.targets}
+    quantized = first.matmuls()
     write = not check or bool(report)
     size = 0
     if write:

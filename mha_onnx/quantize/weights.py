@@ -93,6 +93,15 @@ class Target:
     weight: str
     layer: int | None
     bits: int = 0
+    graph: int = 0  # which graph holds it (_graphs' order): If branches repeat node names
+
+
+def labelled(found) -> dict[str, int]:
+    """MatMul -> bits for a report: the node's name, with ``@graph{n}`` where another graph
+    has a node of that name (Optimum's merged decoders name both branches' nodes alike)."""
+    found = list(found)
+    twice = {n for n in (t.node for t in found) if sum(t.node == n for t in found) > 1}
+    return {(f"{t.node}@graph{t.graph}" if t.node in twice else t.node): t.bits for t in found}
 
 
 @dataclass(frozen=True)
@@ -102,9 +111,16 @@ class QuantizedWeights:
     float_bytes: int  # the weights quantized, as they were
     quantized_bytes: int  # and as they are (packed, scales, zero points)
     notes: tuple[str, ...] = field(default=())
+    left: tuple[tuple[str, str], ...] = ()  # MatMuls of constant weights still float, why
+
+    def matmuls(self) -> dict[str, int]:
+        """MatMul -> bits (0: float), every MatMul of a constant weight counted: those
+        planned and those whose weight is computed (float_left)."""
+        planned = labelled(self.targets)
+        return {**planned, **{name: 0 for name, _ in self.left if name not in planned}}
 
     def record(self, config: QuantizeConfig) -> dict[str, Any]:
-        return {**config.to_dict(), "matmuls": {t.node: t.bits for t in self.targets},
+        return {**config.to_dict(), "matmuls": self.matmuls(),
                 "float_bytes": self.float_bytes, "quantized_bytes": self.quantized_bytes}
 
 
@@ -141,7 +157,7 @@ def targets(model: onnx.ModelProto, config: QuantizeConfig) -> list[Target]:
     """The MatMuls with a constant 2-D weight (found in their graph or one above), with
     the bits each gets."""
     found = []
-    for graph, stack in _graphs(model.graph):
+    for index, (graph, stack) in enumerate(_graphs(model.graph)):
         for node in graph.node:
             if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
                 continue
@@ -149,25 +165,26 @@ def targets(model: onnx.ModelProto, config: QuantizeConfig) -> list[Target]:
             if tensor is None or not _weight_2d(tensor):
                 continue
             where = LAYER.search(f"{node.name}/{tensor.name}/")
-            found.append(Target(node.name, tensor.name, int(where.group(1)) if where else None))
+            found.append(Target(node.name, tensor.name, int(where.group(1)) if where else None,
+                                graph=index))
     layers = [t.layer for t in found if t.layer is not None]
     edges = {min(layers), max(layers)} if layers else set()
     wanted = {}
     for target in found:
-        names = (target.node, target.weight)
+        names, key = (target.node, target.weight), (target.graph, target.node)
         if any(fnmatch.fnmatch(n, p) for p in config.exclude for n in names):
-            wanted[target.node] = 0
+            wanted[key] = 0
         elif any(fnmatch.fnmatch(n, p) for p in config.int8 for n in names) \
                 or (config.first_last and target.layer in edges):
-            wanted[target.node] = 8
+            wanted[key] = 8
         else:
-            wanted[target.node] = config.bits
+            wanted[key] = config.bits
     shared: dict[str, int] = {}  # a weight several MatMuls read: one precision, the widest
-    for target in found:
-        if wanted[target.node]:
-            shared[target.weight] = max(shared.get(target.weight, 0), wanted[target.node])
-    return [Target(t.node, t.weight, t.layer, wanted[t.node] and shared[t.weight])
-            for t in found]
+    for t in found:
+        if wanted[t.graph, t.node]:
+            shared[t.weight] = max(shared.get(t.weight, 0), wanted[t.graph, t.node])
+    return [Target(t.node, t.weight, t.layer, wanted[t.graph, t.node] and shared[t.weight],
+                   t.graph) for t in found]
 
 
 def cut_slices(model: onnx.ModelProto) -> int:
@@ -202,6 +219,70 @@ def cut_slices(model: onnx.ModelProto) -> int:
     return made
 
 
+def untie_transposes(model: onnx.ModelProto) -> int:
+    """A MatMul whose weight is ``Transpose(W)`` of a 2-D constant (a tied LM head over the
+    embedding table) reads ``W.T`` as an initializer of its own, beside W (which the
+    embedding's Gather keeps reading in float), so it is quantized like any other. Returns
+    how many."""
+    made = 0
+    for graph, stack in _graphs(model.graph):
+        producers = {o: n for n in graph.node for o in n.output}
+        for node in graph.node:
+            turn = producers.get(node.input[1]) if node.op_type == "MatMul" else None
+            if turn is None or turn.op_type != "Transpose":
+                continue
+            tensor, home = _initializer(turn.input[0], stack)
+            perm = next((list(a.ints) for a in turn.attribute if a.name == "perm"), [1, 0])
+            if tensor is None or len(tensor.dims) != 2 or perm != [1, 0] \
+                    or not _weight_2d(tensor):
+                continue
+            name = f"{tensor.name}_transposed"
+            if _initializer(name, stack)[0] is None:
+                home.initializer.append(numpy_helper.from_array(
+                    np.ascontiguousarray(numpy_helper.to_array(tensor).T), name))
+            node.input[1] = name
+            made += 1
+    return made
+
+
+def float_left(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    """Every MatMul of ``model`` (any graph) still float whose weight is a constant or made
+    from constants alone: (name, why it stayed float). What a report's "float" count is."""
+    out = []
+    for graph, stack in _graphs(model.graph):
+        producers = {o: n for n in graph.node for o in n.output}
+        for node in graph.node:
+            if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+                continue
+            tensor, _ = _initializer(node.input[1], stack)
+            if tensor is not None:
+                out.append((node.name, "excluded" if _weight_2d(tensor) else
+                            "its weight is not a 2-D float matrix"))
+                continue
+            ops = _constant_path(node.input[1], producers, stack)
+            if ops:
+                out.append((node.name, "its weight is computed from a constant through "
+                            + " <- ".join(ops)))
+    return out
+
+
+def _constant_path(name: str, producers: dict, stack: list, depth: int = 0) -> list[str]:
+    """The ops from ``name`` up to constants alone (their op types), or [] where an input
+    of the model or an activation is among what it reads."""
+    node = producers.get(name)
+    if node is None or depth > 8 or node.op_type in ("If", "Loop", "Scan"):
+        return []
+    ops = [node.op_type]
+    for source in node.input:
+        if not source or _initializer(source, stack)[0] is not None:
+            continue
+        deeper = _constant_path(source, producers, stack, depth + 1)
+        if not deeper:
+            return []
+        ops += [o for o in deeper if o not in ops]
+    return ops
+
+
 def _quantizer(bits: int, config: QuantizeConfig):
     """ONNX Runtime's node quantizer for ``bits``."""
     from onnxruntime.quantization import matmul_nbits_quantizer as ort_q
@@ -226,18 +307,24 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
     if cut:
         notes.append(f"{cut} MatMul weight(s) read as a Slice of a packed weight cut out "
                      "and quantized as their own")
+    untied = untie_transposes(model)
+    if untied:
+        notes.append(f"{untied} MatMul weight(s) read as a Transpose of a constant (a tied LM "
+                     "head over the embedding table) quantized as their own; the embedding "
+                     "stays float for its Gather")
     plan = targets(model, config)
     if not any(t.bits for t in plan):
         raise ConfigError("the model has no MatMul with a constant weight to quantize"
                           + (" that --exclude leaves" if plan else ""),
                           hint="quantize a model whose projections are MatMuls")
-    bits_of = {t.node: t.bits for t in plan}
+    bits_of = {(t.graph, t.node): t.bits for t in plan}
     quantizers = {bits: _quantizer(bits, config) for bits in {t.bits for t in plan} - {0}}
     done: dict[tuple[str, int], onnx.NodeProto] = {}  # (weight, bits) -> its MatMulNBits
-    for graph, stack in _graphs(model.graph):
+    for index, (graph, stack) in enumerate(_graphs(model.graph)):  # (lazily: a graph's If
+        # nodes are copies after its nodes are replaced, and their branches are walked then)
         nodes = []
         for node in graph.node:
-            bits = bits_of.get(node.name, 0) if node.op_type == "MatMul" else 0
+            bits = bits_of.get((index, node.name), 0) if node.op_type == "MatMul" else 0
             if not bits:
                 nodes.append(node)
                 continue
@@ -259,7 +346,13 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
                 for t in graph.initializer if any(t.name.startswith(f"{w}_") for w, _ in done))
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.add(domain="com.microsoft", version=1)
-    return QuantizedWeights(model, tuple(plan), before, after, tuple(notes))
+    left = tuple(float_left(model))
+    if left:
+        said = [f"{name} ({why})" for name, why in left]
+        notes.append(f"{len(left)} MatMul(s) with a constant weight left float: "
+                     + "; ".join(said[:8]) + (f"; ... ({len(said) - 8} more)"
+                                               if len(said) > 8 else ""))
+    return QuantizedWeights(model, tuple(plan), before, after, tuple(notes), left)
 
 
 def _drop_unread(model: onnx.ModelProto) -> int:
