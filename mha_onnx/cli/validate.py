@@ -32,14 +32,18 @@ from mha_onnx.cli.options import emit
                    "--reference, or the same model on another provider).")
 @click.option("--bisect-chunk", type=click.IntRange(min=1), default=256, show_default=True,
               help="Intermediate values exposed per run while bisecting (memory bound).")
-@click.option("--max-kl", type=float, default=0.05, show_default=True,
-              help="A quantized model: most mean next-token KL against its float model.")
-@click.option("--min-top1", type=float, default=0.80, show_default=True,
-              help="A quantized model: least top-1 agreement.")
-@click.option("--min-cosine", type=float, default=0.95, show_default=True,
-              help="A quantized model: least mean cosine of every output.")
+@click.option("--max-kl", type=float, default=None,
+              help="A quantized model: most mean next-token KL against its float model "
+                   "(default: as it was quantized with, else 0.05).")
+@click.option("--min-top1", type=float, default=None,
+              help="A quantized model: least top-1 agreement (default: as it was quantized "
+                   "with, else 0.80).")
+@click.option("--min-cosine", type=float, default=None,
+              help="A quantized model: least mean cosine of every output (default: as it "
+                   "was quantized with, else 0.95).")
 @click.option("--min-greedy", type=float, default=None,
-              help="A quantized model: least greedy agreement (default: reported only).")
+              help="A quantized model: least greedy agreement (default: as it was quantized "
+                   "with, else reported only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads, allow_missing,
@@ -51,7 +55,6 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
     from mha_onnx.graph.files import read_model
     from mha_onnx.graph.inputs import input_specs, parse_shapes
     from mha_onnx.parity import ValidateConfig, parse_tolerances, validate_model
-    from mha_onnx.quantize.accuracy import Thresholds
     from mha_onnx.runtime.ort import parse_providers
 
     cases = tuple(parse_shapes(shapes, input_specs(read_model(model)))) if shapes else None
@@ -61,7 +64,9 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
         reference=reference, threads=threads, memory_check=not no_memory_check,
         inputs=inputs_npz, save_outputs=save_outputs, load_outputs=load_outputs, force=force,
         strict=strict, bisect=bisect_, bisect_chunk=bisect_chunk,
-        accuracy=Thresholds(max_kl, min_top1, min_cosine, min_greedy),
+        accuracy={k: v for k, v in (("max_kl", max_kl), ("min_top1", min_top1),
+                                    ("min_cosine", min_cosine), ("min_greedy", min_greedy))
+                  if v is not None},
         progress=(lambda _: None) if as_json else (
             lambda line: click.echo(f"[validate] {line}", err=True)),
     )

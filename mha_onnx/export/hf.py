@@ -209,8 +209,7 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
             fused.append(f"{part}: {what}" if part else what)
             validations.append(validation)
         if cfg.weights != "float":  # each part's weights, measured against it first
-            made = {_quantized(final, cfg, notes, progress): target
-                    for final, target in made.items()}
+            made = _each_quantized(made, cfg, notes, progress)
         for final, target in made.items():  # every part passed: now written
             shutil.copyfile(final, target)
     if task == "text-generation-with-past" and cfg.genai:
@@ -223,6 +222,27 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
                      "encoder_hidden_states")
     return HfExportReport(str(output), task, "; ".join(fused), validations[-1],
                           time.perf_counter() - started, tuple(notes))
+
+
+def _each_quantized(made: dict[Path, Path], cfg: HfExportConfig, notes: list[str],
+                    progress: Callable[[str], None]) -> dict[Path, Path]:
+    """Each part's quantized file -> its target; where one is past the thresholds, the
+    float parts (exported and validated: the expensive work) written beside the targets as
+    ``NAME.float.onnx`` before the refusal, which names them."""
+    from mha_onnx.errors import FusionError
+
+    try:
+        return {_quantized(final, cfg, notes, progress): target
+                for final, target in made.items()}
+    except FusionError as exc:
+        kept = []
+        for final, target in made.items():
+            floated = target.with_name(f"{target.stem}.float{target.suffix or '.onnx'}")
+            shutil.copyfile(final, floated)
+            kept.append(str(floated))
+        raise FusionError(f"{exc.message}; the float model kept: {', '.join(kept)}",
+                          hint=f"`mha-onnx quantize {kept[-1]} -o ...` takes the thresholds, "
+                               "--exclude and --mixed") from exc
 
 
 def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],
@@ -241,9 +261,7 @@ def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],
                            sensitivity=False, force=True)
     if not report.written:
         raise FusionError(f"the {weights} model is past the accuracy thresholds: "
-                          f"{'; '.join(report.accuracy.failures())}; nothing was written",
-                          hint="`mha-onnx quantize` of the float export takes the thresholds, "
-                               "--exclude and --mixed")
+                          f"{'; '.join(report.accuracy.failures())}; it was not written")
     figures = report.accuracy
     notes.append(f"weights in {weights}: {report.sizes[1] / report.sizes[0]:.2f}x the float "
                  f"model's bytes; next token KL {figures.kl_mean:.3g}, top-1 agreement "

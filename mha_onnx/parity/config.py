@@ -41,7 +41,9 @@ class ValidateConfig:
     strict: bool = False  # a golden file saved from another model fails
     bisect: bool = False  # on a failure, name the first node whose output differs
     bisect_chunk: int = 256  # intermediate values exposed per run while bisecting
-    accuracy: Any = None  # a quantized model's thresholds (quantize/accuracy.Thresholds)
+    # a quantized model's thresholds given (quantize/accuracy.Thresholds' fields): over
+    # those it was quantized with (its record), else the defaults
+    accuracy: Any = None
     # a line per step that takes time (the CLI prints it as "[validate] ..." on stderr)
     progress: Callable[[str], None] = field(default=lambda _: None, compare=False, repr=False)
 

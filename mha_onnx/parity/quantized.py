@@ -99,6 +99,18 @@ def float_original(model: onnx.ModelProto, reference: str | None) -> str:
     return source
 
 
+def thresholds_for(model: onnx.ModelProto, given) -> accuracy.Thresholds:
+    """The thresholds ``model`` was quantized with (its record; a file quantized with
+    ``--min-top1 0`` is judged by that, not by the defaults), with those ``given`` (a
+    Thresholds, or a dict of its fields) over them."""
+    if isinstance(given, accuracy.Thresholds):
+        return given
+    record = metadata.loaded(model, "quantization") or {}
+    recorded = record.get("accuracy", {}).get("thresholds", {})
+    known = {k: v for k, v in recorded.items() if k in accuracy.Thresholds.__dataclass_fields__}
+    return accuracy.Thresholds(**{**known, **(given or {})})
+
+
 def validate_quantized(path: str | Path, config) -> QuantizedValidation:
     """``config``: validate's (providers, reference, allow_missing, the accuracy
     thresholds)."""
@@ -107,7 +119,7 @@ def validate_quantized(path: str | Path, config) -> QuantizedValidation:
 
     started = time.perf_counter()
     model = read_model(path)
-    thresholds = config.accuracy or accuracy.Thresholds()
+    thresholds = thresholds_for(model, config.accuracy)
     try:
         reference = float_original(model, config.reference)
     except ConfigError:

@@ -179,6 +179,14 @@ def test_validate_across_runtimes(tmp_path, fused_llama):
     assert result.exit_code == 0, result.output
     (runtime,) = json.loads(result.output)["runtimes"]
     assert runtime["ran"] and runtime["passed"]
+    # no thresholds given: those it was quantized with (--min-top1 0), not the defaults;
+    # one given: that one over them
+    recorded = _cli("validate", plain, "--json")
+    assert recorded.exit_code == 0, recorded.output
+    used = json.loads(recorded.output)["accuracy"]["thresholds"]
+    assert used["min_top1"] == 0 and used["max_kl"] == 0.05
+    stricter = json.loads(_cli("validate", plain, "--max-kl", "0.01", "--json").output)
+    assert stricter["accuracy"]["thresholds"] == {**used, "max_kl": 0.01}
     fused = tmp_path / "fused.onnx"
     assert _cli("quantize", fused_llama["shared"], "-o", fused, *LOOSE,
                 "--no-sensitivity").exit_code == 0
@@ -207,6 +215,27 @@ def test_export_model_with_int8_weights(hf_folder, tmp_path):
     report = json.loads(checked.output[checked.output.index("{"):])  # (after transformers'
     # loading bar)
     assert report["reference"].startswith("PyTorch") and report["accuracy"]["top1"] > 0.9
+
+
+@pytest.mark.slow
+def test_an_export_whose_quantized_model_fails_the_gate_keeps_the_float_model(
+        hf_folder, tmp_path, monkeypatch):
+    """The gate refuses the int4 model (thresholds no model meets): exit 1, the int4 model
+    not written, the float export (the expensive, validated work) kept beside it and named."""
+    import functools
+
+    import mha_onnx.quantize.run as run
+    from mha_onnx.quantize.accuracy import Thresholds
+
+    monkeypatch.setattr(run, "quantize_file", functools.partial(
+        run.quantize_file, thresholds=Thresholds(max_kl=1e-12, min_top1=1.0, min_cosine=1.0)))
+    out = tmp_path / "model.onnx"
+    result = _cli("export", "--model", hf_folder("llama"), "-o", out, "--weights", "int4")
+    assert result.exit_code == 1, result.output
+    kept = tmp_path / "model.float.onnx"
+    assert not out.exists() and kept.exists()
+    assert "past the accuracy thresholds" in result.output and str(kept) in result.output
+    assert not [n for n in _nodes(onnx.load(kept)) if n.op_type == "MatMulNBits"]
 
 
 def test_matmuls_inside_if_branches_are_quantized_and_a_weight_they_share_stored_once():
