@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 ALGORITHMS = ("rtn", "hqq")
 LAYER = re.compile(r"layers?[._/](\d+)[._/]")
+# node metadata that names the module a node came from (torch.export's names do not)
+SCOPES = ("namespace", "pkg.torch.onnx.name_scopes")
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,8 @@ def targets(model: onnx.ModelProto, config: QuantizeConfig) -> list[Target]:
             tensor, _ = _initializer(node.input[1], stack)
             if tensor is None or not _weight_2d(tensor):
                 continue
-            where = LAYER.search(f"{node.name}/{tensor.name}/")
+            where = LAYER.search(f"{node.name}/{tensor.name}/") or LAYER.search(
+                "/".join(p.value for p in node.metadata_props if p.key in SCOPES) + "/")
             found.append(Target(node.name, tensor.name, int(where.group(1)) if where else None,
                                 graph=index))
     layers = [t.layer for t in found if t.layer is not None]
@@ -317,6 +320,9 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
         raise ConfigError("the model has no MatMul with a constant weight to quantize"
                           + (" that --exclude leaves" if plan else ""),
                           hint="quantize a model whose projections are MatMuls")
+    if config.first_last and all(t.layer is None for t in plan):
+        notes.append("--mixed first-last: no MatMul's name or metadata says its layer, so "
+                     "none was put in int8 (name them with --mixed PATTERN)")
     bits_of = {(t.graph, t.node): t.bits for t in plan}
     quantizers = {bits: _quantizer(bits, config) for bits in {t.bits for t in plan} - {0}}
     done: dict[tuple[str, int], onnx.NodeProto] = {}  # (weight, bits) -> its MatMulNBits

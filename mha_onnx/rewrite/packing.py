@@ -68,7 +68,8 @@ def _pack(graph: ir.Graph, nodes: list[ir.Node]
     sizes = _initializer(graph, f"{joined.name}_sizes",
                          np.array([w.shape[1] for w in weights], np.int64))
     first = min(nodes, key=lambda n: list(graph).index(n))  # its input exists before it
-    matmul = ir.Node("", "MatMul", [first.inputs[0], joined], name=f"{first.name}_packed")
+    matmul = ir.Node("", "MatMul", [first.inputs[0], joined], name=f"{first.name}_packed",
+                     metadata_props=dict(first.metadata_props))  # (its layer, for quantize)
     split = ir.Node("", "Split", [matmul.outputs[0], sizes], [ir.AttrInt64("axis", -1)],
                     num_outputs=len(nodes), name=f"{first.name}_split")
     matmul.outputs[0].name = f"{joined.name}_out"

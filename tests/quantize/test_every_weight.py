@@ -84,3 +84,9 @@ def test_what_stays_float_is_named_with_why():
                                        "Reshape"),)
     assert result.matmuls() == {"proj": 4, "lm_head": 0}
     assert float_left(result.model) == list(result.left)
+
+
+def test_first_last_without_layers_in_the_names_is_said_not_silent():
+    result = quantize_weights(_tied(), QuantizeConfig(first_last=True))
+    assert any("--mixed first-last: no MatMul" in note for note in result.notes)
+    assert set(result.matmuls().values()) == {4}

@@ -1,0 +1,56 @@
+"""The trained fixture (tests/fixtures/trained/llama, tools/train_fixture.py): weights with
+structure, so agreement figures mean something. The default int4 passes the default gate
+with a top-1 agreement well above chance, a coarser quantization that costs more held-out
+perplexity (docs/quantize-trained.md) fails it, and --mixed first-last finds the layers in a
+torch.export file's node metadata."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from mha_onnx.cli import main
+from tests.paths import ROOT
+
+TRAINED = ROOT / "tests" / "fixtures" / "trained" / "llama"
+
+
+def _cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_the_fixture_learned_its_text():
+    record = json.loads((TRAINED / "training.json").read_text())
+    assert record["held_out_perplexity"] < record["uniform_perplexity"] / 20
+    assert json.loads((TRAINED / "config.json").read_text())["tie_word_embeddings"]
+
+
+@pytest.mark.slow
+def test_the_default_gate_tells_a_good_int4_from_a_coarse_one(tmp_path):
+    """One export (20 s), three quantizations: the default passes, block 128 fails on KL and
+    is not written, --mixed first-last puts layers 0 and 3 in int8 (read from the node
+    metadata: torch.export's node names carry no layer)."""
+    from mha_onnx.graph.walk import all_nodes
+
+    exported = tmp_path / "float" / "model.onnx"
+    result = _cli("export", "--model", TRAINED, "-o", exported)
+    assert result.exit_code == 0, result.output
+    good = _cli("quantize", exported, "-o", tmp_path / "good.onnx", "--no-sensitivity",
+                "--json")
+    assert good.exit_code == 0, good.output
+    figures = json.loads(good.output)["accuracy"]
+    assert figures["top1"] > 0.85 and figures["kl_mean"] < 0.05
+    coarse = _cli("quantize", exported, "-o", tmp_path / "coarse.onnx", "--block-size", "128",
+                  "--no-sensitivity")
+    assert coarse.exit_code == 1 and "KL" in coarse.output, coarse.output
+    assert not (tmp_path / "coarse.onnx").exists()
+    out = tmp_path / "mixed.onnx"
+    mixed = _cli("quantize", exported, "-o", out, "--mixed", "first-last", "--no-check",
+                 "--no-sensitivity")
+    assert mixed.exit_code == 0, mixed.output
+    bits = [a.i for n in all_nodes(onnx.load(out).graph) if n.op_type == "MatMulNBits"
+            for a in n.attribute if a.name == "bits"]
+    assert bits.count(8) >= 8 and 4 in bits  # (layers 0 and 3: 4 MatMuls each at least)

@@ -1,0 +1,121 @@
+"""Quantization methods measured on the trained fixture (tests/fixtures/trained/llama), whose
+logits are peaked: the file each writes, its held-out perplexity on text the model never saw
+(the standard library's last docstrings, as tools/train_fixture.py holds them out), and the
+figures `quantize` gates on (KL, top-1, greedy, over its random-id prompts). One table,
+written to docs with the command.
+
+    .venv/bin/python tools/quantize_trained.py --out /tmp/qt --page docs/quantize-trained.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tools.train_fixture import docstrings  # noqa: E402
+
+CLI = str(ROOT / ".venv" / "bin" / "mha-onnx")
+VARIANTS = {  # name -> quantize's options
+    "int8 RTN": ["--weights", "int8"],
+    "int4 RTN, block 32 (default)": [],
+    "int4 RTN, block 128": ["--block-size", "128"],
+    "int4 RTN, block 256 asymmetric": ["--block-size", "256", "--asymmetric"],
+    "int4 HQQ, block 32": ["--algorithm", "hqq"],
+    "int4 RTN, first and last layers int8": ["--mixed", "first-last"],
+}
+WINDOW, WINDOWS = 128, 24
+
+
+def held_out_perplexity(path: Path, folder: Path) -> float:
+    """exp(mean next-token cross-entropy) over WINDOWS windows of held-out text."""
+    import onnx
+    from transformers import AutoTokenizer
+
+    from mha_onnx.quantize import kv_cache
+    from mha_onnx.quantize.run import _decoder_feeds, _session_outputs
+
+    ids = AutoTokenizer.from_pretrained(folder)(docstrings()[1])["input_ids"]
+    windows = [ids[i:i + WINDOW] for i in range(0, WINDOW * WINDOWS, WINDOW)]
+    model = onnx.load(path, load_external_data=False)
+    feeds, _ = _decoder_feeds(model, str(path), len(windows), WINDOW, seed=0)
+    feeds["input_ids"] = np.array(windows, feeds["input_ids"].dtype)
+    logits = _session_outputs(str(path), kv_cache.cache_feeds(model, feeds))["logits"]
+    logits = logits[:, :-1].astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    chosen = np.take_along_axis(log_probs, np.array(windows)[:, 1:, None], -1)
+    return math.exp(-float(chosen.mean()))
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    float_path = args.out / "float" / "model.onnx"
+    subprocess.run([CLI, "export", "--model", str(args.folder), "-o", str(float_path),
+                    "--force"], check=True, capture_output=True)
+    rows = [{"name": "float32", "ratio": 1.0,
+             "perplexity": held_out_perplexity(float_path, args.folder)}]
+    for name, options in VARIANTS.items():
+        path = args.out / name.split(",")[0].replace(" ", "-") / f"{len(rows)}.onnx"
+        done = subprocess.run([CLI, "quantize", str(float_path), "-o", str(path), "--force",
+                               "--no-check", "--no-sensitivity", "--json", *options],
+                              capture_output=True, text=True)
+        report = json.loads(done.stdout)
+        figures = report["accuracy"]
+        rows.append({"name": name, "ratio": report["bytes"]["quantized"]
+                     / report["bytes"]["float"], "perplexity":
+                     held_out_perplexity(path, args.folder), "kl": figures["kl_mean"],
+                     "top1": figures["top1"], "greedy": figures["greedy"],
+                     "gate": "passes" if figures["passed"] else
+                     "fails: " + "; ".join(figures["failures"])[:80]})
+    return rows
+
+
+def page(rows: list[dict], folder: Path) -> str:
+    record = json.loads((folder / "training.json").read_text())
+    lines = [
+        "# Quantization on trained weights", "",
+        f"Measured {datetime.date.today()} on {platform.processor() or platform.machine()} "
+        f"({platform.node()}), onnxruntime's quantizer; the model: "
+        f"`{folder.relative_to(ROOT)}` (tools/train_fixture.py: "
+        f"{record['tokens']['train']:,} tokens of the standard library's docstrings, "
+        f"held-out perplexity {record['held_out_perplexity']} against a uniform "
+        f"{record['uniform_perplexity']}).", "",
+        "```", ".venv/bin/python tools/quantize_trained.py --out /tmp/qt "
+        "--page docs/quantize-trained.md", "```", "",
+        "Held-out perplexity: the held-out text in 24 windows of 128 tokens. KL, top-1 and "
+        "greedy: what `quantize` gates on (its 8 random-id prompts of 64 tokens, against the "
+        "float model); the gate: its defaults (KL <= 0.05, top-1 >= 0.80, cosine >= 0.95).", "",
+        "| weights | bytes (x float) | held-out perplexity | KL (nats) | top-1 | greedy | "
+        "default gate |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        cells = [row["name"], f"{row['ratio']:.2f}x", f"{row['perplexity']:.2f}"]
+        cells += [f"{row[k]:.4f}" if row.get(k) is not None else "-"
+                  for k in ("kl", "top1", "greedy")] + [row.get("gate", "-")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", type=Path, default=ROOT / "tests/fixtures/trained/llama")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--page", type=Path)
+    args = parser.parse_args()
+    args.folder = args.folder.resolve()
+    text = page(run(args), args.folder)
+    if args.page:
+        args.page.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
