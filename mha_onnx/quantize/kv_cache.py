@@ -28,12 +28,12 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+import onnx_ir as ir
+from onnx import TensorProto, numpy_helper
 
 from mha_onnx.errors import ConfigError
 from mha_onnx.graph.cache import KV_SCALE as SCALE  # (float32, for GQA)
 from mha_onnx.graph.cache import has_int8_cache  # noqa: F401 (its readers' name for it)
-from mha_onnx.graph.walk import subgraphs
 
 QMAX = 127.0
 SCALE_T = "{}_kv_scale_t"  # the scale in the model's float type
@@ -103,160 +103,153 @@ def quantize_cache(model: onnx.ModelProto, scales: Mapping[str, np.ndarray]) -> 
     from mha_onnx.graph.cache import cache_pairs
 
     require_shared(model)
-    pairs = cache_pairs(model)
-    inputs = {v.name: v for v in model.graph.input}
-    kind = inputs[next(iter(pairs))].type.tensor_type.elem_type
-    dtype = helper.tensor_dtype_to_np_dtype(kind)
-    graph = model.graph
-    for past in pairs:
-        scale = np.asarray(scales[past], np.float32)
-        graph.initializer.append(numpy_helper.from_array(scale, SCALE.format(past)))
-        graph.initializer.append(numpy_helper.from_array(scale.astype(dtype),
-                                                         SCALE_T.format(past)))
-    for bound, name in ((-QMAX, "low"), (QMAX, "high")):
-        graph.initializer.append(numpy_helper.from_array(np.array(bound, dtype),
-                                                         LIMITS.format(name)))
-    for value in graph.input:
-        if value.name in pairs:
-            value.type.tensor_type.elem_type = TensorProto.INT8
-    presents = {present: past for past, present in pairs.items()}
-    made = _Rewrite(kind).graph(graph, {p: p for p in pairs}, presents)
-    missing = [p for p in presents if p not in made]
-    if missing:
-        raise ConfigError(f"--kv-bits: the presents {missing[:2]} are not written by the "
-                          "cache's GroupQueryAttention or a form it could quantize")
-    for value in graph.output:
-        if value.name in presents:
-            value.type.tensor_type.elem_type = TensorProto.INT8
+    rewritten = ir.from_proto(model)
+    Int8Cache(cache_pairs(model), scales)(rewritten)
+    model.CopyFrom(ir.to_proto(rewritten))
 
 
-class _Rewrite:
-    """The rewrite of one file: ``kind`` is the model's float type."""
+class Int8Cache(ir.passes.InPlacePass):
+    """The rewrite (module docstring) as an onnx-ir pass: ``pairs`` past -> present names,
+    ``scales`` past -> its float32 scale. Cache values are followed as value objects through
+    every graph (a branch reads the main graph's past as the same object); the nodes it adds
+    are named ``MARK|past|n``, so a second pass over a branch knows them."""
 
-    def __init__(self, kind: int) -> None:
-        self.kind, self.count = kind, 0
+    def __init__(self, pairs: Mapping[str, str], scales: Mapping[str, np.ndarray]) -> None:
+        super().__init__()
+        self.pairs, self.scales, self.count = dict(pairs), scales, 0
 
-    def _name(self, base: str) -> str:
-        self.count += 1
-        return f"{base}_kv{self.count}"
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        inputs = {v.name: v for v in graph.inputs}
+        self.kind = inputs[next(iter(self.pairs))].dtype
+        dtype = self.kind.numpy()
+        self.consts: dict[str, ir.Value] = {}
+        for past in self.pairs:
+            scale = np.asarray(self.scales[past], np.float32)
+            self._const(graph, SCALE.format(past), scale)
+            self._const(graph, SCALE_T.format(past), scale.astype(dtype))
+        for bound, name in ((-QMAX, "low"), (QMAX, "high")):
+            self._const(graph, LIMITS.format(name), np.array(bound, dtype))
+        for name in self.pairs:
+            inputs[name].dtype = ir.DataType.INT8
+        outputs = {v.name: i for i, v in enumerate(graph.outputs)}
+        required = {outputs[present]: past for past, present in self.pairs.items()
+                    if present in outputs}
+        made = self._graph(graph, {inputs[p]: p for p in self.pairs}, required, top=True)
+        missing = [graph.outputs[i].name for i in required if i not in made]
+        if missing or len(required) < len(self.pairs):
+            raise ConfigError(f"--kv-bits: the presents {missing[:2]} are not written by the "
+                              "cache's GroupQueryAttention or a form it could quantize")
+        return ir.passes.PassResult(model, modified=True)
 
-    def graph(self, graph: onnx.GraphProto, caches: Mapping[str, str],
-              required: Mapping[str, str], top: bool = True) -> dict[str, str]:
-        """Rewrite ``graph``'s nodes; ``caches``: int8 names visible here -> their past;
-        ``required``: outputs that must come out int8 -> their past. Returns this graph's
-        int8 outputs (name -> past), every required one among them."""
+    def _const(self, graph: ir.Graph, name: str, array: np.ndarray) -> None:
+        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+        graph.register_initializer(value)
+        self.consts[name] = value
+
+    def _graph(self, graph: ir.Graph, caches: Mapping[ir.Value, str],
+               required: Mapping[int, str], top: bool = False) -> dict[int, str]:
+        """Rewrite ``graph``'s nodes; ``caches``: int8 values visible here -> their past;
+        ``required``: output indices that must come out int8 -> their past. Returns this
+        graph's int8 outputs (index -> past), every required one among them."""
         caches = dict(caches)
-        nodes: list[onnx.NodeProto] = []
-        floats: dict[str, str] = {}  # int8 name -> its dequantized copy in this graph
-        for node in graph.node:
-            if node.name.startswith(MARK):  # (ours, from an earlier pass over this branch)
-                if node.op_type == "Cast" and node.attribute[0].i == TensorProto.INT8:
-                    caches[node.output[0]] = node.name.split("|")[1]
-            elif node.op_type == "GroupQueryAttention" and len(node.input) > 4 \
-                    and node.input[3] in caches and node.input[4] in caches:
+        wanted = {graph.outputs[i]: past for i, past in required.items()}
+        floats: dict[ir.Value, ir.Value] = {}  # int8 value -> its dequantized copy here
+        for node in list(graph):
+            if node.name and node.name.startswith(MARK):  # ours, from an earlier pass
+                if node.op_type == "Cast" and node.attributes["to"].value == ir.DataType.INT8:
+                    caches[node.outputs[0]] = node.name.split("|")[1]
+            elif node.op_type == "GroupQueryAttention" and len(node.inputs) > 4 \
+                    and node.inputs[3] in caches and node.inputs[4] in caches:
                 self._gqa(node, caches)
             elif node.op_type in _CONTROL:
-                self._control(node, caches, required)
-            elif node.op_type == "Identity" and node.input[0] in caches:
-                caches[node.output[0]] = caches[node.input[0]]
+                self._control(node, caches, wanted)
+            elif node.op_type == "Identity" and node.inputs[0] in caches:
+                caches[node.outputs[0]] = caches[node.inputs[0]]
             elif node.op_type not in SHAPE_ONLY:
-                for i, name in enumerate(node.input):
-                    if name in caches:
-                        if name not in floats:
-                            floats[name] = self._name(name)
-                            nodes += self._dequantize(name, caches[name], floats[name])
-                        node.input[i] = floats[name]
-            nodes.append(node)
-        for output in graph.output:
-            past = required.get(output.name)
-            if past is None or output.name in caches:
-                continue
-            quantized = output.name if top else self._name(output.name)
-            source = self._name(output.name) if top else output.name
-            if top:
-                _rename_output(nodes, output.name, source)
-            nodes += self._quantize(source, past, quantized)
-            output.name, caches[quantized] = quantized, past
-        del graph.node[:]
-        graph.node.extend(nodes)
-        made = {o.name: caches[o.name] for o in graph.output if o.name in caches}
-        _int8_types(graph, made, caches)
-        return made
+                for i, value in enumerate(node.inputs):
+                    if value in caches:
+                        if value not in floats:
+                            floats[value] = self._dequantize(graph, node, value, caches[value])
+                        node.replace_input_with(i, floats[value])
+        for index, past in required.items():
+            if graph.outputs[index] not in caches:
+                caches[self._quantize(graph, index, past, top)] = past
+        for value in caches:
+            if value.producer() is not None or value.is_graph_input():
+                value.dtype = ir.DataType.INT8
+        return {i: caches[v] for i, v in enumerate(graph.outputs) if v in caches}
 
-    def _gqa(self, node: onnx.NodeProto, caches: dict[str, str]) -> None:
-        key, value = caches[node.input[3]], caches[node.input[4]]
+    def _name(self, past: str) -> str:
+        self.count += 1
+        return f"{MARK}|{past}|{self.count}"
+
+    def _gqa(self, node: ir.Node, caches: dict[ir.Value, str]) -> None:
+        key, value = caches[node.inputs[3]], caches[node.inputs[4]]
         for index, past in ((1, key), (2, value)):
-            if len(node.output) > index and node.output[index]:
-                caches[node.output[index]] = past
-        if any(a.name == "kv_cache_bit_width" for a in node.attribute):
+            if len(node.outputs) > index:
+                caches[node.outputs[index]] = past
+        if "kv_cache_bit_width" in node.attributes:
             return  # (rewritten in an earlier pass)
-        inputs = list(node.input) + [""] * (12 - len(node.input))
-        del node.input[:]
-        node.input.extend(inputs[:12] + [SCALE.format(key), SCALE.format(value)])
-        node.attribute.extend([helper.make_attribute("k_quant_type", "PER_CHANNEL"),
-                               helper.make_attribute("v_quant_type", "PER_CHANNEL"),
-                               helper.make_attribute("kv_cache_bit_width", 8)])
+        node.resize_inputs(14)  # (the scales at 12 and 13)
+        node.replace_input_with(12, self.consts[SCALE.format(key)])
+        node.replace_input_with(13, self.consts[SCALE.format(value)])
+        for name, given in (("k_quant_type", "PER_CHANNEL"), ("v_quant_type", "PER_CHANNEL")):
+            node.attributes[name] = ir.AttrString(name, given)
+        node.attributes["kv_cache_bit_width"] = ir.AttrInt64("kv_cache_bit_width", 8)
 
-    def _control(self, node: onnx.NodeProto, caches: dict[str, str],
-                 required: Mapping[str, str]) -> None:
+    def _control(self, node: ir.Node, caches: dict[ir.Value, str],
+                 wanted: Mapping[ir.Value, str]) -> None:
         """An If's branches (a Loop's or Scan's body: its reads only): an output comes out
         int8 where a branch writes it so or the caller needs it so; every branch then
         writes it int8."""
-        bodies = subgraphs(node)
+        bodies = [a.as_graph() for a in node.attributes.values()
+                  if a.type == ir.AttributeType.GRAPH]
         if node.op_type != "If":
             for body in bodies:
-                self.graph(body, caches, {}, top=False)
+                self._graph(body, caches, {})
             return
-        natural = [self.graph(body, caches, {}, top=False) for body in bodies]
-        want: dict[int, str] = {}
-        for i, name in enumerate(node.output):
-            pasts = [made[body.output[i].name] for body, made in zip(bodies, natural,
-                                                                      strict=True)
-                     if body.output[i].name in made]
-            if name in required or pasts:
-                want[i] = required.get(name) or pasts[0]
+        natural = [self._graph(body, caches, {}) for body in bodies]
+        want = {}
+        for i, out in enumerate(node.outputs):
+            pasts = [made[i] for made in natural if i in made]
+            if out in wanted or pasts:
+                want[i] = wanted.get(out) or pasts[0]
         for body in bodies:
-            self.graph(body, caches, {body.output[i].name: p for i, p in want.items()},
-                       top=False)
+            self._graph(body, caches, want)
         for i, past in want.items():
-            caches[node.output[i]] = past
+            caches[node.outputs[i]] = past
 
-    def _node(self, past: str, op: str, inputs: list[str], output: str, **attrs
-              ) -> onnx.NodeProto:
-        self.count += 1
-        return helper.make_node(op, inputs, [output], f"{MARK}|{past}|{self.count}", **attrs)
+    def _dequantize(self, graph: ir.Graph, before: ir.Node, value: ir.Value,
+                    past: str) -> ir.Value:
+        cast = ir.node("Cast", [value], {"to": self.kind}, name=self._name(past))
+        times = ir.node("Mul", [cast.outputs[0], self.consts[SCALE_T.format(past)]],
+                        name=self._name(past))
+        for step in (cast, times):
+            step.outputs[0].name = f"{step.name}_out"
+        graph.insert_before(before, [cast, times])
+        return times.outputs[0]
 
-    def _dequantize(self, name: str, past: str, out: str) -> list[onnx.NodeProto]:
-        cast = self._name(name + "_f")
-        return [self._node(past, "Cast", [name], cast, to=self.kind),
-                self._node(past, "Mul", [cast, SCALE_T.format(past)], out)]
-
-    def _quantize(self, name: str, past: str, out: str) -> list[onnx.NodeProto]:
-        scaled, rounded, clipped = (self._name(name + s) for s in ("_s", "_r", "_c"))
-        return [self._node(past, "Div", [name, SCALE_T.format(past)], scaled),
-                self._node(past, "Round", [scaled], rounded),
-                self._node(past, "Clip", [rounded, LIMITS.format("low"),
-                                          LIMITS.format("high")], clipped),
-                self._node(past, "Cast", [clipped], out, to=TensorProto.INT8)]
-
-
-def _rename_output(nodes: list[onnx.NodeProto], old: str, new: str) -> None:
-    for node in nodes:
-        for i, name in enumerate(node.output):
-            if name == old:
-                node.output[i] = new
-        for i, name in enumerate(node.input):
-            if name == old:
-                node.input[i] = new
-
-
-def _int8_types(graph: onnx.GraphProto, made: Mapping[str, str],
-                caches: Mapping[str, str]) -> None:
-    """The graph's outputs ``made`` int8 typed so; value infos of its int8 names dropped
-    (ORT's shape inference finds them again)."""
-    for output in graph.output:
-        if output.name in made:
-            output.type.tensor_type.elem_type = TensorProto.INT8
-    kept = [v for v in graph.value_info if v.name not in caches]
-    del graph.value_info[:]
-    graph.value_info.extend(kept)
+    def _quantize(self, graph: ir.Graph, index: int, past: str, top: bool) -> ir.Value:
+        """Output ``index`` divided by the scale, rounded, clipped and cast to int8, the
+        graph's output now (under the output's name where ``top``)."""
+        value = graph.outputs[index]
+        steps, current = [], value
+        for op, extra in (("Div", [self.consts[SCALE_T.format(past)]]), ("Round", []),
+                          ("Clip", [self.consts[LIMITS.format("low")],
+                                    self.consts[LIMITS.format("high")]])):
+            step = ir.node(op, [current, *extra], name=self._name(past))
+            step.outputs[0].name = f"{step.name}_out"
+            steps.append(step)
+            current = step.outputs[0]
+        cast = ir.node("Cast", [current], {"to": ir.DataType.INT8}, name=self._name(past))
+        quantized = cast.outputs[0]
+        quantized.shape = value.shape
+        graph.extend([*steps, cast])
+        name = value.name
+        graph.outputs[index] = quantized
+        if top:
+            value.name, quantized.name = f"{name}_float", name
+        else:
+            quantized.name = f"{cast.name}_out"
+        return quantized
