@@ -25,7 +25,7 @@ every graph's outputs against the export's, then times each graph in turn in one
 - the export and GenAI's graph a second time each, in sessions of their own: the noise
   floor of the run (two sessions of one graph have read up to 8 % apart here);
 - ``--reverse``: the sessions and their buffers made in the reverse order of the table (two
-  different graphs have read several per cent apart by that order alone: docs/bench.md);
+  different graphs have read several per cent apart by that order alone: docs/history/bench-notebook.md);
 - ``--left-pad F``: row b's first F*b/batch positions padded (attention_mask 0, position_ids
   counted over kept positions; GenAI's and the shared buffers hold each row's kept keys
   first, its per-row lengths), logits compared where the mask keeps.

@@ -59,7 +59,7 @@ def _graphs(folder: Path, reuse: bool = False) -> dict[str, Path]:
     out["ORT transformers optimizer (gpt2, O1)"] = ort_opt
     out["ORT GenAI builder"] = folder / "genai" / "model.onnx"
     # the same two graphs again, each in a session of its own: how far two sessions of one
-    # graph read apart in this run (8 % at a batch-8 decode step in docs/bench.md)
+    # graph read apart in this run (8 % at a batch-8 decode step in docs/history/bench-notebook.md)
     out[f"Optimum export {AGAIN}"] = original
     out[f"ORT GenAI builder {AGAIN}"] = out["ORT GenAI builder"]
     return out

@@ -8,7 +8,7 @@ exceeds --max-seconds, are skipped and say so.
         [--threads 1,2] [--variants kp,causal,none,bert] [--out docs/grid.md]
         [--heatmap docs/grid.png] [--json FILE]
 
-The numbers and the command that made them go to docs/bench.md.
+The numbers and the command that made them go to docs/history/bench-notebook.md.
 """
 
 from __future__ import annotations

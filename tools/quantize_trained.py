@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import math
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -80,11 +79,14 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def page(rows: list[dict], folder: Path) -> str:
+    from mha_onnx.runtime.machine import machine_info
+
     record = json.loads((folder / "training.json").read_text())
+    machine = machine_info()
     lines = [
         "# Quantization on trained weights", "",
-        f"Measured {datetime.date.today()} on {platform.processor() or platform.machine()} "
-        f"({platform.node()}), onnxruntime's quantizer; the model: "
+        f"Measured {datetime.date.today()} on {machine['processor']} ({machine['isa']}, "
+        f"{machine['cpus']} cpus), onnxruntime {machine['onnxruntime']}'s quantizer; the model: "
         f"`{folder.relative_to(ROOT)}` (tools/train_fixture.py: "
         f"{record['tokens']['train']:,} tokens of the standard library's docstrings, "
         f"held-out perplexity {record['held_out_perplexity']} against a uniform "

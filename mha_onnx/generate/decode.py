@@ -4,7 +4,7 @@ A model fused with ``--kv-cache shared`` runs each layer's attention inside an `
 GroupQueryAttention form when one guard (computed once per run, shared by every layer's
 ``If``) says the inputs allow it, the exact general form otherwise. A step through the file
 as written costs more than its kernels: at 16 layers the int4 step read 1.073x of GenAI's
-graph of the same weights as written and 1.010x with the branches inlined (docs/bench.md,
+graph of the same weights as written and 1.010x with the branches inlined (docs/history/bench-notebook.md,
 "Decode steps without the Ifs"), although an ``If`` by itself costs ORT about 2-3 us on
 one thread (tools/experiments/if_cost.py); with two threads whose pools sleep between
 runs it costs more. A generation loop's steps are the case the guard admits by

@@ -3,7 +3,7 @@
 A ``fuse --kv-cache shared`` decoder picks each layer's form at run time (decode.py): an
 ``If`` per layer, whose cost every step pays (int4 Llamas of 2 and 16 layers, 20 steps at
 context 1024: the file as written 1.10x and 1.08x of GenAI's own graph of the same
-weights, its Ifs inlined 1.025x and 1.003x; docs/bench.md, the quantize section). GenAI
+weights, its Ifs inlined 1.025x and 1.003x; docs/history/bench-notebook.md, the quantize section). GenAI
 feeds one contract only: a prompt without past (a batch right-padded), then one token per
 row and step. Where the then branches give
 what the file gives on that contract, GenAI gets the file without the Ifs

@@ -3,7 +3,7 @@
 ONNX Runtime's MatMulNBits at accuracy level 4 (int8 activations: GenAI's CPU default and
 ``quantize``'s) makes a decode step fast; on most CPUs measured a long prompt slow, level 1
 (float compute) the other way round. On the bench's 2-layer Llama in int4 (AMD EPYC without
-VNNI, 2 threads; docs/bench.md): a 1024-token prompt at level 4 1.28x the float model's
+VNNI, 2 threads; docs/history/bench-notebook.md): a 1024-token prompt at level 4 1.28x the float model's
 time, at level 1 1.00x; a decode step at level 4 0.45x, at level 1 1.24x; level 1 behind
 at 16 tokens and ahead from 64 (Intel Xeon with AMX: 1.27x and 1.06x). So there
 (``fast_int8`` false) the generator runs a prompt of ``PROMPT_ROWS`` tokens or more through
@@ -64,7 +64,7 @@ def _quantized(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 def fast_int8(cpuinfo: str | None = None) -> bool:
     """Whether MatMulNBits at level 4 (int8 compute) reads a long prompt faster than float
-    compute on this CPU. Measured (docs/bench.md; the bench Llama's 1024-token int4 prompt
+    compute on this CPU. Measured (docs/history/bench-notebook.md; the bench Llama's 1024-token int4 prompt
     against its float32 fusion's, 2 threads): AMD EPYC with AVX-512 VNNI 0.79-0.81x at level
     4 (yes); AMD EPYC without VNNI 1.24-1.29x, level 1 1.00x; Intel Xeon with AMX and
     AVX-512 VNNI 1.24-1.35x, level 1 1.06x (its float GEMM is the faster one: level 4
@@ -116,7 +116,7 @@ def sessions(model: str | Path, proto: Any, shared: bool, second: bool,
     for) a shared-cache fusion's prompts all run there and its steps through its decode
     graph (two sessions either way); another file's long prompts only. With fast int8 the
     file as written, one session: a second one for the decode graph alone read a 2-layer
-    step no faster and its first token 1.45x slower (pool threads; docs/bench.md)."""
+    step no faster and its first token 1.45x slower (pool threads; docs/history/bench-notebook.md)."""
     from mha_onnx.generate.decode import decode_graph
 
     floated = wanted if wanted is not None else not fast_int8()

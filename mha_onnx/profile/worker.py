@@ -104,7 +104,7 @@ def timed_loop(runs: list[Callable[[], Any]], *, warmup: int, iters: int | None,
     """Seconds per run of each callable, interleaved, until each has ``iters`` runs and
     ``min_time`` seconds (defaults: 10 runs, or 3 when only a time is given). Each round
     starts one callable later than the last: in a fixed order, whichever runs first always
-    follows the last one's work (docs/bench.md, "Each run's own noise floor")."""
+    follows the last one's work (docs/history/bench-notebook.md, "Each run's own noise floor")."""
     for run in runs:
         for _ in range(warmup):
             run()

@@ -1,7 +1,7 @@
 """An int8 KV cache (``quantize --kv-bits 8``) on a shared-cache fusion.
 
 At long contexts a decode step reads more cache than weights (the 16-layer int4 Llama of
-docs/bench.md: about 11 of a 17 ms step at 4096 cached positions is attention over the
+docs/history/bench-notebook.md: about 11 of a 17 ms step at 4096 cached positions is attention over the
 cache). ONNX Runtime 1.31's CPU GroupQueryAttention reads and writes an int8 cache on a
 shared buffer itself (``k_quant_type``/``v_quant_type`` PER_CHANNEL, ``kv_cache_bit_width``
 8, a float32 scale per K/V head and channel at inputs 12 and 13): one node measured

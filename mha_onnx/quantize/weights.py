@@ -58,7 +58,7 @@ class QuantizeConfig:
         if self.kv_bits not in (0, 8):
             raise ConfigError(f"--kv-bits {self.kv_bits}: 8 (an int8 cache per K/V head and "
                               "channel)", hint="a 4-bit cache on ORT's GroupQueryAttention "
-                              "measured cosine 0.93-0.95 against the float cache (docs/bench.md):"
+                              "measured cosine 0.93-0.95 against the float cache (docs/history/bench-notebook.md):"
                               " not offered")
         if self.weights not in ("int4", "int8"):
             raise ConfigError(f"--weights {self.weights!r}: int4 or int8")

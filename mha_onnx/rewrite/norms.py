@@ -132,7 +132,7 @@ def residual_sums(model: ir.Model) -> int:
     graph, whose attention kernels give their outputs shapes, and not in the TorchScript
     original, which has none), and its CPU kernel runs 1.5-5.5x slower than the two ops it
     replaces in float32 (ORT 1.31, 2 threads: 0.96 against 0.18 ms at [1, 512, 768], 0.037
-    against 0.011 ms at [8, 1, 1024]; ``python -m tools.experiments.skip_norm``, docs/bench.md).
+    against 0.011 ms at [8, 1, 1024]; ``python -m tools.experiments.skip_norm``, docs/history/bench-notebook.md).
     It matches Add only. Returns how many."""
     count = 0
     for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):

@@ -90,7 +90,7 @@ def _pack(graph: ir.Graph, nodes: list[ir.Node]
 # -- the kernel reading Q, K and V packed ---------------------------------------------------
 
 # (What it saves shows at short lengths, where kernel starts are a large part of a run: see
-# docs/bench.md, "Forms tuned on this machine", third run.)
+# docs/history/bench-notebook.md, "Forms tuned on this machine", third run.)
 
 def pack_kernel_inputs(model: ir.Model) -> tuple[int, dict[str, tuple[str, int, int]]]:
     """Every GroupQueryAttention reading Q, K and V as three projections of one input (a

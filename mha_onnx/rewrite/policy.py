@@ -21,7 +21,7 @@ from mha_onnx.errors import ConfigError
 # ort: ONNX Runtime's contrib kernels; onnx: the standard Attention op (opset 23); openvino:
 # onnx's standard ops with grouped K/V repeated (OpenVINO's Attention import takes no grouped
 # K/V; it fuses them into its own attention, measured as fast as any contrib form there,
-# docs/bench.md), verified on OpenVINO as well.
+# docs/history/bench-notebook.md), verified on OpenVINO as well.
 TARGETS = ("ort", "onnx", "openvino")
 # Execution providers fuse has measured forms for (fuse --ep, target ort).
 EPS = ("cpu", "cuda", "tensorrt")

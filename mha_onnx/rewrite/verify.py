@@ -315,7 +315,7 @@ def verify_on_openvino(original: onnx.ModelProto, fused: onnx.ModelProto, on_ort
     original on ORT CPU, case by case, added to ``on_ort``. Each case compiles the fused graph
     afresh, so that what is checked is the rewrite: OpenVINO 2026.4.1 keeps shape-specialised
     state across runs of one compiled model that can change later results (a run at one token
-    then a batch of two, docs/bench.md), which `validate --providers openvino` shows as it is."""
+    then a batch of two, docs/history/bench-notebook.md), which `validate --providers openvino` shows as it is."""
     from mha_onnx.runtime.openvino import OpenVinoRunner
 
     runs = _runs(input_specs(original), cases, given)

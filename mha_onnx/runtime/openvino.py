@@ -106,7 +106,7 @@ class OpenVinoRunner(Runner):
     def _config(self) -> dict[str, str]:
         """f32 pinned (but for openvino-bf16), the thread count, then the user's properties
         from MHA_ONNX_OPENVINO_CONFIG="KEY=VALUE,..." (e.g. CPU_RUNTIME_CACHE_CAPACITY=0,
-        the workaround of the shape-cache bug in docs/bench.md), which win."""
+        the workaround of the shape-cache bug in docs/history/bench-notebook.md), which win."""
         config = {}
         if not reduced_precision(self.provider):
             config["INFERENCE_PRECISION_HINT"] = "f32"

@@ -206,7 +206,7 @@ def test_decode_graph_generates_what_the_steps_as_written_do(quantized, monkeypa
 @pytest.mark.parametrize("fast", [False, True])
 def test_the_prompt_runs_in_float_compute_only_where_the_cpu_has_no_fast_int8(
         quantized, monkeypatch, fast):
-    """Where a level-4 prompt is faster than float compute (``fast_int8``: docs/bench.md)
+    """Where a level-4 prompt is faster than float compute (``fast_int8``: docs/history/bench-notebook.md)
     one session, the file as written; elsewhere the float prompt's session, and a
     shared-cache fusion's steps on its decode graph."""
     monkeypatch.setattr(float_prompt, "fast_int8", lambda: fast)
@@ -230,7 +230,7 @@ def _cpuinfo(vendor: str, flags: str) -> str:
 def test_only_an_amd_cpu_with_avx512_vnni_keeps_the_prompt_as_written():
     """Where level 4 read a 1024-token prompt faster than float32 (AMD EPYC with AVX-512
     VNNI, 0.79-0.81x) and where it did not (AMD EPYC without VNNI 1.24-1.29x; Intel Xeon
-    with AMX and AVX-512 VNNI 1.24-1.35x, level 1 1.06x: docs/bench.md)."""
+    with AMX and AVX-512 VNNI 1.24-1.35x, level 1 1.06x: docs/history/bench-notebook.md)."""
     assert float_prompt.fast_int8(_cpuinfo("AuthenticAMD", "avx512f avx512_vnni"))
     assert not float_prompt.fast_int8(_cpuinfo("AuthenticAMD", "avx512f"))
     assert not float_prompt.fast_int8(_cpuinfo("GenuineIntel", "avx512f avx512_vnni amx_tile"))

@@ -146,7 +146,7 @@ def test_fuse_for_openvino_is_verified_on_openvino(export_cache, tmp_path):
 
 def test_the_shape_cache_bug_is_caught_and_the_workaround_is_checked(export_cache, monkeypatch):
     """OpenVINO 2026.4.1 (CPU, f32): the base no-mask export run at one token and then at a
-    batch of two gives wrong outputs from one compiled model (docs/bench.md). validate says
+    batch of two gives wrong outputs from one compiled model (docs/history/bench-notebook.md). validate says
     so; MHA_ONNX_OPENVINO_CONFIG passes OpenVINO properties (here the workaround) through."""
     from mha_onnx.config import load_preset
 
