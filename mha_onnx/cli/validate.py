@@ -30,6 +30,10 @@ from mha_onnx.cli.options import emit
 @click.option("--bisect", "bisect_", is_flag=True,
               help="On a mismatch, name the first node whose output differs (against "
                    "--reference, or the same model on another provider).")
+@click.option("--ranges", is_flag=True,
+              help="Every activation's largest magnitude against float16's range: the values "
+                   "past a quarter of it named, and the first node that makes inf/NaN out of "
+                   "finite inputs (a failure).")
 @click.option("--bisect-chunk", type=click.IntRange(min=1), default=256, show_default=True,
               help="Intermediate values exposed per run while bisecting (memory bound).")
 @click.option("--max-kl", type=float, default=None,
@@ -48,7 +52,7 @@ from mha_onnx.cli.options import emit
 @click.pass_context
 def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads, allow_missing,
              no_memory_check, inputs_npz, save_outputs, load_outputs, strict, force, bisect_,
-             bisect_chunk, max_kl, min_top1, min_cosine, min_greedy, as_json):
+             bisect_chunk, ranges, max_kl, min_top1, min_cosine, min_greedy, as_json):
     """Parity of MODEL across PyTorch, ORT CPU, CUDA and TensorRT (a quantized model: its
     accuracy against its float original). Exit 0 when everything passed, 1 when outputs
     differ, 3 when a requested provider could not run."""
@@ -63,7 +67,7 @@ def validate(ctx, model, reference, providers, shapes, atol, rtol, seed, threads
         tolerances=parse_tolerances(atol, rtol), seed=seed, allow_missing=allow_missing,
         reference=reference, threads=threads, memory_check=not no_memory_check,
         inputs=inputs_npz, save_outputs=save_outputs, load_outputs=load_outputs, force=force,
-        strict=strict, bisect=bisect_, bisect_chunk=bisect_chunk,
+        strict=strict, bisect=bisect_, bisect_chunk=bisect_chunk, ranges=ranges,
         accuracy={k: v for k, v in (("max_kl", max_kl), ("min_top1", min_top1),
                                     ("min_cosine", min_cosine), ("min_greedy", min_greedy))
                   if v is not None},

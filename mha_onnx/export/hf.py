@@ -338,6 +338,8 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
             report = fuse_file(exported, final, force=True, atol=cfg.atol, rtol=cfg.rtol,
                                policy=FormPolicy(kv_cache="shared" if shared else "appended"))
         except FusionError as exc:  # (fuse's hint names fuse's options)
+            if cfg.dtype == "float16" and "inf" in exc.message:
+                _overflow_refused(exported, ["the export's outputs"], progress)
             exc.hint = (exc.hint or "").replace("--no-verify writes it anyway", "--no-fuse "
                                                 "writes the export unfused")
             raise
@@ -346,6 +348,7 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
     progress("validate against PyTorch" + (" (16 decode steps)" if cached else ""))
     given = {"*": Tolerance(cfg.atol, cfg.rtol)} if (cfg.atol, cfg.rtol) != (None, None) else {}
     validation = validate_model(final, ValidateConfig(memory_check=False, tolerances=given))
+    _finite_or_refused(final, validation, cfg, progress)
     if not validation:
         raise FusionError("the exported model differs from the PyTorch model: "
                           + "; ".join(f"{c.output} at {c.case}: {c.stats.max_abs:.3g} (would "
@@ -354,3 +357,38 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
                           hint="nothing was written; --no-fuse tells the export from fuse; "
                                "--atol/--rtol set the tolerance")
     return final, fused, validation
+
+
+def _finite_or_refused(final: Path, validation, cfg: HfExportConfig,
+                       progress: Callable[[str], None]) -> None:
+    """A float16 export whose outputs hold inf or NaN (where PyTorch in float16 gives them
+    alike, validation compared NaN with NaN; where not, it only says they differ) is refused
+    with the node that overflows first."""
+    broken = sorted({c.output for c in validation.comparisons
+                     if c.stats.nan_actual or c.stats.inf_actual})
+    if cfg.dtype == "float16" and broken:
+        _overflow_refused(final, broken, progress, always=True)
+
+
+def _overflow_refused(path: Path, broken: list[str], progress: Callable[[str], None],
+                      always: bool = False) -> None:
+    """Refused with the node that overflows first on generated inputs, where one does (or
+    ``always``: the outputs are known to hold inf/NaN)."""
+    from mha_onnx.errors import FusionError
+    from mha_onnx.graph.files import read_model
+    from mha_onnx.graph.inputs import case_for, input_specs, make_inputs
+    from mha_onnx.parity.ranges import activation_ranges
+
+    progress("activation ranges (the float16 outputs hold inf/NaN)")
+    model = read_model(path)
+    specs = input_specs(model)
+    ranges = activation_ranges(str(path), model, [make_inputs(specs, case_for(
+        specs, "ranges", 2, [16, 16, 16], "none"))])
+    if ranges.overflow is None and not always:
+        return
+    where = ranges.overflow.said() if ranges.overflow else \
+        "no node was found making them on generated inputs"
+    raise FusionError(f"the float16 export: {', '.join(broken)} hold inf/NaN: {where}; "
+                      "nothing was written",
+                      hint="export in float32 (--dtype float32); validate --ranges on it names "
+                           "the activations near float16's range")

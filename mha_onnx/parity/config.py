@@ -41,6 +41,7 @@ class ValidateConfig:
     strict: bool = False  # a golden file saved from another model fails
     bisect: bool = False  # on a failure, name the first node whose output differs
     bisect_chunk: int = 256  # intermediate values exposed per run while bisecting
+    ranges: bool = False  # every activation's peak against float16's range (ranges.py)
     # a quantized model's thresholds given (quantize/accuracy.Thresholds' fields): over
     # those it was quantized with (its record), else the defaults
     accuracy: Any = None

@@ -68,10 +68,12 @@ class ValidationReport:
     notes: tuple[str, ...] = ()  # warnings: attention kernels on the CPU, forms for another EP
     bisect: Any = None  # --bisect: a BisectReport, or why nothing was bisected (str)
     decode_kernels: tuple[str, ...] = ()  # "decode step 1: GroupQueryAttention x2", ...
+    ranges: Any = None  # --ranges: activation ranges against float16's (ranges.Ranges)
 
     @property
     def outputs_passed(self) -> bool:
-        return all(c.stats.passed for c in self.comparisons) and all(c.passed for c in self.checks)
+        return all(c.stats.passed for c in self.comparisons) and all(
+            c.passed for c in self.checks) and (self.ranges is None or self.ranges.passed)
 
     @property
     def providers_ran(self) -> bool:
@@ -106,6 +108,7 @@ class ValidationReport:
                if self.bisect is not None else {}),
             "notes": list(self.notes),
             "decode_kernels": list(self.decode_kernels),
+            **({"ranges": self.ranges.to_dict()} if self.ranges is not None else {}),
         }
 
     def render(self, detail: bool = False) -> str:
@@ -141,6 +144,8 @@ class ValidationReport:
             lines.append(f"  bisect: {self.bisect}")
         elif self.bisect is not None:
             lines.extend(self.bisect.render())
+        if self.ranges is not None:
+            lines.extend(self.ranges.render())
         lines.extend(f"  warning: {n}" for n in self.notes)
         verdict = {EXIT_OK: "PASSED", EXIT_MISMATCH: "FAILED: outputs differ",
                    EXIT_PROVIDER: "FAILED: a requested provider could not run"}[self.exit_code]

@@ -173,19 +173,33 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         _save_outputs(path, config, saved, next(iter(runners)))
     if golden is not None:  # a comparison of nothing is no pass
         checks.append(golden_coverage(golden, model, comparisons))
-    bisected = None
-    if config.bisect and any(not c.stats.passed for c in comparisons):
-        config.progress("bisecting the first mismatch")
-        bisected = after_failure(str(path), config, comparisons, runs,
-                                 [s.provider for s in statuses if s.ran],
-                                 lambda feeds: _cast_feeds(feeds, ref_specs))
+    bisected, ranges = _looked_into(path, model, config, comparisons, runs, statuses,
+                                    ref_specs)
     return ValidationReport(
         model=str(path), references=tuple(labels), providers=tuple(statuses),
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
         notes=tuple([*placement_notes(model, statuses), *held_note(held, runners)]),
-        bisect=bisected, decode_kernels=tuple(kernels),
+        bisect=bisected, decode_kernels=tuple(kernels), ranges=ranges,
     )
+
+
+def _looked_into(path, model, config: ValidateConfig, comparisons, runs, statuses, ref_specs):
+    """What --bisect (the first mismatch's node) and --ranges (activations against float16's
+    range) found; None for what was not asked."""
+    bisected = ranges = None
+    if config.bisect and any(not c.stats.passed for c in comparisons):
+        config.progress("bisecting the first mismatch")
+        bisected = after_failure(str(path), config, comparisons, runs,
+                                 [s.provider for s in statuses if s.ran],
+                                 lambda feeds: _cast_feeds(feeds, ref_specs))
+    if config.ranges:
+        from mha_onnx.parity.ranges import activation_ranges
+
+        config.progress("activation ranges (every value of the graph exposed)")
+        ranges = activation_ranges(str(path), model, [f for _, f in runs[:3]],
+                                   chunk=config.bisect_chunk, threads=config.threads)
+    return bisected, ranges
 
 
 def _save_outputs(path, config: ValidateConfig, saved, provider: str) -> None:

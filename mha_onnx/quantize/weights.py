@@ -305,6 +305,33 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
                           "GatherBlockQuantized or DequantizeLinear nodes)",
                           hint="quantize its float original")
     model = onnx.ModelProto.FromString(model.SerializeToString())
+    notes = _read_apart(model)
+    plan = targets(model, config)
+    if not any(t.bits for t in plan):
+        raise ConfigError("the model has no MatMul with a constant weight to quantize"
+                          + (" that --exclude leaves" if plan else ""),
+                          hint="quantize a model whose projections are MatMuls")
+    if config.first_last and all(t.layer is None for t in plan):
+        notes.append("--mixed first-last: no MatMul's name or metadata says its layer, so "
+                     "none was put in int8 (name them with --mixed PATTERN)")
+    done = _replace_matmuls(model, plan, config)
+    before = _drop_unread(model)
+    after = sum(len(t.raw_data) or t.ByteSize() for graph, _ in _graphs(model.graph)
+                for t in graph.initializer if any(t.name.startswith(f"{w}_") for w, _ in done))
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.add(domain="com.microsoft", version=1)
+    left = tuple(float_left(model))
+    if left:
+        said = [f"{name} ({why})" for name, why in left]
+        notes.append(f"{len(left)} MatMul(s) with a constant weight left float: "
+                     + "; ".join(said[:8]) + (f"; ... ({len(said) - 8} more)"
+                                               if len(said) > 8 else ""))
+    return QuantizedWeights(model, tuple(plan), before, after, tuple(notes), left)
+
+
+def _read_apart(model: onnx.ModelProto) -> list[str]:
+    """Weights read through a Slice or a Transpose of a constant given initializers of their
+    own (cut_slices, untie_transposes); the notes that say so."""
     notes = []
     cut = cut_slices(model)
     if cut:
@@ -315,17 +342,16 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
         notes.append(f"{untied} MatMul weight(s) read as a Transpose of a constant (a tied LM "
                      "head over the embedding table) quantized as their own; the embedding "
                      "stays float for its Gather")
-    plan = targets(model, config)
-    if not any(t.bits for t in plan):
-        raise ConfigError("the model has no MatMul with a constant weight to quantize"
-                          + (" that --exclude leaves" if plan else ""),
-                          hint="quantize a model whose projections are MatMuls")
-    if config.first_last and all(t.layer is None for t in plan):
-        notes.append("--mixed first-last: no MatMul's name or metadata says its layer, so "
-                     "none was put in int8 (name them with --mixed PATTERN)")
+    return notes
+
+
+def _replace_matmuls(model: onnx.ModelProto, plan: list[Target], config: QuantizeConfig
+                     ) -> dict[tuple[str, int], onnx.NodeProto]:
+    """Every planned MatMul replaced by its MatMulNBits (a weight several read: quantized
+    once, its initializers shared); (weight, bits) -> the MatMulNBits made for it."""
     bits_of = {(t.graph, t.node): t.bits for t in plan}
     quantizers = {bits: _quantizer(bits, config) for bits in {t.bits for t in plan} - {0}}
-    done: dict[tuple[str, int], onnx.NodeProto] = {}  # (weight, bits) -> its MatMulNBits
+    done: dict[tuple[str, int], onnx.NodeProto] = {}
     for index, (graph, stack) in enumerate(_graphs(model.graph)):  # (lazily: a graph's If
         # nodes are copies after its nodes are replaced, and their branches are walked then)
         nodes = []
@@ -347,18 +373,7 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
             nodes.extend(made)
         del graph.node[:]
         graph.node.extend(nodes)
-    before = _drop_unread(model)
-    after = sum(len(t.raw_data) or t.ByteSize() for graph, _ in _graphs(model.graph)
-                for t in graph.initializer if any(t.name.startswith(f"{w}_") for w, _ in done))
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.add(domain="com.microsoft", version=1)
-    left = tuple(float_left(model))
-    if left:
-        said = [f"{name} ({why})" for name, why in left]
-        notes.append(f"{len(left)} MatMul(s) with a constant weight left float: "
-                     + "; ".join(said[:8]) + (f"; ... ({len(said) - 8} more)"
-                                               if len(said) > 8 else ""))
-    return QuantizedWeights(model, tuple(plan), before, after, tuple(notes), left)
+    return done
 
 
 def _drop_unread(model: onnx.ModelProto) -> int:

@@ -98,7 +98,7 @@ def test_genai_builders_cache_heads_and_head_size_are_read_from_its_attention():
     int4's MatMulNBits alike."""
     import onnx
 
-    from mha_onnx.graph.dims import _cache_dims
+    from mha_onnx.graph.images import _cache_dims
 
     for precision in ("fp32", "int4"):
         model = onnx.load(FIXTURES / "genai" / f"llama-{precision}" / "model.onnx",
