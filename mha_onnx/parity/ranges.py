@@ -84,6 +84,7 @@ def activation_ranges(path: str, model: onnx.ModelProto,
     produced = [(node, name) for node, name in _produced(model.graph)]
     peaks: dict[str, float] = {}
     bad: set[str] = set()
+    hard: set[str] = set()  # NaN or +inf: never a mask's fill (-inf, or finite sums to -inf)
     for start in range(0, len(produced), chunk):
         names = [name for _, name in produced[start:start + chunk]]
         with make_runner(_with_outputs(model, names), "cpu", threads=threads,
@@ -91,18 +92,20 @@ def activation_ranges(path: str, model: onnx.ModelProto,
             for feeds in runs:
                 got = runner.infer({n: feeds[n] for n in runner.input_names if n in feeds})
                 for name in names:
-                    _record(name, got.get(name), peaks, bad)
+                    _record(name, got.get(name), peaks, bad, hard)
     fills, constants = _non_finite_constants(model)
     unfinished = bad | fills | constants  # (inputs are finite: made so)
-    overflow = None
+    found = []
     for node, name in produced:
         if name not in bad or _constant_fill(node):
             continue
         read = [i for i in node.input if i in constants]
         if read or not any(i in unfinished for i in node.input if i):
-            overflow = Peak(_label(node), node.op_type, name, peaks.get(name, 0.0), False,
-                            read[0] if read else "")
-            break
+            found.append((name not in hard, Peak(_label(node), node.op_type, name,
+                                                 peaks.get(name, 0.0), False,
+                                                 read[0] if read else "")))
+    # the first giving NaN or +inf; only -inf (two mask fills added) where none does
+    overflow = min(found, key=lambda f: f[0])[1] if found else None
     ranked = sorted((Peak(n.name or n.op_type, n.op_type, name, peaks[name], name not in bad)
                      for n, name in produced if name in peaks),
                     key=lambda p: p.peak, reverse=True)
@@ -112,13 +115,15 @@ def activation_ranges(path: str, model: onnx.ModelProto,
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
-def _record(name: str, array: np.ndarray | None, peaks: dict[str, float], bad: set[str]
-            ) -> None:
+def _record(name: str, array: np.ndarray | None, peaks: dict[str, float], bad: set[str],
+            hard: set[str]) -> None:
     if array is None or array.dtype.kind != "f" or array.size == 0:
         return
     finite = np.isfinite(array)
     if not finite.all():
         bad.add(name)
+        if np.isnan(array).any() or np.isposinf(array).any():
+            hard.add(name)
     values = np.abs(array[finite]) if not finite.all() else np.abs(array)
     peak = float(values.max()) if values.size else 0.0
     peaks[name] = max(peaks.get(name, 0.0), peak)
