@@ -101,10 +101,8 @@ def float_original(model: onnx.ModelProto, reference: str | None) -> str:
 
 def thresholds_for(model: onnx.ModelProto, given) -> accuracy.Thresholds:
     """The thresholds ``model`` was quantized with (its record; a file quantized with
-    ``--min-top1 0`` is judged by that, not by the defaults), with those ``given`` (a
-    Thresholds, or a dict of its fields) over them."""
-    if isinstance(given, accuracy.Thresholds):
-        return given
+    ``--min-top1 0`` is judged by that, not by the defaults), with those ``given`` (a dict
+    of Thresholds' fields) over them."""
     record = metadata.loaded(model, "quantization") or {}
     recorded = record.get("accuracy", {}).get("thresholds", {})
     known = {k: v for k, v in recorded.items() if k in accuracy.Thresholds.__dataclass_fields__}

@@ -195,31 +195,36 @@ def cut_slices(model: onnx.ModelProto) -> int:
     branch reading part of a packed weight) reads that part as an initializer of its own,
     put beside the constant. Returns how many."""
     made = 0
+    for node, slicer, stack in _weights_made_by(model, "Slice"):
+        parts = [_initializer(name, stack)[0] for name in slicer.input]
+        if any(p is None for p in parts[:3]) or any(
+                name and p is None for name, p in zip(slicer.input[3:], parts[3:],
+                                                      strict=True)):
+            continue
+        arrays = [numpy_helper.to_array(p) for p in parts]
+        data, starts, ends = arrays[:3]
+        axes = arrays[3] if len(arrays) > 3 else np.arange(len(starts))
+        steps = arrays[4] if len(arrays) > 4 else np.ones(len(starts), np.int64)
+        index = [slice(None)] * data.ndim
+        for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
+            index[int(axis)] = slice(int(start), int(end), int(step))
+        name = f"{node.input[1]}_cut"
+        _, home = _initializer(slicer.input[0], stack)
+        home.initializer.append(numpy_helper.from_array(
+            np.ascontiguousarray(data[tuple(index)]), name))
+        node.input[1] = name
+        made += 1
+    return made
+
+
+def _weights_made_by(model: onnx.ModelProto, op_type: str):
+    """(MatMul, the ``op_type`` node making its weight, its graph's stack) in every graph."""
     for graph, stack in _graphs(model.graph):
         producers = {o: n for n in graph.node for o in n.output}
         for node in graph.node:
-            slicer = producers.get(node.input[1]) if node.op_type == "MatMul" else None
-            if slicer is None or slicer.op_type != "Slice":
-                continue
-            parts = [_initializer(name, stack)[0] for name in slicer.input]
-            if any(p is None for p in parts[:3]) or any(
-                    name and p is None for name, p in zip(slicer.input[3:], parts[3:],
-                                                          strict=True)):
-                continue
-            arrays = [numpy_helper.to_array(p) for p in parts]
-            data, starts, ends = arrays[:3]
-            axes = arrays[3] if len(arrays) > 3 else np.arange(len(starts))
-            steps = arrays[4] if len(arrays) > 4 else np.ones(len(starts), np.int64)
-            index = [slice(None)] * data.ndim
-            for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
-                index[int(axis)] = slice(int(start), int(end), int(step))
-            name = f"{node.input[1]}_cut"
-            _, home = _initializer(slicer.input[0], stack)
-            home.initializer.append(numpy_helper.from_array(
-                np.ascontiguousarray(data[tuple(index)]), name))
-            node.input[1] = name
-            made += 1
-    return made
+            made_by = producers.get(node.input[1]) if node.op_type == "MatMul" else None
+            if made_by is not None and made_by.op_type == op_type:
+                yield node, made_by, stack
 
 
 def untie_transposes(model: onnx.ModelProto) -> int:
@@ -228,23 +233,17 @@ def untie_transposes(model: onnx.ModelProto) -> int:
     embedding's Gather keeps reading in float), so it is quantized like any other. Returns
     how many."""
     made = 0
-    for graph, stack in _graphs(model.graph):
-        producers = {o: n for n in graph.node for o in n.output}
-        for node in graph.node:
-            turn = producers.get(node.input[1]) if node.op_type == "MatMul" else None
-            if turn is None or turn.op_type != "Transpose":
-                continue
-            tensor, home = _initializer(turn.input[0], stack)
-            perm = next((list(a.ints) for a in turn.attribute if a.name == "perm"), [1, 0])
-            if tensor is None or len(tensor.dims) != 2 or perm != [1, 0] \
-                    or not _weight_2d(tensor):
-                continue
-            name = f"{tensor.name}_transposed"
-            if _initializer(name, stack)[0] is None:
-                home.initializer.append(numpy_helper.from_array(
-                    np.ascontiguousarray(numpy_helper.to_array(tensor).T), name))
-            node.input[1] = name
-            made += 1
+    for node, turn, stack in _weights_made_by(model, "Transpose"):
+        tensor, home = _initializer(turn.input[0], stack)
+        perm = next((list(a.ints) for a in turn.attribute if a.name == "perm"), [1, 0])
+        if tensor is None or len(tensor.dims) != 2 or perm != [1, 0] or not _weight_2d(tensor):
+            continue
+        name = f"{tensor.name}_transposed"
+        if _initializer(name, stack)[0] is None:
+            home.initializer.append(numpy_helper.from_array(
+                np.ascontiguousarray(numpy_helper.to_array(tensor).T), name))
+        node.input[1] = name
+        made += 1
     return made
 
 
