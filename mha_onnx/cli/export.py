@@ -23,7 +23,7 @@ from mha_onnx.rewrite.policy import KV_CACHES
 @click.option("--mask", type=click.Choice(["none", "key-padding", "causal"]), default=None)
 @click.option("--weights", default=None,
               help="safetensors or torch state_dict (ours or nn.MultiheadAttention); with "
-                   "--model: int4 or int8, the weights quantized (as `mha-onnx quantize`).")
+                   "--model: int4, int8 or w8a8, the weights quantized (as `mha-onnx quantize`).")
 @click.option("--kv-bits", type=int, default=0, show_default=True,
               help="With --model --kv-cache shared --weights int4|int8: 8 puts the cache in "
                    "int8 too (as `mha-onnx quantize --kv-bits 8`).")

@@ -48,8 +48,11 @@ def _calibration(path: str | None, model: str, kv_bits: int) -> list[list[int]] 
 @click.command("quantize")
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Where to write the quantized model.")
-@click.option("--weights", type=click.Choice(["int4", "int8"]), default="int4",
-              show_default=True, help="Bits of the MatMuls' weights (MatMulNBits).")
+@click.option("--weights", type=click.Choice(["int4", "int8", "w8a8"]), default="int4",
+              show_default=True,
+              help="int4 | int8: MatMulNBits (weights only; one user at a time); w8a8: int8 "
+                   "weights per column and activations per row through ORT's integer GEMM "
+                   "(many rows at once: a server's batches, long prompts).")
 @click.option("--block-size", type=int, default=32, show_default=True,
               help="Weights per quantization block (a power of 2 >= 16).")
 @click.option("--symmetric/--asymmetric", default=True, show_default=True,

@@ -21,7 +21,7 @@ class HfExportConfig:
     force: bool = False
     genai: bool = True  # text generation: genai_config.json and the tokenizer beside it
     logits: str = "all"  # "last": the LM head of each row's last kept position only
-    weights: str = "float"  # int4 | int8: quantized after the export (mha_onnx.quantize)
+    weights: str = "float"  # int4 | int8 | w8a8: quantized after the export (mha_onnx.quantize)
     atol: float | None = None  # fuse's verification and the check against PyTorch (default:
     rtol: float | None = None  # the dtype's, mha_onnx.stats.DEFAULT_TOLERANCES)
     kv_bits: int = 0  # 8: a shared cache in int8 too (quantize --kv-bits)
@@ -36,9 +36,12 @@ class HfExportConfig:
                               hint=" | ".join(KV_CACHES))
         if self.logits not in ("all", "last"):
             raise ConfigError(f"unknown --logits {self.logits!r}", hint="all | last")
-        if self.weights not in ("float", "int4", "int8"):
+        if self.weights not in ("float", "int4", "int8", "w8a8"):
             raise ConfigError(f"--weights {self.weights!r} with --model",
-                              hint="int4 or int8 (quantized after the export)")
+                              hint="int4, int8 or w8a8 (quantized after the export)")
+        if self.weights == "w8a8" and self.dtype != "float32":
+            raise ConfigError("--weights w8a8 quantizes a float32 export (ORT's integer GEMM "
+                              "gives float32)", hint="--dtype float32, or --weights int4|int8")
         decoder = self.task in ("auto", "text-generation-with-past")
         if self.kv_bits and (self.weights == "float" or self.kv_cache != "shared"
                              or not self.fuse or not decoder):

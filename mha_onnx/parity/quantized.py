@@ -191,6 +191,7 @@ def _relative_tolerance(model: onnx.ModelProto) -> float:
     sessions)."""
     from mha_onnx.graph.walk import all_nodes, attr
 
-    levels = {attr(n, "accuracy_level", 0) for n in all_nodes(model.graph)
-              if n.op_type == "MatMulNBits"}
-    return 1e-2 if 4 in levels else 1e-3
+    nodes = list(all_nodes(model.graph))
+    levels = {attr(n, "accuracy_level", 0) for n in nodes if n.op_type == "MatMulNBits"}
+    rows = any(n.op_type == "MatMulIntegerToFloat" for n in nodes)  # (w8a8: int8 rows too)
+    return 1e-2 if 4 in levels or rows else 1e-3

@@ -59,11 +59,13 @@ class QuantizeReport:
                   for bits in (4, 8, 0)}
         ratio = self.sizes[1] / self.sizes[0] if self.sizes[0] else 0
         verdict = "wrote" if self.written else "did not write"
+        form = (f"block {self.config.block_size}, "
+                f"{'symmetric' if self.config.symmetric else 'asymmetric'}, "
+                f"{self.config.algorithm.upper()}, accuracy level {self.config.accuracy_level}"
+                if self.config.weights != "w8a8" else "int8 per weight column and per "
+                "activation row (MatMulIntegerToFloat)")
         lines = [f"quantized {self.source} -> {self.output} ({verdict}): {counts[4]} MatMul(s) "
-                 f"int4, {counts[8]} int8, {counts[0]} float; block {self.config.block_size}, "
-                 f"{'symmetric' if self.config.symmetric else 'asymmetric'}, "
-                 f"{self.config.algorithm.upper()}, accuracy level "
-                 f"{self.config.accuracy_level}; {self.sizes[1] / 1e6:.1f} MB "
+                 f"int4, {counts[8]} int8, {counts[0]} float; {form}; {self.sizes[1] / 1e6:.1f} MB "
                  f"({ratio:.2f}x of {self.sizes[0] / 1e6:.1f} MB) in {self.seconds:.1f} s",
                  "  accuracy against the float model:", *self.accuracy.render("    ")]
         lines += [f"  note: {n}" for n in self.notes]

@@ -2,7 +2,8 @@
 against the float model's.
 
 A weight "alone" is the float model with that one weight replaced by the values its
-MatMulNBits reads back, (code - zero point) * scale (``dequantize``), everything else
+MatMulNBits reads back, (code - zero point) * scale (``dequantize``; w8a8's codes times
+their column's scale), everything else
 float. The float model is made once with every such weight also a graph input that
 overrides its initializer (ONNX Runtime's overridable initializers): one session, and one
 run per weight. A model copied, quantized and loaded per weight had run 16 minutes without
@@ -23,6 +24,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from mha_onnx.graph.walk import all_graphs, all_nodes, attr
+from mha_onnx.quantize import w8a8 as row_int8
 
 
 def _codes(packed: np.ndarray, bits: int, rows: int) -> np.ndarray:
@@ -62,11 +64,13 @@ def read_back(quant: onnx.ModelProto, weights: Sequence[str]) -> dict[str, np.nd
     wanted = set(weights)
     found: dict[str, np.ndarray] = {}
     for node in all_nodes(quant.graph):
-        if node.op_type != "MatMulNBits":
+        if node.op_type not in ("MatMulNBits", "MatMulIntegerToFloat"):
             continue
         name = node.input[1].rsplit("_Q", 1)[0]
         if name in wanted and name not in found:
-            found[name] = dequantize(node, lambda x: numpy_helper.to_array(tensors[x]))
+            found[name] = dequantize(node, lambda x: numpy_helper.to_array(tensors[x])) \
+                if node.op_type == "MatMulNBits" else row_int8.dequantize(
+                    *(numpy_helper.to_array(tensors[node.input[i]]) for i in (1, 3)))
     return found
 
 

@@ -32,6 +32,7 @@ from mha_onnx.graph.walk import subgraphs
 log = logging.getLogger(__name__)
 
 ALGORITHMS = ("rtn", "hqq")
+WEIGHTS = ("int4", "int8", "w8a8")
 LAYER = re.compile(r"layers?[._/](\d+)[._/]")
 # node metadata that names the module a node came from (torch.export's names do not)
 SCOPES = ("namespace", "pkg.torch.onnx.name_scopes")
@@ -39,7 +40,7 @@ SCOPES = ("namespace", "pkg.torch.onnx.name_scopes")
 
 @dataclass(frozen=True)
 class QuantizeConfig:
-    """``weights``: int4 | int8; ``exclude``: fnmatch patterns over MatMul node names and
+    """``weights``: int4 | int8 (MatMulNBits) | w8a8 (w8a8.py); ``exclude``: fnmatch patterns over MatMul node names and
     weight names kept float; ``int8``: patterns quantized to 8 bits whatever ``weights``
     says (the mixed precision of ``--mixed``); ``first_last``: the first and last layers'
     MatMuls in 8 bits."""
@@ -60,8 +61,8 @@ class QuantizeConfig:
                               "channel)", hint="a 4-bit cache on ORT's GroupQueryAttention "
                               "measured cosine 0.93-0.95 against the float cache (docs/history/bench-notebook.md):"
                               " not offered")
-        if self.weights not in ("int4", "int8"):
-            raise ConfigError(f"--weights {self.weights!r}: int4 or int8")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"--weights {self.weights!r}", hint=" | ".join(WEIGHTS))
         size = self.block_size
         if size < 16 or size & (size - 1):
             raise ConfigError(f"--block-size {size}: MatMulNBits takes a power of 2 >= 16",
@@ -71,7 +72,7 @@ class QuantizeConfig:
                               hint="4: int8 activations on the CPU (GenAI's CPU default)")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"--algorithm {self.algorithm!r}", hint=" | ".join(ALGORITHMS))
-        if self.algorithm == "hqq" and (self.weights == "int8" or self.int8 or self.first_last):
+        if self.algorithm == "hqq" and (self.weights != "int4" or self.int8 or self.first_last):
             raise ConfigError("HQQ quantizes to 4 bits only", hint="--algorithm rtn for int8")
 
     @property
@@ -151,7 +152,8 @@ def _weight_2d(tensor: onnx.TensorProto) -> bool:
 
 
 def already_quantized(model: onnx.ModelProto) -> bool:
-    return any(n.op_type in ("MatMulNBits", "GatherBlockQuantized", "DequantizeLinear")
+    return any(n.op_type in ("MatMulNBits", "GatherBlockQuantized", "DequantizeLinear",
+                             "MatMulIntegerToFloat", "MatMulInteger")
                for graph, _ in _graphs(model.graph) for n in graph.node)
 
 
@@ -285,10 +287,14 @@ def _constant_path(name: str, producers: dict, stack: list, depth: int = 0) -> l
     return ops
 
 
-def _quantizer(bits: int, config: QuantizeConfig):
-    """ONNX Runtime's node quantizer for ``bits``."""
+def _quantizer(bits: int, config: QuantizeConfig, model: onnx.ModelProto):
+    """ONNX Runtime's node quantizer for ``bits`` (w8a8.py's for --weights w8a8)."""
     from onnxruntime.quantization import matmul_nbits_quantizer as ort_q
 
+    if config.weights == "w8a8":
+        from mha_onnx.quantize.w8a8 import RowInt8Quantizer
+
+        return RowInt8Quantizer(model)
     if config.algorithm == "hqq":
         return ort_q.HQQWeightOnlyQuantizer(ort_q.HQQWeightOnlyQuantConfig(
             block_size=config.block_size, bits=bits))
@@ -349,7 +355,8 @@ def _replace_matmuls(model: onnx.ModelProto, plan: list[Target], config: Quantiz
     """Every planned MatMul replaced by its MatMulNBits (a weight several read: quantized
     once, its initializers shared); (weight, bits) -> the MatMulNBits made for it."""
     bits_of = {(t.graph, t.node): t.bits for t in plan}
-    quantizers = {bits: _quantizer(bits, config) for bits in {t.bits for t in plan} - {0}}
+    quantizers = {bits: _quantizer(bits, config, model)
+                  for bits in {t.bits for t in plan} - {0}}
     done: dict[tuple[str, int], onnx.NodeProto] = {}
     for index, (graph, stack) in enumerate(_graphs(model.graph)):  # (lazily: a graph's If
         # nodes are copies after its nodes are replaced, and their branches are walked then)
@@ -360,7 +367,7 @@ def _replace_matmuls(model: onnx.ModelProto, plan: list[Target], config: Quantiz
                 nodes.append(node)
                 continue
             key = (node.input[1], bits)
-            if key in done:  # a shared weight: its quantized initializers once
+            if key in done and config.weights != "w8a8":  # a shared weight: quantized once
                 twin = onnx.NodeProto()
                 twin.CopyFrom(done[key])
                 twin.input[0], twin.output[0] = node.input[0], node.output[0]
@@ -368,7 +375,7 @@ def _replace_matmuls(model: onnx.ModelProto, plan: list[Target], config: Quantiz
                 nodes.append(twin)
                 continue
             made = quantizers[bits].quantize(node, list(stack))
-            done[key] = next(n for n in made if n.op_type == "MatMulNBits")
+            done[key] = next(n for n in made if n.op_type.startswith("MatMul"))
             nodes.extend(made)
         del graph.node[:]
         graph.node.extend(nodes)

@@ -41,7 +41,8 @@ def _served(model, prompts, news, max_batch: int = 4, stagger: float = 0.002, ch
 
 @pytest.mark.parametrize("family, form, weights", [
     ("llama", "shared", None), ("llama", "appended", None), ("llama", "shared", "int4"),
-    ("llama", "appended", "int4"), ("qwen3", "shared", None), ("gemma3", "appended", None),
+    ("llama", "appended", "int4"), ("llama", "shared", "w8a8"), ("qwen3", "shared", None),
+    ("gemma3", "appended", None),
     ("gpt2", "shared", None)])
 def test_requests_joining_and_leaving_get_their_tokens_alone(tmp_path, family, form, weights):
     """Twelve requests of 2-40 prompt tokens and 4-40 new ones through a batch of 4: rows
