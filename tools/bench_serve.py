@@ -9,7 +9,8 @@ a time, the same requests (tools/loadgen.py) at each concurrency.
 
 DIR is the bench folder of tools/bench_optimum (``make DIR --layers 16``, then ``genai DIR
 --precision int4``) with, beside it: ``int4/`` (our int4 folder: the Optimum export fused
-with --kv-cache shared, then ``quantize --weights int4``) and ``llama16-q4_0.gguf``
+with --kv-cache shared, then ``quantize --weights int4``), ``w8a8/`` (the same fused file
+``quantize --weights w8a8``: int8 weights, int8 activations per row) and ``llama16-q4_0.gguf``
 (tools/gguf_anchor.py). Each server starts, is warmed with one request, serves
 every concurrency in turn, and stops before the next starts. Results: a markdown table (the
 date, machine and command at its head), a JSON file beside it, and a plot of output tokens/s
@@ -31,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def servers(folder: Path, threads: int) -> dict[str, tuple[list[str], str]]:
     """name -> (command with {port}, loadgen style)."""
-    ours = [str(ROOT / ".venv" / "bin" / "mha-onnx"), "serve", str(folder / "int4"),
-            "--max-length", "1400", "--threads", str(threads), "--max-queue", "256",
-            "--port", "{port}"]
+    ours, w8a8 = ([str(ROOT / ".venv" / "bin" / "mha-onnx"), "serve", str(folder / weights),
+                   "--max-length", "1400", "--threads", str(threads), "--max-queue", "256",
+                   "--port", "{port}"] for weights in ("int4", "w8a8"))
     genai = [str(ROOT / ".venv-genai-rt" / "bin" / "python"), str(ROOT / "tools" /
              "genai_server.py"), str(folder / "genai-int4"), "--port", "{port}"]
     llama = [str(ROOT / ".venv-llama" / "bin" / "python"), "-m", "llama_cpp.server",
@@ -44,6 +45,11 @@ def servers(folder: Path, threads: int) -> dict[str, tuple[list[str], str]]:
             "mha-onnx serve (continuous, --prefill-chunk 64)": (
                 ours + ["--max-batch", "16", "--prefill-chunk", "64"], "ours"),
             "mha-onnx serve --max-batch 1": (ours + ["--max-batch", "1"], "ours"),
+            "mha-onnx serve, w8a8 (continuous, --max-batch 16)": (w8a8 + ["--max-batch", "16"],
+                                                                  "ours"),
+            "mha-onnx serve, w8a8 (continuous, --prefill-chunk 64)": (
+                w8a8 + ["--max-batch", "16", "--prefill-chunk", "64"], "ours"),
+            "mha-onnx serve, w8a8 --max-batch 1": (w8a8 + ["--max-batch", "1"], "ours"),
             "ORT GenAI generator (one at a time)": (genai + ["--mode", "generator"], "ours"),
             "ORT GenAI engine (static batching, 16)": (genai + ["--mode", "engine",
                                                                 "--max-batch", "16"], "ours"),
@@ -53,6 +59,9 @@ def servers(folder: Path, threads: int) -> dict[str, tuple[list[str], str]]:
 SHORT = {"ours": "mha-onnx serve (continuous, --max-batch 16)",
          "ours-c64": "mha-onnx serve (continuous, --prefill-chunk 64)",
          "ours-b1": "mha-onnx serve --max-batch 1",
+         "ours-w8a8": "mha-onnx serve, w8a8 (continuous, --max-batch 16)",
+         "ours-w8a8-c64": "mha-onnx serve, w8a8 (continuous, --prefill-chunk 64)",
+         "ours-w8a8-b1": "mha-onnx serve, w8a8 --max-batch 1",
          "genai": "ORT GenAI generator (one at a time)",
          "genai-engine": "ORT GenAI engine (static batching, 16)",
          "llama-cpp": "llama.cpp server (llama-cpp-python, Q4_0)"}
@@ -130,7 +139,8 @@ uniformly from the ranges, greedy, `ignore_eos` so every request runs to its len
 answer streamed), one server at a time on one quiet machine. The weights are one
 16-layer hidden-1024 Llama-like model (tools/bench_optimum `make DIR --layers 16`): ours
 is its Optimum export fused with `--kv-cache shared` and quantized with `--weights int4`
-(MatMulNBits, block 32); ONNX Runtime GenAI's is its builder's `-p int4` of the same
+(MatMulNBits, block 32), or with `--weights w8a8` where the row says so (int8 weights per
+column, int8 activations per row, ORT's integer GEMM); ONNX Runtime GenAI's is its builder's `-p int4` of the same
 folder; llama.cpp's is the folder converted by llama-cpp-python's `convert_hf_to_gguf.py`
 and quantized to Q4_0 (tools/gguf_anchor.py). TTFT: time to the first streamed token; ITL: time between two
 tokens of one stream.
@@ -143,33 +153,33 @@ tokens of one stream.
 """
 
 
+def _rate(points: dict, clients: int) -> float | None:
+    r = points.get(clients) or {}
+    return r.get("output_tokens_per_s") if "error" not in r else None
+
+
 def ratios(results: dict[str, dict[int, dict]]) -> list[str]:
-    """The comparisons the issue asks for, computed from this run's figures."""
-    ours, single = results.get(SHORT["ours"], {}), results.get(SHORT["ours-b1"], {})
+    """The comparisons the issue asks for, computed from this run's figures: each
+    continuous-batching server (int4, w8a8) against the --max-batch 1 servers and the
+    anchors, and its p99 inter-token latency against its own single client's."""
     lines = []
-
-    def rate(points, clients):
-        r = points.get(clients) or {}
-        return r.get("output_tokens_per_s") if "error" not in r else None
-
-    for clients in sorted(ours):
-        mine = rate(ours, clients)
-        if not mine:
-            continue
-        for short in ("ours-b1", "genai", "genai-engine", "llama-cpp"):
-            other = rate(results.get(SHORT[short], {}), clients)
-            if other:
-                lines.append(f"{clients} clients: continuous batching {mine / other:.2f}x the "
-                             f"output tokens/s of {SHORT[short]}")
-    one = (ours.get(1) or {}).get("itl_p99_ms")
-    for clients in sorted(ours):
-        p99 = (ours.get(clients) or {}).get("itl_p99_ms")
-        if one and p99 and clients > 1:
-            lines.append(f"{clients} clients: p99 inter-token latency {p99 / one:.1f}x a "
-                         "single client's")
-    if single and not lines:
-        lines.append("(no continuous-batching figures in this run)")
-    return lines
+    for mine_short, label in (("ours", "continuous batching"),
+                              ("ours-w8a8", "w8a8 continuous batching")):
+        ours = results.get(SHORT[mine_short], {})
+        for clients in sorted(ours):
+            mine = _rate(ours, clients)
+            for short in ("ours-b1", "ours-w8a8-b1", "genai", "genai-engine", "llama-cpp"):
+                other = _rate(results.get(SHORT[short], {}), clients)
+                if mine and other:
+                    lines.append(f"{clients} clients: {label} {mine / other:.2f}x the output "
+                                 f"tokens/s of {SHORT[short]}")
+        one = (ours.get(1) or {}).get("itl_p99_ms")
+        for clients in sorted(ours):
+            p99 = (ours.get(clients) or {}).get("itl_p99_ms")
+            if one and p99 and clients > 1:
+                lines.append(f"{clients} clients: {label}'s p99 inter-token latency "
+                             f"{p99 / one:.1f}x its single client's")
+    return lines or ["(no continuous-batching figures in this run)"]
 
 
 def table(results: dict[str, dict[int, dict]], args) -> str:

@@ -5,10 +5,11 @@ quantized to int8 per row at run time, multiplied by ONNX Runtime's integer GEMM
 Why a second form beside MatMulNBits: MatMulNBits (int4 or int8 weights, int8 activations
 at accuracy level 4) computes a many-row product about row by row, while MLAS's integer GEMM
 reads each weight once for all rows. Measured on an AMD EPYC with AVX-512 VNNI, 2 threads,
-one [1024, 5632] weight: 16 rows 0.31 ms against MatMulNBits int4's 0.83 ms, 256 rows 3.8
-against 11.6 ms; one row about the same in cache, but the int8 weights are twice the int4
-bytes a batch-1 step streams. So: the form for many rows at once (a server's batched
-decode steps, long prompts); int4 for one user at a time (docs/serve-bench-w8a8.md).
+one [1024, 5632] weight (``python -m tools.bench_matmul``): 16 rows 0.40 ms against
+MatMulNBits int4's 0.75 ms, 256 rows 5.2 against 11.4 ms; one row 0.13 against 0.10, and the
+int8 weights are twice the int4 bytes a batch-1 step streams. So: the form for many rows at
+once (a server's batched decode steps, long prompts); int4 for one user at a time
+(docs/guide/quantize.md, docs/serve-bench-w8a8.md).
 
 Each row's activations take their scale from that row alone (``max |x| / 127``, codes
 ``round(x / scale) + 128`` in uint8, zero point 128): a row's product never depends on the
