@@ -16,7 +16,8 @@ first If's two branches, the else graph of each If for the branches inside it, w
 two candidates there share equal tensors (stored once). A weight a candidate's own Ifs read
 stays in its branch, one level above them. The candidates are in the order the rules first
 name them: the first rule's (the shortest lengths, where an If's own cost shows most) is
-one If down.
+one If down. Built with onnx-ir: a branch reads the dispatching model's inputs and the
+weights above it as the same value objects, so nothing is renamed by matching strings.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
 
-from mha_onnx.graph.walk import all_nodes, subgraphs
 from mha_onnx.tune.rules import ORIGINAL, Rule
 
 NO_BOUND = np.iinfo(np.int64).max
@@ -48,153 +48,147 @@ def dispatch(candidates: Mapping[str, onnx.ModelProto], rules: Sequence[Rule], d
         out.CopyFrom(candidates[names[0]])
         stored[names[0]] = {i.name: i.name for i in out.graph.initializer}
         return out
-    nodes = _which(base, rules, names, dim, batch_dim)
-    outer = {i.name for i in base.graph.input}
-    held: dict[str, onnx.TensorProto] = {}
-    nodes += _chain(candidates, names, 0, list(base.graph.output), outer, held, stored)
-    graph = helper.make_graph(nodes, base.graph.name, list(base.graph.input),
-                              list(base.graph.output), list(held.values()))
+    interface = ir.from_proto(base.graph)
+    inputs = [ir.Value(name=v.name, type=v.type, shape=v.shape) for v in interface.inputs]
     opsets: dict[str, int] = {}
     for model in candidates.values():
         for imp in model.opset_import:
             opsets[imp.domain] = max(opsets.get(imp.domain, 0), imp.version)
-    out = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v)
-                                                  for d, v in opsets.items()],
-                            ir_version=max(m.ir_version for m in candidates.values()))
-    out.producer_name, out.producer_version = base.producer_name, base.producer_version
+    graph = ir.Graph(inputs, [], nodes=[], opset_imports=opsets, name=base.graph.name)
+    which = _which(graph, rules, names, dim, batch_dim)
+    models = {name: ir.from_proto(candidates[name]) for name in names}
+    outer = {v.name: v for v in inputs}
+    graph.outputs.extend(_chain(models, names, 0, graph, outer, which,
+                                list(interface.outputs), stored))
+    made = ir.Model(graph, ir_version=max(m.ir_version for m in candidates.values()),
+                    producer_name=base.producer_name, producer_version=base.producer_version)
+    out = ir.to_proto(made)
     out.metadata_props.extend(base.metadata_props)
     return out
 
 
-def _which(base: onnx.ModelProto, rules: Sequence[Rule], names: list[str], dim: str,
-           batch_dim: str) -> list[onnx.NodeProto]:
-    """Nodes computing ``tune/candidate``: the index in ``names`` of the first rule's
-    candidate that applies at the input's length (and batch)."""
-    def const(name: str, values) -> onnx.NodeProto:
-        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
-            np.array(values, np.int64), name))
+def _const(name: str, values) -> ir.Node:
+    return ir.node("Constant", [], {"value": ir.tensor(np.array(values, np.int64), name=name)},
+                   outputs=[ir.Value(name=name)])
 
+
+def _which(graph: ir.Graph, rules: Sequence[Rule], names: list[str], dim: str,
+           batch_dim: str) -> ir.Value:
+    """Nodes computing ``tune/candidate`` (appended to ``graph``): the index in ``names`` of
+    the first rule's candidate that applies at the input's length (and batch)."""
     sizes = [(size, value, bounds) for size, value, bounds in (
         (dim, "tune/length", [r.below for r in rules]),
         (batch_dim, "tune/batch", [r.batch_below for r in rules]))
         if any(b is not None for b in bounds)]  # (what no rule bounds is not read)
-    nodes, tests = [], []
+    tests = []
     for size, value, bounds in sizes:
-        where = next(((i.name, a) for i in base.graph.input
-                      for a, d in enumerate(i.type.tensor_type.shape.dim)
-                      if d.dim_param == size), None)
+        where = next(((i, a) for i in graph.inputs for a, d in enumerate(i.shape or ())
+                      if isinstance(d, ir.SymbolicDim) and d.value == size), None)
         if where is None:
             raise ValueError(f"no input has the dim {size!r}")
-        nodes += [helper.make_node("Shape", [where[0]], [value], start=where[1],
-                                   end=where[1] + 1),
-                  const(f"{value}_bound", [NO_BOUND if b is None else b for b in bounds]),
-                  helper.make_node("Less", [value, f"{value}_bound"], [f"{value}_applies"])]
-        tests.append(f"{value}_applies")
+        shape = ir.node("Shape", [where[0]], {"start": where[1], "end": where[1] + 1},
+                        outputs=[ir.Value(name=value)])
+        bound = _const(f"{value}_bound", [NO_BOUND if b is None else b for b in bounds])
+        less = ir.node("Less", [shape.outputs[0], bound.outputs[0]],
+                       outputs=[ir.Value(name=f"{value}_applies")])
+        graph.extend([shape, bound, less])
+        tests.append(less.outputs[0])
     if len(tests) == 2:
-        nodes.append(helper.make_node("And", tests, ["tune/applies"]))
-    applies = "tune/applies" if len(tests) == 2 else tests[0]
-    return nodes + [
-        helper.make_node("Cast", [applies], ["tune/applies_int"], to=onnx.TensorProto.INT32),
-        helper.make_node("ArgMax", ["tune/applies_int"], ["tune/rule"], axis=0, keepdims=0),
-        const("tune/candidate_of_rule", [names.index(r.name) for r in rules]),
-        helper.make_node("Gather", ["tune/candidate_of_rule", "tune/rule"],
-                         ["tune/candidate"], axis=0)]
+        both = ir.node("And", tests, outputs=[ir.Value(name="tune/applies")])
+        graph.append(both)
+        tests = list(both.outputs)
+    cast = ir.node("Cast", tests, {"to": ir.DataType.INT32},
+                   outputs=[ir.Value(name="tune/applies_int")])
+    rule = ir.node("ArgMax", cast.outputs, {"axis": 0, "keepdims": 0},
+                   outputs=[ir.Value(name="tune/rule")])
+    table = _const("tune/candidate_of_rule", [names.index(r.name) for r in rules])
+    pick = ir.node("Gather", [table.outputs[0], rule.outputs[0]], {"axis": 0},
+                   outputs=[ir.Value(name="tune/candidate")])
+    graph.extend([cast, rule, table, pick])
+    return pick.outputs[0]
 
 
-def _chain(candidates: Mapping[str, onnx.ModelProto], names: list[str], first: int,
-           outputs: list[onnx.ValueInfoProto], outer: set[str],
-           held: dict[str, onnx.TensorProto], stored: dict[str, dict[str, str]]
-           ) -> list[onnx.NodeProto]:
-    """Nodes computing ``outputs``: If(candidate == first) its branch, else the next (in an
-    else graph of its own, holding the weights of the branches inside it, while two or more
-    are left). ``held``: the initializers of the graph these nodes are in."""
-    def branch(n: int, holder: dict[str, onnx.TensorProto]) -> onnx.GraphProto:
-        graph, stored[names[n]] = _branch(candidates[names[n]], f"tune/{names[n]}/", outer,
-                                          holder, f"tune/w{first}/" if first else "")
-        return graph
+def _chain(models: Mapping[str, ir.Model], names: list[str], first: int, graph: ir.Graph,
+           outer: dict[str, ir.Value], which: ir.Value, outputs: list[ir.Value],
+           stored: dict[str, dict[str, str]]) -> list[ir.Value]:
+    """Nodes computing values like ``outputs`` (appended to ``graph``, which holds the
+    weights of the branches its If reads): If(candidate == first) its branch, else the next
+    (in an else graph of its own, holding the weights of the branches inside it, while two
+    or more are left). Returns the If's outputs."""
+    def branch(n: int) -> ir.Graph:
+        made, stored[names[n]] = _branch(models[names[n]], f"tune/{names[n]}/", outer, graph,
+                                         f"tune/w{first}/" if first else "")
+        return made
 
-    then = branch(first, held)
+    then = branch(first)
     if first + 2 == len(names):
-        other = branch(first + 1, held)
+        other = branch(first + 1)
     else:
-        renamed = []
-        for value in outputs:
-            copy = onnx.ValueInfoProto()
-            copy.CopyFrom(value)
-            copy.name = f"tune/d{first}/{value.name}"
-            renamed.append(copy)
-        inner: dict[str, onnx.TensorProto] = {}
-        nodes = _chain(candidates, names, first + 1, renamed, outer, inner, stored)
-        other = helper.make_graph(nodes, f"tune_else_{first}", [], renamed, list(inner.values()))
-    index = f"tune/is_{first}_index"
-    return [helper.make_node("Constant", [], [index], value=numpy_helper.from_array(
-                np.array(first, np.int64), index)),
-            helper.make_node("Equal", ["tune/candidate", index], [f"tune/is_{first}"]),
-            helper.make_node("If", [f"tune/is_{first}"], [o.name for o in outputs],
-                             then_branch=then, else_branch=other)]
+        other = ir.Graph([], [], nodes=[], name=f"tune_else_{first}")
+        renamed = [ir.Value(name=f"tune/d{first}/{v.name}", type=v.type, shape=v.shape)
+                   for v in outputs]
+        other.outputs.extend(_chain(models, names, first + 1, other, outer, which, renamed,
+                                    stored))
+    index = _const(f"tune/is_{first}_index", first)
+    equal = ir.node("Equal", [which, index.outputs[0]], outputs=[ir.Value(name=f"tune/is_{first}")])
+    choice = ir.node("If", equal.outputs, {"then_branch": then, "else_branch": other},
+                     outputs=[ir.Value(name=v.name, type=v.type, shape=v.shape)
+                              for v in outputs])
+    graph.extend([index, equal, choice])
+    return list(choice.outputs)
 
 
-def _branch(candidate: onnx.ModelProto, prefix: str, outer: set[str],
-            holder: dict[str, onnx.TensorProto], holder_prefix: str
-            ) -> tuple[onnx.GraphProto, dict[str, str]]:
-    """One candidate as an If branch: its values prefixed (a subgraph may not redefine outer
-    names), its initializers moved to ``holder`` (the graph above the branch, its names
-    under ``holder_prefix``: by name where an equal tensor is there already, compared as raw
-    bytes, else under the candidate's prefix), but for
-    those the candidate's own subgraphs read: they stay in the branch (prefixed), one level
-    above their readers. Returns the branch and where each initializer went."""
-    graph = onnx.GraphProto()
-    graph.CopyFrom(candidate.graph)
-    mapping: dict[str, str] = {}
+def _branch(candidate: ir.Model, prefix: str, outer: dict[str, ir.Value], holder: ir.Graph,
+            holder_prefix: str) -> tuple[ir.Graph, dict[str, str]]:
+    """One candidate's graph as an If branch: what it computes prefixed (a subgraph may not
+    redefine outer names), what it read from its inputs read from ``outer``, its
+    initializers moved to ``holder`` (the graph above the branch, under ``holder_prefix``:
+    one tensor where an equal one is there by that name already, else under the candidate's
+    prefix), but for those the candidate's own subgraphs read: they stay in the branch
+    (prefixed), one level above their readers. Returns the branch and where each
+    initializer went."""
+    graph = candidate.graph
     below = _read_below(graph)
-    inside = []
-    for init in graph.initializer:
-        if init.name in below:
-            mapping[init.name] = f"{prefix}{init.name}"
-            copy = onnx.TensorProto()
-            copy.CopyFrom(init)
-            copy.name = mapping[init.name]
-            inside.append(copy)
+    where: dict[str, str] = {}
+    for name, value in list(graph.initializers.items()):
+        graph.initializers.pop(name)
+        if name in below:
+            value.name = where[name] = f"{prefix}{name}"
+            graph.register_initializer(value)
             continue
-        plain = _plain(init)
-        name = f"{holder_prefix}{init.name}"
-        kept = holder.get(name)
-        if kept is not None and (kept.raw_data != plain.raw_data or kept.dims != plain.dims
-                                 or kept.data_type != plain.data_type):
-            name = f"{prefix}{init.name}"  # (the same name, another tensor)
-        mapping[init.name] = name
-        plain.name = name
-        holder.setdefault(name, plain)
-    where = {init.name: mapping[init.name] for init in graph.initializer}
-    for node in graph.node:
-        for out in node.output:
-            if out and out not in outer:
-                mapping[out] = f"{prefix}{out}"
-    _rename_graph(graph, mapping)
-    del graph.initializer[:]
-    graph.initializer.extend(inside)
-    del graph.input[:]
+        target = f"{holder_prefix}{name}"
+        kept = holder.initializers.get(target)
+        if kept is not None and not _equal(kept, value):
+            target, kept = f"{prefix}{name}", None  # (the same name, another tensor)
+        where[name] = target
+        if kept is None:
+            value.name = target
+            holder.register_initializer(value)
+        else:
+            value.replace_all_uses_with(kept)
+    for node in graph:
+        for value in node.outputs:
+            if value.name and value.name not in outer:
+                value.name = f"{prefix}{value.name}"
+    for value in list(graph.inputs):
+        value.replace_all_uses_with(outer[value.name], replace_graph_outputs=True)
+    graph.inputs.clear()
     graph.name = prefix.rstrip("/")
     return graph, where
 
 
-def _rename_graph(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
-    """Rename values in ``graph`` and in its subgraphs' references to them, in place."""
-    for node in graph.node:
-        node.input[:] = [mapping.get(n, n) for n in node.input]
-        node.output[:] = [mapping.get(n, n) for n in node.output]
-        for sub in subgraphs(node):
-            _rename_graph(sub, mapping)
-    for value in list(graph.output) + list(graph.value_info):
-        value.name = mapping.get(value.name, value.name)
-
-
-def _read_below(graph: onnx.GraphProto) -> set[str]:
+def _read_below(graph: ir.Graph) -> set[str]:
     """The names the subgraphs of ``graph``'s nodes read (at any depth)."""
-    return {name for node in graph.node for sub in subgraphs(node)
-            for below in all_nodes(sub) for name in below.input}
+    return {value.name for node in graph for attr in node.attributes.values()
+            if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+            for sub in (attr.as_graphs() if attr.type == ir.AttributeType.GRAPHS
+                        else [attr.as_graph()])
+            for inner in ir.traversal.RecursiveGraphIterator(sub)
+            for value in inner.inputs if value is not None}
 
 
-def _plain(init: onnx.TensorProto) -> onnx.TensorProto:
-    """An initializer with its data as raw bytes (so that equal tensors compare equal)."""
-    return numpy_helper.from_array(numpy_helper.to_array(init), init.name)
+def _equal(a: ir.Value, b: ir.Value) -> bool:
+    """Two initializers of equal type, shape and bytes."""
+    x, y = a.const_value, b.const_value
+    return x is not None and y is not None and x.dtype == y.dtype \
+        and tuple(x.shape) == tuple(y.shape) and x.tobytes() == y.tobytes()

@@ -334,9 +334,9 @@ def test_the_size_estimate_counts_what_the_dispatch_holds_again():
     from mha_onnx.tune.plan import bytes_of, weight_keys, within_size
     from mha_onnx.tune.run import _size_note
 
-    big = _scaled(1.0)  # (weights that outweigh the graph's own bytes)
-    big.graph.initializer[0].CopyFrom(helper.make_tensor("w", TensorProto.FLOAT, [4096, 4],
-                                                         np.ones(4 * 4096).tolist()))
+    big = _scaled(1.0)  # (weights that outweigh the graph's own bytes: its nodes' names)
+    big.graph.initializer[0].CopyFrom(helper.make_tensor("w", TensorProto.FLOAT, [16384, 4],
+                                                         np.ones(4 * 16384).tolist()))
     models = {ORIGINAL: big, "fused": big, "three": big}
     keys = {n: weight_keys(m) for n, m in models.items()}
     one = bytes_of([ORIGINAL], keys)
