@@ -16,97 +16,154 @@ Each row's activations take their scale from that row alone (``max |x| / 127``, 
 other rows of its batch, so a served request's tokens are the same request's alone. (ONNX
 Runtime's DynamicQuantizeLinear takes one scale for the whole tensor: one user's large
 activations would coarsen another's.) The nodes per activation: Abs, ReduceMax, Max (a row
-of zeros: a tiny scale, codes 128), Mul, Div, Round, Add, Cast, shared by every MatMul that
-reads it; per MatMul: MatMulIntegerToFloat (A's scale 1, B's per column) and a Mul by the
-rows' scales.
+of zeros: a tiny scale, codes 128), Mul, Div, Round, Add, Cast, shared by every MatMul of
+its graph that reads it; per MatMul: MatMulIntegerToFloat (A's scale 1, B's per column) and
+a Mul by the rows' scales. A weight several MatMuls read (a fused model's If branches) is
+quantized once, its codes beside it in the graph that holds it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
 
 from mha_onnx.errors import ConfigError
+from mha_onnx.graph.walk import all_graphs
 
 PREFIX = "w8a8_"
 SUFFIX = "_Q8rows"  # the int8 codes' name: <weight>_Q8rows (sensitivity.read_back finds them)
+FLOAT = ir.TensorType(ir.DataType.FLOAT)
 
 
-def _constants(opset: int) -> list[onnx.TensorProto]:
-    f32 = np.float32
-    values = {"eps": f32(1e-30), "inv127": f32(1 / 127), "f128": f32(128), "one": f32(1),
-              "zero_point": np.uint8(128)}
-    tensors = [numpy_helper.from_array(np.array(v), PREFIX + k) for k, v in values.items()]
-    if opset >= 18:
-        tensors.append(numpy_helper.from_array(np.array([-1], np.int64), PREFIX + "axes"))
-    return tensors
+def replaced(model: onnx.ModelProto, planned: set[tuple[int, str]]
+             ) -> tuple[onnx.ModelProto, set[str]]:
+    """``model`` with the MatMuls ``planned`` names ((graph index in the order
+    ``weights._graphs`` walks them, node name)) in this form; the weights quantized."""
+    made = ir.from_proto(model)
+    rows = RowInt8(planned)
+    rows(made)
+    out = ir.to_proto(made)
+    for graph in all_graphs(out.graph):  # (onnx-ir writes the new values' partial types)
+        kept = [v for v in graph.value_info if v.type.tensor_type.HasField("shape")
+                or not v.type.HasField("tensor_type")]
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
+    return out, rows.quantized
 
 
-class RowInt8Quantizer:
-    """Replaces one MatMul at a time (``quantize(node, stack)``, the interface of ONNX
-    Runtime's node quantizers): a weight read by several MatMuls is quantized once, into the
-    graph that holds it; an activation several read is quantized once per graph."""
+def _graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
+    """The graph, then each node's subgraphs in turn, depth first (weights._graphs' order)."""
+    yield graph
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                yield from _graphs(attr.as_graph())
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.as_graphs():
+                    yield from _graphs(sub)
 
-    def __init__(self, model: onnx.ModelProto) -> None:
-        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
-                          17)
-        model.graph.initializer.extend(_constants(self.opset))
-        self.weights: dict[str, tuple[str, str]] = {}
-        self.rows: dict[tuple[int, str], tuple[str, str]] = {}
 
-    def quantize(self, node: onnx.NodeProto, stack: list[onnx.GraphProto]
-                 ) -> list[onnx.NodeProto]:
-        codes, scales = self._weight(node.input[1], stack)
-        made: list[onnx.NodeProto] = []
-        key = (id(stack[-1]), node.input[0])
-        if key not in self.rows:
-            made, self.rows[key] = self._rows(node.input[0], f"{node.name or node.output[0]}")
-        x_codes, x_scales = self.rows[key]
-        product = f"{node.output[0]}{PREFIX}product"
-        return made + [
-            helper.make_node("MatMulIntegerToFloat",
-                             [x_codes, codes, PREFIX + "one", scales, PREFIX + "zero_point"],
-                             [product], name=f"{node.name}_Q8", domain="com.microsoft"),
-            helper.make_node("Mul", [product, x_scales], [node.output[0]],
-                             name=f"{node.name}_Q8_rows")]
+class RowInt8(ir.passes.InPlacePass):
+    """The planned MatMuls replaced (module doc); ``quantized``: the weights' names."""
 
-    def _weight(self, name: str, stack: list[onnx.GraphProto]) -> tuple[str, str]:
-        if name in self.weights:
-            return self.weights[name]
-        tensor, home = next(((t, g) for g in reversed(stack) for t in g.initializer
-                             if t.name == name), (None, None))
-        if tensor is None or tensor.data_type != onnx.TensorProto.FLOAT:
-            raise ConfigError(f"--weights w8a8: the weight {name!r} is not a float32 constant",
-                              hint="w8a8 quantizes float32 models (MatMulIntegerToFloat "
-                                   "gives float32); int4 or int8 for float16 ones")
-        weight = numpy_helper.to_array(tensor).astype(np.float32)
-        weight = weight.reshape(weight.shape[-2:])
-        scale = np.maximum(np.abs(weight).max(axis=0), np.float32(1e-30)) / np.float32(127)
-        codes = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
-        names = (name + SUFFIX, name + SUFFIX + "_scales")
-        home.initializer.extend([numpy_helper.from_array(codes, names[0]),
-                                 numpy_helper.from_array(scale.astype(np.float32), names[1])])
-        self.weights[name] = names
-        return names
+    def __init__(self, planned: set[tuple[int, str]]) -> None:
+        super().__init__()
+        self.planned = planned
+        self.quantized: set[str] = set()
 
-    def _rows(self, x: str, at: str) -> tuple[list[onnx.NodeProto], tuple[str, str]]:
-        """The nodes quantizing ``x`` per row; (codes, scales) names."""
-        p = f"{x}{PREFIX}"
-        reduce = helper.make_node("ReduceMax", [p + "abs", PREFIX + "axes"], [p + "max"],
-                                  keepdims=1, name=f"{at}_Q8_max") if self.opset >= 18 else \
-            helper.make_node("ReduceMax", [p + "abs"], [p + "max"], axes=[-1], keepdims=1,
-                             name=f"{at}_Q8_max")
-        steps = [("Abs", [x], "abs"), None, ("Max", [p + "max", PREFIX + "eps"], "max_eps"),
-                 ("Mul", [p + "max_eps", PREFIX + "inv127"], "scale"),
-                 ("Div", [x, p + "scale"], "scaled"), ("Round", [p + "scaled"], "rounded"),
-                 ("Add", [p + "rounded", PREFIX + "f128"], "shifted")]
-        nodes = [reduce if step is None else
-                 helper.make_node(step[0], step[1], [p + step[2]], name=f"{at}_Q8_{step[2]}")
-                 for step in steps]
-        nodes.append(helper.make_node("Cast", [p + "shifted"], [p + "codes"],
-                                      to=onnx.TensorProto.UINT8, name=f"{at}_Q8_codes"))
-        return nodes, (p + "codes", p + "scale")
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.opset = model.opset_imports.get("", 17)
+        self.constants = self._constants(model.graph)
+        codes: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(weight) -> codes, scales
+        for index, graph in enumerate(list(_graphs(model.graph))):
+            rows: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(activation) -> codes, scales
+            for node in list(graph):
+                if node.op_type == "MatMul" and (index, node.name) in self.planned:
+                    self._replace(graph, node, codes, rows)
+        model.opset_imports.setdefault("com.microsoft", 1)
+        return ir.passes.PassResult(model, modified=bool(self.quantized))
+
+    def _constants(self, graph: ir.Graph) -> dict[str, ir.Value]:
+        f32 = np.float32
+        values = {"eps": f32(1e-30), "inv127": f32(1 / 127), "f128": f32(128), "one": f32(1),
+                  "zero_point": np.uint8(128)}
+        if self.opset >= 18:
+            values["axes"] = np.array([-1], np.int64)
+        out = {}
+        for key, value in values.items():
+            name = PREFIX + key
+            out[key] = ir.Value(name=name, const_value=ir.tensor(np.array(value), name=name))
+            graph.register_initializer(out[key])
+        return out
+
+    def _replace(self, graph: ir.Graph, node: ir.Node, codes: dict, rows: dict) -> None:
+        x, weight = node.inputs[0], node.inputs[1]
+        if id(weight) not in codes:
+            codes[id(weight)] = self._weight(weight, graph)
+        w_codes, w_scales = codes[id(weight)]
+        made: list[ir.Node] = []
+        if id(x) not in rows:
+            made, rows[id(x)] = self._rows(x, node.name or "MatMul")
+        x_codes, x_scales = rows[id(x)]
+        c = self.constants
+        product = ir.node("MatMulIntegerToFloat",
+                          [x_codes, w_codes, c["one"], w_scales, c["zero_point"]],
+                          domain="com.microsoft", name=f"{node.name}_Q8",
+                          outputs=[ir.Value(name=f"{node.outputs[0].name}{PREFIX}product",
+                                            type=FLOAT)])
+        scaled = ir.node("Mul", [product.outputs[0], x_scales], name=f"{node.name}_Q8_rows",
+                         outputs=[ir.Value(name=f"{node.outputs[0].name}{PREFIX}rows",
+                                           type=FLOAT)])
+        graph.insert_before(node, [*made, product, scaled])
+        out, given = node.outputs[0], scaled.outputs[0]
+        out.replace_all_uses_with(given, replace_graph_outputs=True)
+        name, out.name = out.name, None
+        given.name, given.type, given.shape = name, out.type, out.shape
+        graph.remove(node, safe=True)
+
+    def _weight(self, weight: ir.Value, graph: ir.Graph) -> tuple[ir.Value, ir.Value]:
+        tensor = weight.const_value
+        if tensor is None or tensor.dtype != ir.DataType.FLOAT:
+            raise ConfigError(f"--weights w8a8: the weight {weight.name!r} is not a float32 "
+                              "constant", hint="w8a8 quantizes float32 models "
+                              "(MatMulIntegerToFloat gives float32); int4 or int8 for "
+                              "float16 ones")
+        array = tensor.numpy().astype(np.float32)
+        array = array.reshape(array.shape[-2:])
+        scale = np.maximum(np.abs(array).max(axis=0), np.float32(1e-30)) / np.float32(127)
+        levels = np.clip(np.rint(array / scale), -127, 127).astype(np.int8)
+        home = weight.graph or graph
+        made = []
+        for name, values in ((weight.name + SUFFIX, levels),
+                             (weight.name + SUFFIX + "_scales", scale.astype(np.float32))):
+            value = ir.Value(name=name, const_value=ir.tensor(values, name=name))
+            home.register_initializer(value)
+            made.append(value)
+        self.quantized.add(weight.name)
+        return made[0], made[1]
+
+    def _rows(self, x: ir.Value, at: str) -> tuple[list[ir.Node], tuple[ir.Value, ir.Value]]:
+        """The nodes quantizing ``x`` per row; its codes and scales."""
+        c = self.constants
+
+        def step(op: str, inputs: list, what: str, attributes=None) -> ir.Node:
+            kind = ir.TensorType(ir.DataType.UINT8) if op == "Cast" else FLOAT
+            made = ir.node(op, inputs, attributes, name=f"{at}_Q8_{what}",
+                           outputs=[ir.Value(name=f"{x.name}{PREFIX}{what}", type=kind)])
+            nodes.append(made)
+            return made.outputs[0]
+
+        nodes: list[ir.Node] = []
+        size = step("Abs", [x], "abs")
+        peak = step("ReduceMax", [size, c["axes"]], "max", {"keepdims": 1}) \
+            if self.opset >= 18 else step("ReduceMax", [size], "max", {"axes": [-1], "keepdims": 1})
+        scale = step("Mul", [step("Max", [peak, c["eps"]], "max_eps"), c["inv127"]], "scale")
+        rounded = step("Round", [step("Div", [x, scale], "scaled")], "rounded")
+        shifted = step("Add", [rounded, c["f128"]], "shifted")
+        return nodes, (step("Cast", [shifted], "codes", {"to": ir.DataType.UINT8}), scale)
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from onnx import numpy_helper
 
 from mha_onnx.errors import ConfigError
 from mha_onnx.graph.walk import subgraphs
+from mha_onnx.quantize import w8a8
 
 log = logging.getLogger(__name__)
 
@@ -287,14 +288,10 @@ def _constant_path(name: str, producers: dict, stack: list, depth: int = 0) -> l
     return ops
 
 
-def _quantizer(bits: int, config: QuantizeConfig, model: onnx.ModelProto):
-    """ONNX Runtime's node quantizer for ``bits`` (w8a8.py's for --weights w8a8)."""
+def _quantizer(bits: int, config: QuantizeConfig):
+    """ONNX Runtime's node quantizer for ``bits``."""
     from onnxruntime.quantization import matmul_nbits_quantizer as ort_q
 
-    if config.weights == "w8a8":
-        from mha_onnx.quantize.w8a8 import RowInt8Quantizer
-
-        return RowInt8Quantizer(model)
     if config.algorithm == "hqq":
         return ort_q.HQQWeightOnlyQuantizer(ort_q.HQQWeightOnlyQuantConfig(
             block_size=config.block_size, bits=bits))
@@ -319,7 +316,11 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
     if config.first_last and all(t.layer is None for t in plan):
         notes.append("--mixed first-last: no MatMul's name or metadata says its layer, so "
                      "none was put in int8 (name them with --mixed PATTERN)")
-    done = _replace_matmuls(model, plan, config)
+    if config.weights == "w8a8":  # (w8a8.py: an onnx-ir pass)
+        model, weights = w8a8.replaced(model, {(t.graph, t.node) for t in plan if t.bits})
+        done = {(w, 8) for w in weights}
+    else:
+        done = _replace_matmuls(model, plan, config)
     before = _drop_unread(model)
     after = sum(len(t.raw_data) or t.ByteSize() for graph, _ in _graphs(model.graph)
                 for t in graph.initializer if any(t.name.startswith(f"{w}_") for w, _ in done))
@@ -355,8 +356,7 @@ def _replace_matmuls(model: onnx.ModelProto, plan: list[Target], config: Quantiz
     """Every planned MatMul replaced by its MatMulNBits (a weight several read: quantized
     once, its initializers shared); (weight, bits) -> the MatMulNBits made for it."""
     bits_of = {(t.graph, t.node): t.bits for t in plan}
-    quantizers = {bits: _quantizer(bits, config, model)
-                  for bits in {t.bits for t in plan} - {0}}
+    quantizers = {bits: _quantizer(bits, config) for bits in {t.bits for t in plan} - {0}}
     done: dict[tuple[str, int], onnx.NodeProto] = {}
     for index, (graph, stack) in enumerate(_graphs(model.graph)):  # (lazily: a graph's If
         # nodes are copies after its nodes are replaced, and their branches are walked then)
@@ -367,7 +367,7 @@ def _replace_matmuls(model: onnx.ModelProto, plan: list[Target], config: Quantiz
                 nodes.append(node)
                 continue
             key = (node.input[1], bits)
-            if key in done and config.weights != "w8a8":  # a shared weight: quantized once
+            if key in done:  # a shared weight: its quantized initializers once
                 twin = onnx.NodeProto()
                 twin.CopyFrom(done[key])
                 twin.input[0], twin.output[0] = node.input[0], node.output[0]
@@ -375,7 +375,7 @@ def _replace_matmuls(model: onnx.ModelProto, plan: list[Target], config: Quantiz
                 nodes.append(twin)
                 continue
             made = quantizers[bits].quantize(node, list(stack))
-            done[key] = next(n for n in made if n.op_type.startswith("MatMul"))
+            done[key] = next(n for n in made if n.op_type == "MatMulNBits")
             nodes.extend(made)
         del graph.node[:]
         graph.node.extend(nodes)
