@@ -85,12 +85,15 @@ def pytest_terminal_summary(terminalreporter):
     factory = getattr(terminalreporter.config, "_tmp_path_factory", None)
     if factory is None or os.environ.get("MHA_ONNX_FORBID_TORCH_EXPORT"):
         return
+    from tests import export_memo
+
     folder = _run_exports(factory.getbasetemp())
     missed = len(list(folder.glob("*.onnx"))) if folder.is_dir() else 0
     if missed:
         terminalreporter.write_line(
             f"{missed} torch.export run(s) were not in tests/fixtures/exports (changed code or "
-            "models, or larger than 1 MB): `make test-exports` records them")
+            f"models, or larger than {export_memo.COMMITTED_BYTES >> 20} MB): `make test-exports` "
+            "records them")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -15,7 +15,7 @@ other arguments. A model is remembered as the function returned it (the reposito
 in its stack traces kept as a placeholder, so that another clone reads it as its own), first
 in
 ``tests/fixtures/exports/`` (made by ``make test-exports``: the suite run once with
-``MHA_ONNX_RECORD_EXPORTS`` set; those of 1 MB or less), then in the run's own folder shared
+``MHA_ONNX_RECORD_EXPORTS`` set; those of 5 MB or less), then in the run's own folder shared
 by the test workers;
 anything else is exported. A change to the exporting code, a model or a version misses the
 store and exports afresh: nothing stale is read. ``tests/test_export_memo.py`` checks a
@@ -32,7 +32,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "tests" / "fixtures" / "exports"
 RECORD = "MHA_ONNX_RECORD_EXPORTS"  # set: new exports are written into COMMITTED too
-COMMITTED_BYTES = 1 << 20  # larger exports (the base preset's 4 MB) are made at run time
+COMMITTED_BYTES = 5 << 20  # larger exports are made at run time
+# Property tests whose examples are exports draw the same examples every run (derandomized;
+# no shrinking: each example is an export), so that their exports are in the store;
+# MHA_ONNX_EXPLORE=N draws N fresh ones.
+EXPLORE = int(os.environ.get("MHA_ONNX_EXPLORE", "0"))
+
+
+def exporting_examples(count: int):
+    """Hypothesis settings for a property test whose examples export models (above)."""
+    from hypothesis import HealthCheck, Phase, settings
+
+    return settings(max_examples=EXPLORE or count, derandomize=not EXPLORE, deadline=None,
+                    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                    suppress_health_check=list(HealthCheck))
 
 
 def _versions() -> bytes:

@@ -6,18 +6,18 @@ nothing else happens (no crash, no silent wrong answer)."""
 from __future__ import annotations
 
 import json
-import os
 
 import onnx
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mha_onnx.cli import main
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.verify import verify
+from tests.export_memo import exporting_examples
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -30,14 +30,7 @@ def _decoder(family, heads, head_dim, groups, attn, dtype):
                       kv_heads=heads // groups, vocab=64, max_positions=256, **window)
 
 
-# CI runs the same 5 examples every time (derandomized, no shrinking: each is an export);
-# MHA_ONNX_EXPLORE=N draws N fresh ones.
-EXPLORE = int(os.environ.get("MHA_ONNX_EXPLORE", "0"))
-
-
-@settings(max_examples=EXPLORE or 5, derandomize=not EXPLORE, deadline=None,
-          phases=[Phase.explicit, Phase.reuse, Phase.generate],
-          suppress_health_check=list(HealthCheck))
+@exporting_examples(5)  # (the same 5 every run: tests/export_memo.py)
 @given(family=st.sampled_from(FAMILIES), heads=st.sampled_from([2, 4, 8]),
        head_dim=st.sampled_from([32, 36, 64, 128]), groups=st.sampled_from([1, 2]),
        attn=st.sampled_from(["eager", "sdpa"]), dtype=st.sampled_from(["float32", "float16"]))

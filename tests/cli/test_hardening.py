@@ -25,6 +25,7 @@ from mha_onnx.cli import main
 from mha_onnx.config import MhaConfig
 from mha_onnx.errors import MhaOnnxError, ModelFileError
 from mha_onnx.graph.files import atomic_path, read_model
+from tests.export_memo import exporting_examples
 from tests.paths import OPTIMUM, ROOT
 
 DOC = ROOT / "docs" / "bad-inputs.md"
@@ -206,7 +207,7 @@ CASES = [
     ("quantize: --block-size 7", "quantize {llama} -o {out} --block-size 7", 2,
      "a power of 2 >= 16"),
     ("export --model --weights int3", "export --model {hf_llama} --weights int3 -o {out}", 2,
-     "int4 or int8"),
+     "int4, int8 or w8a8"),
 ]
 
 
@@ -330,7 +331,7 @@ configs = st.builds(
 
 
 @pytest.mark.slow
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@exporting_examples(6)  # (the same 6 every run: their exports are in the store)
 @given(cfg=configs, seq=st.integers(1, 19), seq_kv=st.integers(1, 11), batch=st.integers(1, 3))
 def test_export_fuse_validate_stays_at_parity(cfg, seq, seq_kv, batch, tmp_path_factory):
     from mha_onnx.export.mha import export_model
