@@ -26,8 +26,8 @@ def _mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int]:
     return tuple(patterns), first_last, sensitive
 
 
-def _calibration(path: str | None, model: str, kv_bits: int) -> list[list[int]] | None:
-    """--kv-calibration's prompts (text through the tokenizer beside MODEL)."""
+def _prompts(path: str | None, model: str, option: str) -> list[list[int]] | None:
+    """``option``'s prompts (token ids, or text through the tokenizer beside MODEL)."""
     from pathlib import Path
 
     from mha_onnx.errors import ConfigError
@@ -35,13 +35,11 @@ def _calibration(path: str | None, model: str, kv_bits: int) -> list[list[int]] 
 
     if path is None:
         return None
-    if not kv_bits:
-        raise ConfigError("--kv-calibration sets an int8 cache's scales", hint="--kv-bits 8")
     folder = Path(model).resolve().parent
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
-    prompts = [p for p in load_prompts(path, tokenizer, "--kv-calibration") if p]
+    prompts = [p for p in load_prompts(path, tokenizer, option) if p]
     if not prompts:
-        raise ConfigError(f"--kv-calibration {path} holds no prompt")
+        raise ConfigError(f"{option} {path} holds no prompt")
     return prompts
 
 
@@ -76,6 +74,11 @@ def _calibration(path: str | None, model: str, kv_bits: int) -> list[list[int]] 
               help="With --kv-bits: prompts whose cache sets the scales (JSON: token-id "
                    "lists, or text read with the tokenizer beside MODEL); default: random "
                    "ids, which may leave real text's outliers clipped.")
+@click.option("--eval-prompts", "eval_prompts", default=None, metavar="PROMPTS.json",
+              help="The prompts a decoder's accuracy is measured on (JSON: token-id lists, or "
+                   "text read with the tokenizer beside MODEL; each cut to the shortest's "
+                   "length, 16-128 tokens); default: 4 random-id prompts of 64 tokens, which "
+                   "read a trained model worse than its own kind of text does.")
 @click.option("--max-kl", type=float, default=0.05, show_default=True,
               help="Most mean KL (nats) of the next-token distributions against the float "
                    "model.")
@@ -93,15 +96,18 @@ def _calibration(path: str | None, model: str, kv_bits: int) -> list[list[int]] 
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def quantize(ctx, model, output, weights, block_size, symmetric, accuracy_level, algorithm, exclude,
-             mixed, kv_bits, calibration, max_kl, min_top1, min_cosine, min_greedy,
+             mixed, kv_bits, calibration, eval_prompts, max_kl, min_top1, min_cosine, min_greedy,
              no_sensitivity, no_check, force, as_json):
     """Quantize MODEL's MatMul weights with ONNX Runtime's quantizer (in every graph of a
     fused model) and measure it against MODEL: written when the accuracy holds (exit 1
     otherwise, nothing written)."""
+    from mha_onnx.errors import ConfigError
     from mha_onnx.quantize.accuracy import Thresholds
     from mha_onnx.quantize.run import quantize_file
     from mha_onnx.quantize.weights import QuantizeConfig
 
+    if calibration and not kv_bits:
+        raise ConfigError("--kv-calibration sets an int8 cache's scales", hint="--kv-bits 8")
     int8, first_last, sensitive = _mixed(mixed)
     config = QuantizeConfig(weights=weights, block_size=block_size, symmetric=symmetric,
                             accuracy_level=accuracy_level, algorithm=algorithm,
@@ -110,6 +116,7 @@ def quantize(ctx, model, output, weights, block_size, symmetric, accuracy_level,
     thresholds = Thresholds(max_kl, min_top1, min_cosine, min_greedy)
     report = quantize_file(model, output, config, thresholds, sensitivity=not no_sensitivity,
                            int8_most_sensitive=sensitive, check=not no_check, force=force,
-                           calibration=_calibration(calibration, model, kv_bits))
+                           calibration=_prompts(calibration, model, "--kv-calibration"),
+                           prompts=_prompts(eval_prompts, model, "--eval-prompts"))
     emit(report, as_json)
     ctx.exit(0 if report.written and (no_check or report) else 1)

@@ -17,6 +17,7 @@ from mha_onnx.errors import ConfigError
 from mha_onnx.table import table
 
 PROMPTS, PROMPT_LENGTH, NEW_TOKENS = 4, 64, 32
+GREEDY_FROM = 16  # greedy generation starts from each prompt's first tokens
 
 
 @dataclass(frozen=True)

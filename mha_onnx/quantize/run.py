@@ -4,7 +4,7 @@ quantized model's metadata; a model past the accuracy thresholds is not written 
 report says where; the command exits 1).
 
 What is measured: a decoder runs a batch of prompts (random ids, ``accuracy.PROMPTS`` x
-``PROMPT_LENGTH`` tokens) through both models, every output compared (logits and the
+``PROMPT_LENGTH`` tokens, or the user's --eval-prompts, each cut to the shortest's length) through both models, every output compared (logits and the
 cache), the next-token distributions at every position; then both generate greedily from
 the prompts' first 16 tokens. Any other model runs generated inputs. Sensitivity: each
 weight quantized alone, its logits' KL against the float model's (sensitivity.py: one
@@ -30,6 +30,7 @@ from mha_onnx.quantize.weights import QuantizeConfig, QuantizedWeights, quantize
 
 log = logging.getLogger(__name__)
 INT8_CACHE_NOTE = "the KV cache in int8"  # how the report's note on it begins
+EVAL_LENGTH = 128  # the tokens of an --eval-prompts prompt measured (its first)
 
 
 @dataclass(frozen=True)
@@ -125,15 +126,38 @@ def _is_decoder(model: onnx.ModelProto, path: str) -> bool:
     return True
 
 
+def _eval_feeds(model: onnx.ModelProto, path: str, prompts: list[list[int]]):
+    """``prompts`` (--eval-prompts) as the measure's batch: (feeds, prompts), each prompt
+    cut to the shortest one's length, at most EVAL_LENGTH tokens."""
+    from mha_onnx.generate import read_interface
+
+    iface = read_interface(model, path)
+    _check_prompts(iface, prompts, "--eval-prompts")
+    length = min(EVAL_LENGTH, *(len(p) for p in prompts),
+                 *([iface.position_limit // 2] if iface.position_limit else []))
+    if length < accuracy.GREEDY_FROM:
+        raise ConfigError(f"--eval-prompts: a prompt of {length} tokens",
+                          hint=f"{accuracy.GREEDY_FROM} or more each (greedy generation "
+                               "starts from their first tokens)")
+    cut = [p[:length] for p in prompts]
+    return _prompt_feeds(iface, cut), cut
+
+
 def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProto,
             thresholds: accuracy.Thresholds, *, sensitive: list[str] | None = None,
-            config: QuantizeConfig | None = None) -> accuracy.AccuracyReport:
+            config: QuantizeConfig | None = None, prompts: list[list[int]] | None = None
+            ) -> accuracy.AccuracyReport:
     """The accuracy report of ``quant`` against ``float_model`` (see the module's
-    docstring); ``sensitive``: the MatMuls to quantize alone (with ``config``)."""
+    docstring); ``sensitive``: the MatMuls to quantize alone (with ``config``);
+    ``prompts``: a decoder's prompts (token ids) instead of random ones."""
     decoder = _is_decoder(float_model, float_path)
+    if prompts and not decoder:
+        raise ConfigError("--eval-prompts are for decoders", hint="leave it out: the model "
+                          "runs generated inputs")
     if decoder:
-        feeds, prompts = _decoder_feeds(float_model, float_path, accuracy.PROMPTS,
-                                        accuracy.PROMPT_LENGTH, seed=0)
+        feeds, prompts = _eval_feeds(float_model, float_path, prompts) if prompts else \
+            _decoder_feeds(float_model, float_path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH,
+                           seed=0)
     else:
         feeds, prompts = _generic_feeds(float_model, seed=0), None
     want = _session_outputs(float_path, feeds)
@@ -143,7 +167,8 @@ def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProt
                                      figures.get("kl_mean"), figures.get("kl_max"),
                                      figures.get("top1"), thresholds=thresholds)
     if decoder and prompts:
-        report = replace(report, **_greedy(float_path, quant, [p[:16] for p in prompts]))
+        report = replace(report, **_greedy(float_path, quant,
+                                           [p[:accuracy.GREEDY_FROM] for p in prompts]))
     if sensitive and "logits" in want and config is not None:
         report = replace(report, sensitivity=_sensitivity(float_model, float_path, quant,
                                                           sensitive, config, feeds,
@@ -204,12 +229,13 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
 def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig,
                   thresholds: accuracy.Thresholds = accuracy.Thresholds(), *,
                   sensitivity: bool = True, int8_most_sensitive: int = 0, check: bool = True,
-                  force: bool = False, calibration: list[list[int]] | None = None
-                  ) -> QuantizeReport:
+                  force: bool = False, calibration: list[list[int]] | None = None,
+                  prompts: list[list[int]] | None = None) -> QuantizeReport:
     """Quantize ``source`` into ``output``: written only when its accuracy passes (or
     ``check`` is False); ``int8_most_sensitive``: that many of the most sensitive MatMuls in
     8 bits (sensitivity measured first); ``calibration``: token-id prompts whose cache
-    sets an int8 cache's scales (``config.kv_bits``)."""
+    sets an int8 cache's scales (``config.kv_bits``); ``prompts``: what the accuracy is
+    measured on (a decoder's; random ids where None)."""
     from mha_onnx.graph.files import prepare_output, read_model, write_model
 
     started = time.perf_counter()
@@ -223,7 +249,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     notes = list(first.notes)
     if int8_most_sensitive:  # (a MatMul named for each weight: its readers go together)
         ranked = measure(model, str(source), first.model, thresholds, sensitive=names,
-                         config=config).sensitivity
+                         config=config, prompts=prompts).sensitivity
         chosen = tuple(n for n, _ in ranked[:int8_most_sensitive])
         config = replace(config, int8=config.int8 + chosen)
         notes.append(f"int8 for the {len(chosen)} most sensitive MatMul(s): "
@@ -232,7 +258,10 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     if config.kv_bits:
         notes.append(_int8_cache(model, str(source), first.model, calibration))
     report = measure(model, str(source), first.model, thresholds,
-                     sensitive=names if sensitivity else None, config=config)
+                     sensitive=names if sensitivity else None, config=config, prompts=prompts)
+    if prompts:
+        notes.append(f"accuracy measured on {len(prompts)} --eval-prompts prompt(s) of "
+                     f"{report.positions // len(prompts)} tokens")
     quantized = first.matmuls()
     write = not check or bool(report)
     size = 0
@@ -275,14 +304,16 @@ def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,
             "GroupQueryAttention reads and writes them")
 
 
-def _check_prompts(iface, prompts: list[list[int]]) -> None:
+def _check_prompts(iface, prompts: list[list[int]], option: str = "--kv-calibration"
+                   ) -> None:
     for n, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= t < iface.vocab]
         if bad:
-            raise ConfigError(f"--kv-calibration prompt {n} has token id(s) outside the "
+            raise ConfigError(f"{option} prompt {n} has token id(s) outside the "
                               f"vocabulary of {iface.vocab}: {bad[:5]}")
-        if iface.position_limit and len(prompt) > iface.position_limit:
-            raise ConfigError(f"--kv-calibration prompt {n} ({len(prompt)} tokens) is longer "
+        if iface.position_limit and len(prompt) > iface.position_limit \
+                and option == "--kv-calibration":
+            raise ConfigError(f"{option} prompt {n} ({len(prompt)} tokens) is longer "
                               f"than the model's {iface.position_limit} positions")
 
 

@@ -52,3 +52,33 @@ def test_the_default_gate_tells_a_good_int4_from_a_coarse_one(tmp_path):
     bits = [a.i for n in all_nodes(onnx.load(out).graph) if n.op_type == "MatMulNBits"
             for a in n.attribute if a.name == "bits"]
     assert bits.count(8) >= 8 and 4 in bits  # (layers 0 and 3: 4 MatMuls each at least)
+
+
+def test_the_accuracy_is_measured_on_the_prompts_given(tmp_path):
+    """--eval-prompts: the report's positions are the given prompts' (each cut to the
+    shortest, at most 128 tokens), said in a note; a prompt too short for greedy's 16 tokens,
+    or text with no tokenizer beside the model, is refused (exit 2)."""
+    import argparse
+    import collections
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(TRAINED / "tokenizer.json"))
+    prompts = [tokenizer.encode(m.__doc__).ids for m in (json, argparse, collections)]
+    given = tmp_path / "prompts.json"
+    given.write_text(json.dumps(prompts))
+    exported = TRAINED.parent / "llama-onnx" / "model.onnx"
+    out = tmp_path / "q.onnx"
+    result = _cli("quantize", exported, "-o", out, "--no-sensitivity", "--json",
+                  "--eval-prompts", given)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    length = min(128, *(len(p) for p in prompts))
+    assert report["accuracy"]["positions"] == 3 * length
+    assert any("3 --eval-prompts prompt(s)" in n for n in report["notes"])
+    given.write_text(json.dumps([prompts[0], prompts[1][:9]]))
+    short = _cli("quantize", exported, "-o", out, "--force", "--eval-prompts", given)
+    assert short.exit_code == 2 and "16 or more" in short.output, short.output
+    given.write_text(json.dumps(["some text"]))
+    text = _cli("quantize", exported, "-o", out, "--force", "--eval-prompts", given)
+    assert text.exit_code == 2 and "holds text" in text.output, text.output
