@@ -197,7 +197,10 @@ def test_an_interrupted_export_exits_130_and_leaves_no_folder(hf_folder, tmp_pat
     out = tmp_path / "new" / "deeper" / "x.onnx"
     proc = subprocess.Popen([sys.executable, "-m", "mha_onnx.cli", "export", "--model",
                              str(hf_folder("bert")), "-o", str(out)],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # (a suite started in the background has SIGINT ignored, and a
+                            # child inherits that: Python would not install its handler)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     for line in proc.stderr:  # bounded: the export ends by itself if never interrupted
         seen.append(line)
