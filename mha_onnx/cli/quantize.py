@@ -51,6 +51,10 @@ def _prompts(path: str | None, model: str, option: str) -> list[list[int]] | Non
               help="int4 | int8: MatMulNBits (weights only; one user at a time); w8a8: int8 "
                    "weights per column and activations per row through ORT's integer GEMM "
                    "(many rows at once: a server's batches, long prompts).")
+@click.option("--embeddings", type=click.Choice(["float", "int4", "int8"]), default="float",
+              show_default=True, help="The token embedding table: float, or int4/int8 per "
+              "--block-size block through ORT's GatherBlockQuantized (its tied LM head is "
+              "a MatMul of its own either way).")
 @click.option("--block-size", type=int, default=32, show_default=True,
               help="Weights per quantization block (a power of 2 >= 16).")
 @click.option("--symmetric/--asymmetric", default=True, show_default=True,
@@ -95,7 +99,7 @@ def _prompts(path: str | None, model: str, option: str) -> list[list[int]] | Non
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-def quantize(ctx, model, output, weights, block_size, symmetric, accuracy_level, algorithm, exclude,
+def quantize(ctx, model, output, weights, embeddings, block_size, symmetric, accuracy_level, algorithm, exclude,
              mixed, kv_bits, calibration, eval_prompts, max_kl, min_top1, min_cosine, min_greedy,
              no_sensitivity, no_check, force, as_json):
     """Quantize MODEL's MatMul weights with ONNX Runtime's quantizer (in every graph of a
@@ -112,7 +116,7 @@ def quantize(ctx, model, output, weights, block_size, symmetric, accuracy_level,
     config = QuantizeConfig(weights=weights, block_size=block_size, symmetric=symmetric,
                             accuracy_level=accuracy_level, algorithm=algorithm,
                             exclude=tuple(exclude), int8=int8, first_last=first_last,
-                            kv_bits=kv_bits)
+                            kv_bits=kv_bits, embeddings=embeddings)
     thresholds = Thresholds(max_kl, min_top1, min_cosine, min_greedy)
     report = quantize_file(model, output, config, thresholds, sensitivity=not no_sensitivity,
                            int8_most_sensitive=sensitive, check=not no_check, force=force,

@@ -28,64 +28,14 @@ from onnx import numpy_helper
 
 from mha_onnx.errors import ConfigError
 from mha_onnx.graph.walk import subgraphs
-from mha_onnx.quantize import w8a8
+from mha_onnx.quantize import embeddings, w8a8
+from mha_onnx.quantize.config import QuantizeConfig
 
 log = logging.getLogger(__name__)
 
-ALGORITHMS = ("rtn", "hqq")
-WEIGHTS = ("int4", "int8", "w8a8")
 LAYER = re.compile(r"layers?[._/](\d+)[._/]")
 # node metadata that names the module a node came from (torch.export's names do not)
 SCOPES = ("namespace", "pkg.torch.onnx.name_scopes")
-
-
-@dataclass(frozen=True)
-class QuantizeConfig:
-    """``weights``: int4 | int8 (MatMulNBits) | w8a8 (w8a8.py); ``exclude``: fnmatch patterns over MatMul node names and
-    weight names kept float; ``int8``: patterns quantized to 8 bits whatever ``weights``
-    says (the mixed precision of ``--mixed``); ``first_last``: the first and last layers'
-    MatMuls in 8 bits."""
-
-    weights: str = "int4"
-    block_size: int = 32
-    symmetric: bool = True
-    accuracy_level: int = 4
-    algorithm: str = "rtn"
-    exclude: tuple[str, ...] = ()
-    int8: tuple[str, ...] = ()
-    first_last: bool = False
-    kv_bits: int = 0  # 8: the KV cache in int8 too (kv_cache.py); 0: as it is
-
-    def __post_init__(self) -> None:
-        if self.kv_bits not in (0, 8):
-            raise ConfigError(f"--kv-bits {self.kv_bits}: 8 (an int8 cache per K/V head and "
-                              "channel)", hint="a 4-bit cache on ORT's GroupQueryAttention "
-                              "measured cosine 0.93-0.95 against the float cache (docs/history/bench-notebook.md):"
-                              " not offered")
-        if self.weights not in WEIGHTS:
-            raise ConfigError(f"--weights {self.weights!r}", hint=" | ".join(WEIGHTS))
-        size = self.block_size
-        if size < 16 or size & (size - 1):
-            raise ConfigError(f"--block-size {size}: MatMulNBits takes a power of 2 >= 16",
-                              hint="32 (GenAI's CPU default), 64, 128, ...")
-        if not 0 <= self.accuracy_level <= 4:
-            raise ConfigError(f"--accuracy-level {self.accuracy_level}: 0 to 4",
-                              hint="4: int8 activations on the CPU (GenAI's CPU default)")
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"--algorithm {self.algorithm!r}", hint=" | ".join(ALGORITHMS))
-        if self.algorithm == "hqq" and (self.weights != "int4" or self.int8 or self.first_last):
-            raise ConfigError("HQQ quantizes to 4 bits only", hint="--algorithm rtn for int8")
-
-    @property
-    def bits(self) -> int:
-        return 4 if self.weights == "int4" else 8
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"weights": self.weights, "block_size": self.block_size,
-                "symmetric": self.symmetric, "accuracy_level": self.accuracy_level,
-                "algorithm": self.algorithm, "exclude": list(self.exclude),
-                "int8": list(self.int8), "first_last": self.first_last,
-                "kv_bits": self.kv_bits}
 
 
 @dataclass(frozen=True)
@@ -321,9 +271,15 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
         done = {(w, 8) for w in weights}
     else:
         done = _replace_matmuls(model, plan, config)
+    if config.embeddings != "float":  # (embeddings.py: an onnx-ir pass)
+        model, said = embeddings.quantize_embeddings(model, int(config.embeddings[3:]),
+                                                     config.block_size)
+        notes = [n.replace("stays float for its Gather", "has its own for its Gather")
+                 for n in notes] + said
     before = _drop_unread(model)
     after = sum(len(t.raw_data) or t.ByteSize() for graph, _ in _graphs(model.graph)
-                for t in graph.initializer if any(t.name.startswith(f"{w}_") for w, _ in done))
+                for t in graph.initializer if any(t.name.startswith(f"{w}_") for w, _ in done)
+                or embeddings.SUFFIX in t.name)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.add(domain="com.microsoft", version=1)
     left = tuple(float_left(model))
