@@ -124,8 +124,9 @@ def validate_quantized(path: str | Path, config) -> QuantizedValidation:
         if "hf_model" not in metadata.read(model):
             raise
         reference, report = _against_torch(model, str(path), thresholds)
-    else:
-        report = measure(read_model(reference), reference, model, thresholds)
+    else:  # (on the prompts quantize measured it on, where it was given some)
+        prompts = (metadata.loaded(model, "quantization") or {}).get("eval_prompts")
+        report = measure(read_model(reference), reference, model, thresholds, prompts=prompts)
     runtimes = tuple(_parity(str(path), model, p) for p in config.providers if p != "cpu")
     return QuantizedValidation(str(path), reference, report, runtimes, config.allow_missing,
                                time.perf_counter() - started)

@@ -266,7 +266,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     write = not check or bool(report)
     size = 0
     if write:
-        _record(first, config, report, source)
+        _record(first, config, report, source, prompts)
         size = _bytes(write_model(first.model, output, force=force))
         notes += _genai(source, output)
     if not write:
@@ -326,15 +326,17 @@ def _bytes(path: Path) -> int:
 
 
 def _record(made: QuantizedWeights, config: QuantizeConfig, report: accuracy.AccuracyReport,
-            source: str | Path) -> None:
-    """What was quantized how, its accuracy, and the float model it came from (so that
+            source: str | Path, prompts: list[list[int]] | None = None) -> None:
+    """What was quantized how, its accuracy, the prompts it was measured on (where given:
+    ``validate`` measures on them again) and the float model it came from (so that
     ``validate`` finds it again, and knows when it changed)."""
     import hashlib
 
     source = Path(source).resolve()
+    given = {"eval_prompts": [p[:EVAL_LENGTH] for p in prompts]} if prompts else {}
     metadata.write(made.model, {"quantization": {
         **made.record(config), "accuracy": report.to_dict(), "source": str(source),
-        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest()}})
+        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(), **given}})
 
 
 def _genai(source: str | Path, output: Path) -> list[str]:

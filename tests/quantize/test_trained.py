@@ -56,8 +56,9 @@ def test_the_default_gate_tells_a_good_int4_from_a_coarse_one(tmp_path):
 
 def test_the_accuracy_is_measured_on_the_prompts_given(tmp_path):
     """--eval-prompts: the report's positions are the given prompts' (each cut to the
-    shortest, at most 128 tokens), said in a note; a prompt too short for greedy's 16 tokens,
-    or text with no tokenizer beside the model, is refused (exit 2)."""
+    shortest, at most 128 tokens), said in a note, and validate measures on them again; a
+    prompt too short for greedy's 16 tokens, or text with no tokenizer beside the model, is
+    refused (exit 2)."""
     import argparse
     import collections
 
@@ -76,6 +77,8 @@ def test_the_accuracy_is_measured_on_the_prompts_given(tmp_path):
     length = min(128, *(len(p) for p in prompts))
     assert report["accuracy"]["positions"] == 3 * length
     assert any("3 --eval-prompts prompt(s)" in n for n in report["notes"])
+    again = _cli("validate", out)  # (on the prompts recorded, not random ids)
+    assert again.exit_code == 0 and f"over {3 * length} positions" in again.output, again.output
     given.write_text(json.dumps([prompts[0], prompts[1][:9]]))
     short = _cli("quantize", exported, "-o", out, "--force", "--eval-prompts", given)
     assert short.exit_code == 2 and "16 or more" in short.output, short.output
