@@ -27,6 +27,9 @@ from mha_onnx.rewrite.policy import KV_CACHES
 @click.option("--kv-bits", type=int, default=0, show_default=True,
               help="With --model --kv-cache shared --weights int4|int8: 8 puts the cache in "
                    "int8 too (as `mha-onnx quantize --kv-bits 8`).")
+@click.option("--embeddings", type=click.Choice(["float", "int4", "int8"]), default="float",
+              show_default=True, help="With --model --weights: the token embedding table "
+              "too (as `mha-onnx quantize --embeddings`).")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default 20; 18 with --model).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=None)
 @click.option("--kv-cache", type=click.Choice(KV_CACHES), is_flag=False,
@@ -46,8 +49,8 @@ from mha_onnx.rewrite.policy import KV_CACHES
 @click.option("-o", "--output", required=True, help="Where to write the .onnx file.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weights, kv_bits, opset,
-           dtype, kv_cache, cache_padding, logits, atol, rtol, seed, output, force, as_json):
+def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weights, kv_bits,
+           embeddings, opset, dtype, kv_cache, cache_padding, logits, atol, rtol, seed, output, force, as_json):
     """Export the PyTorch reference (or, with --model, a Hugging Face model) to ONNX with
     dynamic batch and sequence axes."""
     from mha_onnx.config import load_config_file, load_preset
@@ -66,14 +69,15 @@ def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weigh
         cfg = HfExportConfig(task=task, dtype=dtype or "float32", opset=opset or 18,
                              fuse=not no_fuse, kv_cache=kv_cache or "appended", force=force,
                              logits=logits, weights=weights or "float", atol=atol, rtol=rtol,
-                             kv_bits=kv_bits)
+                             kv_bits=kv_bits, embeddings=embeddings)
         emit(export_hf(model_dir, output, cfg, progress=lambda line: click.echo(
             f"[export] {line}", err=True)), as_json)
         return
     if logits != "all":
         raise ConfigError("--logits is for decoders exported with --model")
-    if kv_bits:
-        raise ConfigError("--kv-bits is for a decoder exported with --model")
+    if kv_bits or embeddings != "float":
+        raise ConfigError("--kv-bits and --embeddings are for a model exported with --model "
+                          "--weights")
     if atol is not None or rtol is not None:
         raise ConfigError("--atol/--rtol are for --model (the reference export is checked at its "
                           "dtype's tolerance)")

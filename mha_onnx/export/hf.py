@@ -257,12 +257,14 @@ def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],
     weights = cfg.weights
     progress(f"quantize the weights to {weights} (measured against the float model)")
     out = final.with_name(f"{final.stem}.{weights}.onnx")
-    report = quantize_file(final, out, QuantizeConfig(weights=weights, kv_bits=cfg.kv_bits),
+    report = quantize_file(final, out, QuantizeConfig(weights=weights, kv_bits=cfg.kv_bits,
+                                                      embeddings=cfg.embeddings),
                            sensitivity=False, force=True)
     if not report.written:
         raise FusionError(f"the {weights} model is past the accuracy thresholds: "
                           f"{'; '.join(report.accuracy.failures())}; it was not written")
     figures = report.accuracy
+    weights += f" (the embedding {cfg.embeddings})" if cfg.embeddings != "float" else ""
     notes.append(f"weights in {weights}: {report.sizes[1] / report.sizes[0]:.2f}x the float "
                  f"model's bytes; next token KL {figures.kl_mean:.3g}, top-1 agreement "
                  f"{figures.top1:.3f}" + "".join(f"; {n}" for n in report.notes

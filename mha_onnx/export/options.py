@@ -25,6 +25,7 @@ class HfExportConfig:
     atol: float | None = None  # fuse's verification and the check against PyTorch (default:
     rtol: float | None = None  # the dtype's, mha_onnx.stats.DEFAULT_TOLERANCES)
     kv_bits: int = 0  # 8: a shared cache in int8 too (quantize --kv-bits)
+    embeddings: str = "float"  # int4 | int8: the token embedding too (quantize --embeddings)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -42,6 +43,9 @@ class HfExportConfig:
         if self.weights == "w8a8" and self.dtype != "float32":
             raise ConfigError("--weights w8a8 quantizes a float32 export (ORT's integer GEMM "
                               "gives float32)", hint="--dtype float32, or --weights int4|int8")
+        if self.embeddings != "float" and self.weights == "float":
+            raise ConfigError("--embeddings quantizes the embedding beside the weights",
+                              hint="--weights int4 --embeddings int8")
         decoder = self.task in ("auto", "text-generation-with-past")
         if self.kv_bits and (self.weights == "float" or self.kv_cache != "shared"
                              or not self.fuse or not decoder):

@@ -208,6 +208,8 @@ CASES = [
      "a power of 2 >= 16"),
     ("export --model --weights int3", "export --model {hf_llama} --weights int3 -o {out}", 2,
      "int4, int8 or w8a8"),
+    ("export --model --embeddings without --weights",
+     "export --model {hf_llama} --embeddings int8 -o {out}", 2, "beside the weights"),
 ]
 
 
