@@ -25,7 +25,8 @@ def attention_flops(cfg: MhaConfig, batch: int, seq_q: int, seq_kv: int, kept: i
 
 
 # kernels whose work is a product with the last axis of their first input: 2 x out x K
-_PRODUCTS = {"MatMul", "FusedMatMul", "MatMulNBits", "Gemm", "MatMulInteger"}
+_PRODUCTS = {"MatMul", "FusedMatMul", "MatMulNBits", "Gemm", "MatMulInteger",
+             "MatMulIntegerToFloat", "DynamicQuantizeMatMul"}
 _ATTENTION = {"MultiHeadAttention", "GroupQueryAttention", "Attention"}
 
 

@@ -24,6 +24,10 @@ def test_flops_are_counted_honestly():
     causal = attention_flops(cfg.replace(mask="causal"), 1, 3, 3)
     assert causal == proj + 2 * 2 * 6 * 8  # 1 + 2 + 3 attended pairs
     assert attention_flops(cfg, 1, 3, 3, kept=2) == proj + 2 * 2 * 6 * 8
+    from mha_onnx.profile.flops import kernel_flops
+
+    for quantized in ("MatMulNBits", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"):
+        assert kernel_flops(quantized, [[2, 3, 64]], [[2, 3, 16]]) == 2 * 96 * 64, quantized
 
 
 def test_profile_points_and_comparison(export_cache, tmp_path):
