@@ -65,7 +65,8 @@ def quantize_embeddings(model: onnx.ModelProto, bits: int, block: int
     notes (which tables, or why none)."""
     made = ir.from_proto(model)
     graph = made.graph
-    notes = []
+    notes: list[str] = []
+    done: dict[int, list[ir.Value]] = {}  # id(table) -> its codes and scales
     for node in list(graph):
         table = node.inputs[0] if node.op_type == "Gather" and node.domain in ("", "ai.onnx") \
             else None
@@ -79,14 +80,15 @@ def quantize_embeddings(model: onnx.ModelProto, bits: int, block: int
                          f"whose width is a multiple of --block-size {block})")
             continue
         codes, scales = quantize_table(array, bits, block)
-        inputs = []
+        inputs = done.setdefault(id(table), [])
         for name, values in ((table.name + SUFFIX, codes), (table.name + SUFFIX + "_scales",
-                                                               scales)):
+                                                               scales))[len(inputs):]:
             inputs.append(ir.Value(name=name, const_value=ir.tensor(values, name=name)))
             graph.register_initializer(inputs[-1])
         gather = ir.node("GatherBlockQuantized", [inputs[0], node.inputs[1], inputs[1]],
                          {"gather_axis": 0, "quantize_axis": 1, "block_size": block,
-                          "bits": bits}, domain="com.microsoft", name=f"{node.name}_Q{bits}")
+                          "bits": bits}, domain="com.microsoft",
+                         name=f"{node.name or node.outputs[0].name}_Q{bits}")
         graph.insert_before(node, gather)
         out, given = node.outputs[0], gather.outputs[0]
         out.replace_all_uses_with(given, replace_graph_outputs=True)

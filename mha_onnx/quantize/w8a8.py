@@ -106,15 +106,16 @@ class RowInt8(ir.passes.InPlacePass):
         w_codes, w_scales = codes[id(weight)]
         made: list[ir.Node] = []
         if id(x) not in rows:
-            made, rows[id(x)] = self._rows(x, node.name or "MatMul")
+            made, rows[id(x)] = self._rows(x)
         x_codes, x_scales = rows[id(x)]
         c = self.constants
+        label = node.name or node.outputs[0].name  # (ORT refuses two nodes of one name)
         product = ir.node("MatMulIntegerToFloat",
                           [x_codes, w_codes, c["one"], w_scales, c["zero_point"]],
-                          domain="com.microsoft", name=f"{node.name}_Q8",
+                          domain="com.microsoft", name=f"{label}_Q8",
                           outputs=[ir.Value(name=f"{node.outputs[0].name}{PREFIX}product",
                                             type=FLOAT)])
-        scaled = ir.node("Mul", [product.outputs[0], x_scales], name=f"{node.name}_Q8_rows",
+        scaled = ir.node("Mul", [product.outputs[0], x_scales], name=f"{label}_Q8_rows",
                          outputs=[ir.Value(name=f"{node.outputs[0].name}{PREFIX}rows",
                                            type=FLOAT)])
         graph.insert_before(node, [*made, product, scaled])
@@ -145,13 +146,13 @@ class RowInt8(ir.passes.InPlacePass):
         self.quantized.add(weight.name)
         return made[0], made[1]
 
-    def _rows(self, x: ir.Value, at: str) -> tuple[list[ir.Node], tuple[ir.Value, ir.Value]]:
+    def _rows(self, x: ir.Value) -> tuple[list[ir.Node], tuple[ir.Value, ir.Value]]:
         """The nodes quantizing ``x`` per row; its codes and scales."""
         c = self.constants
 
         def step(op: str, inputs: list, what: str, attributes=None) -> ir.Node:
             kind = ir.TensorType(ir.DataType.UINT8) if op == "Cast" else FLOAT
-            made = ir.node(op, inputs, attributes, name=f"{at}_Q8_{what}",
+            made = ir.node(op, inputs, attributes, name=f"{x.name}{PREFIX}{what}",
                            outputs=[ir.Value(name=f"{x.name}{PREFIX}{what}", type=kind)])
             nodes.append(made)
             return made.outputs[0]

@@ -274,8 +274,9 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
     if config.embeddings != "float":  # (embeddings.py: an onnx-ir pass)
         model, said = embeddings.quantize_embeddings(model, int(config.embeddings[3:]),
                                                      config.block_size)
+        swap = any("GatherBlockQuantized" in n for n in said)
         notes = [n.replace("stays float for its Gather", "has its own for its Gather")
-                 for n in notes] + said
+                 if swap else n for n in notes] + said
     before = _drop_unread(model)
     after = sum(len(t.raw_data) or t.ByteSize() for graph, _ in _graphs(model.graph)
                 for t in graph.initializer if any(t.name.startswith(f"{w}_") for w, _ in done)

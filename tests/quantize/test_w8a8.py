@@ -87,3 +87,17 @@ def test_the_trained_fixture_passes_closer_to_float_than_int4(tmp_path):
     again = CliRunner().invoke(main, ["quantize", str(tmp_path / "w8a8.onnx"), "-o",
                                       str(tmp_path / "twice.onnx"), "--weights", "w8a8"])
     assert again.exit_code == 2 and "already quantized" in again.output
+
+
+def test_unnamed_matmuls_give_nodes_of_distinct_names():
+    """(ORT refuses a graph with two nodes of one name: made from the outputs' names.)"""
+    model, w1, _ = _two_matmuls(18)
+    for node in model.graph.node:
+        node.name = ""
+    made = quantize_weights(model, QuantizeConfig(weights="w8a8")).model
+    names = [n.name for n in made.graph.node]
+    assert len(set(names)) == len(names) and all(names)
+    x = np.ones((2, 64), np.float32)
+    with OrtRunner(made.SerializeToString()) as runner:
+        got = runner.infer({"x": x})["y"]
+    assert np.abs(got - x @ w1).max() < 0.02 * np.abs(x @ w1).max()
