@@ -3,6 +3,7 @@ cache, or an encoder for embeddings), its tokenizer, its engine and its metrics.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,7 +138,8 @@ class Service:
     def card(self) -> dict:
         """``GET /v1/models``'s entry."""
         out = {"id": self.name, "object": "model", "owned_by": "mha-onnx",
-               "task": self.task, "file": str(self.path), "max_model_len": self.max_length,
+               "task": self.task, "file": str(self.path), "weights": _weights(self.path),
+               "max_model_len": self.max_length,
                "tokenizer": str(self.text.folder) if self.text else None,
                "notes": list(self.notes)}
         if self.engine is not None:
@@ -147,3 +149,16 @@ class Service:
         else:
             out["pooling"] = self.pooling.describe()
         return out
+
+
+@functools.lru_cache(maxsize=8)
+def _weights(path: Path) -> str:
+    """The file's weights as `quantize` recorded them: float, int4, int8 or w8a8 (and the
+    embedding's form where it is not float); read once per file."""
+    from mha_onnx.graph import metadata
+    from mha_onnx.graph.files import read_model
+
+    record = metadata.loaded(read_model(path, load_external_data=False), "quantization") or {}
+    embedding = record.get("embeddings", "float")
+    return record.get("weights", "float") + ("" if embedding == "float"
+                                             else f" (embedding {embedding})")

@@ -93,6 +93,7 @@ def test_text_chat_and_stop_strings(llama, server):
     models = client.get("/v1/models").json()["data"][0]
     assert (models["id"], models["task"], models["cache"]) == ("llama", "text-generation",
                                                               "shared")
+    assert models["weights"] == "float"
     text = client.post("/v1/completions", json={"model": "llama", "prompt": "the quick fox",
                                                 "max_tokens": 12, "temperature": 0}).json()
     ids = text["choices"][0]["token_ids"]
