@@ -20,6 +20,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from mha_onnx.graph.decoder import IDS
+from mha_onnx.rewrite.irutil import replace_node
 
 THROUGH = ("Cast", "Reshape", "Squeeze", "Unsqueeze")
 SUFFIX = "_Qgather"
@@ -90,11 +91,7 @@ def quantize_embeddings(model: onnx.ModelProto, bits: int, block: int
                           "bits": bits}, domain="com.microsoft",
                          name=f"{node.name or node.outputs[0].name}_Q{bits}")
         graph.insert_before(node, gather)
-        out, given = node.outputs[0], gather.outputs[0]
-        out.replace_all_uses_with(given, replace_graph_outputs=True)
-        name, out.name = out.name, None
-        given.name, given.type, given.shape = name, out.type, out.shape
-        graph.remove(node, safe=True)
+        replace_node(graph, node, gather.outputs[0])
         notes.append(f"the embedding {table.name} in int{bits} (GatherBlockQuantized, block "
                      f"{block}): {codes.nbytes + scales.nbytes:,} bytes for its "
                      f"{array.nbytes:,}")

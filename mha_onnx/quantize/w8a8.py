@@ -24,14 +24,14 @@ quantized once, its codes beside it in the graph that holds it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import onnx
 import onnx_ir as ir
 
 from mha_onnx.errors import ConfigError
 from mha_onnx.graph.walk import all_graphs
+from mha_onnx.rewrite.irutil import all_graphs as ir_graphs
+from mha_onnx.rewrite.irutil import replace_node
 
 PREFIX = "w8a8_"
 SUFFIX = "_Q8rows"  # the int8 codes' name: <weight>_Q8rows (sensitivity.read_back finds them)
@@ -54,18 +54,6 @@ def replaced(model: onnx.ModelProto, planned: set[tuple[int, str]]
     return out, rows.quantized
 
 
-def _graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
-    """The graph, then each node's subgraphs in turn, depth first (weights._graphs' order)."""
-    yield graph
-    for node in graph:
-        for attr in node.attributes.values():
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from _graphs(attr.as_graph())
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for sub in attr.as_graphs():
-                    yield from _graphs(sub)
-
-
 class RowInt8(ir.passes.InPlacePass):
     """The planned MatMuls replaced (module doc); ``quantized``: the weights' names."""
 
@@ -78,7 +66,8 @@ class RowInt8(ir.passes.InPlacePass):
         self.opset = model.opset_imports.get("", 17)
         self.constants = self._constants(model.graph)
         codes: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(weight) -> codes, scales
-        for index, graph in enumerate(list(_graphs(model.graph))):
+        for index, graph in enumerate(list(ir_graphs(model.graph))):  # (weights._graphs'
+            # order: a graph, then each node's subgraphs, depth first)
             rows: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(activation) -> codes, scales
             for node in list(graph):
                 if node.op_type == "MatMul" and (index, node.name) in self.planned:
@@ -119,11 +108,7 @@ class RowInt8(ir.passes.InPlacePass):
                          outputs=[ir.Value(name=f"{node.outputs[0].name}{PREFIX}rows",
                                            type=FLOAT)])
         graph.insert_before(node, [*made, product, scaled])
-        out, given = node.outputs[0], scaled.outputs[0]
-        out.replace_all_uses_with(given, replace_graph_outputs=True)
-        name, out.name = out.name, None
-        given.name, given.type, given.shape = name, out.type, out.shape
-        graph.remove(node, safe=True)
+        replace_node(graph, node, scaled.outputs[0])
 
     def _weight(self, weight: ir.Value, graph: ir.Graph) -> tuple[ir.Value, ir.Value]:
         tensor = weight.const_value

@@ -187,6 +187,16 @@ def take_output(graph: ir.Graph, old: ir.Value, new: ir.Value, suffix: str) -> N
             graph.outputs[index] = new
 
 
+def replace_node(graph: ir.Graph, node: ir.Node, given: ir.Value) -> None:
+    """``given`` in the place of ``node``'s output: every use, the graph output, its name,
+    type and shape; ``node`` removed."""
+    out = node.outputs[0]
+    out.replace_all_uses_with(given, replace_graph_outputs=True)
+    name, out.name = out.name, None
+    given.name, given.type, given.shape = name, out.type, out.shape
+    graph.remove(node, safe=True)
+
+
 def subgraphs(node: ir.Node) -> list[ir.Graph]:
     """The graphs a node holds as attributes (If branches, Loop and Scan bodies), in order."""
     out: list[ir.Graph] = []

@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from mha_onnx.rewrite.irutil import all_graphs, subgraphs
 from mha_onnx.tune.rules import ORIGINAL, Rule
 
 NO_BOUND = np.iinfo(np.int64).max
@@ -179,12 +180,8 @@ def _branch(candidate: ir.Model, prefix: str, outer: dict[str, ir.Value], holder
 
 def _read_below(graph: ir.Graph) -> set[str]:
     """The names the subgraphs of ``graph``'s nodes read (at any depth)."""
-    return {value.name for node in graph for attr in node.attributes.values()
-            if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-            for sub in (attr.as_graphs() if attr.type == ir.AttributeType.GRAPHS
-                        else [attr.as_graph()])
-            for inner in ir.traversal.RecursiveGraphIterator(sub)
-            for value in inner.inputs if value is not None}
+    return {value.name for node in graph for sub in subgraphs(node) for below in all_graphs(sub)
+            for inner in below for value in inner.inputs if value is not None}
 
 
 def _equal(a: ir.Value, b: ir.Value) -> bool:
