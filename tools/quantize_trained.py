@@ -32,6 +32,8 @@ VARIANTS = {  # name -> quantize's options
     "int4 RTN, block 256 asymmetric": ["--block-size", "256", "--asymmetric"],
     "int4 HQQ, block 32": ["--algorithm", "hqq"],
     "int4 RTN, first and last layers int8": ["--mixed", "first-last"],
+    "int4 RTN, the embedding int8": ["--embeddings", "int8"],
+    "int4 RTN, the embedding int4": ["--embeddings", "int4"],
 }
 WINDOW, WINDOWS = 128, 24
 EVAL_WINDOWS = 8  # held-out windows after the perplexity's: quantize --eval-prompts
