@@ -360,12 +360,14 @@ def write_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, force: 
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=prepare_output(path, force=force).parent) as tmp_dir:
         onnx.external_data_helper.write_external_data_tensors(model, tmp_dir)
         tmp_data = Path(tmp_dir) / data_name
-        os.chmod(tmp_data, _creation_mode())
-        with tmp_data.open("rb") as handle:
-            os.fsync(handle.fileno())
+        if tmp_data.exists():  # (not where no tensor is 1 KiB)
+            os.chmod(tmp_data, _creation_mode())
+            with tmp_data.open("rb") as handle:
+                os.fsync(handle.fileno())
         with atomic_path(path, force=force) as tmp_model:
             tmp_model.write_bytes(model.SerializeToString())
-            os.replace(tmp_data, data_path)
+            if tmp_data.exists():
+                os.replace(tmp_data, data_path)
     log.info("wrote %s with external data %s", path, data_path)
     return path
 

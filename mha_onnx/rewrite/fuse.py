@@ -8,6 +8,7 @@ normalise, recognise, lower, tighten, tidy) -> verification against the original
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import opset
 from mha_onnx.rewrite.kv_interface import past_dim
+from mha_onnx.rewrite.mismatch import refuse_mismatch
 from mha_onnx.rewrite.norms import unguarded_norms
 from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.passes import Prepare, run_pipeline
@@ -39,7 +41,6 @@ from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.scores import Reject
 from mha_onnx.rewrite.shapes import with_symbolic_shapes
 from mha_onnx.rewrite.verify import (
-    refuse_mismatch,
     verification_cases,
     verify,
     verify_on_openvino,
@@ -157,26 +158,42 @@ def fuse_file(
     if unguarded:
         notes.append(_UNGUARDED.format(len(unguarded), unguarded[0]))
     notes += _blocks_left(results, strict)
-    checked = preflight(fused.SerializeToString())
-    fused_level = _safe_level(checked, "the fused model")
-    if checked.crashed:
-        metadata.write(fused, {"session": {"optimization": fused_level}})
-        notes.append(f"{checked.message()}; recorded in the fused model for validate and profile")
-    verification = None
-    if verify_result:
-        cases = None if given is not None else verification_cases(original, results)
-        verification = verify(original, fused, cases=cases, given=given, atol=atol, rtol=rtol,
-                              levels=(level, fused_level))
-        if target == "openvino":
-            verification = verify_on_openvino(original, fused, verification, cases=cases,
-                                              given=given, atol=atol, rtol=rtol)
-        refuse_mismatch(verification, unguarded)
+    verification = _checked(original, fused, results, notes, level, target, given,
+                            verify_result, atol, rtol, unguarded)
     _write(source, original, fused, output, target, force)
     return FuseReport(
         input=str(source), output=str(output), target=target, blocks=tuple(results),
         verification=verification, seconds=time.perf_counter() - started, written=True,
         notes=tuple(notes),
     )
+
+
+def _checked(original: onnx.ModelProto, fused: onnx.ModelProto, results, notes: list[str],
+             level: str, target: str, given, verify_result: bool, atol: float | None,
+             rtol: float | None, unguarded: list[str]):
+    """The fused model's preflight (the level it runs at recorded where a higher one
+    crashed) and, with ``verify_result``, its outputs against the original's (refused where
+    they differ). Each model a file in a scratch folder with its weights beside it, which
+    its session reads in place."""
+    with tempfile.TemporaryDirectory(prefix="mha_onnx_fuse_") as scratch:
+        checked_file = write_model(fused, Path(scratch) / "fused.onnx", force=True, external=True)
+        checked = preflight(checked_file)
+        fused_level = _safe_level(checked, "the fused model")
+        if checked.crashed:
+            metadata.write(fused, {"session": {"optimization": fused_level}})
+            notes.append(f"{checked.message()}; recorded in the fused model for validate and "
+                         "profile")
+        if not verify_result:
+            return None
+        cases = None if given is not None else verification_cases(original, results)
+        verification = verify(original, fused, cases=cases, given=given, atol=atol, rtol=rtol,
+                              levels=(level, fused_level), scratch=Path(scratch),
+                              fused_file=None if checked.crashed else checked_file)
+        if target == "openvino":
+            verification = verify_on_openvino(original, fused, verification, cases=cases,
+                                              given=given, atol=atol, rtol=rtol)
+        refuse_mismatch(verification, unguarded)
+        return verification
 
 
 def _write(source, original: onnx.ModelProto, fused: onnx.ModelProto, output: Path,

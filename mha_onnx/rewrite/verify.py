@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import onnx
 from mha_onnx.errors import FuseBug, FusionError, MhaOnnxError, ModelFileError, VerifyError
 from mha_onnx.graph.cache import SharedCache, cache_pairs, is_shared, row_layout
 from mha_onnx.graph.expressions import evaluate, symbols
+from mha_onnx.graph.files import write_model
 from mha_onnx.graph.inputs import (
     ShapeCase,
     case_for,
@@ -81,26 +83,42 @@ def verify(
     rtol: float | None = None,
     threads: int | None = None,
     levels: tuple[str, str] = ("all", "all"),
+    scratch: Path | None = None,
+    fused_file: Path | None = None,
 ) -> Verification:
     """Run both models on the same inputs (``given`` ones, else generated ``cases``) and
     compare every output; ``levels``: the ORT optimisation level of each model. A fused
     model with a shared KV cache runs on its own buffers behind the original's (appended)
-    interface."""
+    interface. One session at a time: the original's outputs on every case first. With a
+    ``scratch`` folder each model is a file there with its weights as external data
+    (``fused_file``: the fused one, written already) and its session reads them in place,
+    unpacked: a session from bytes holds the bytes and a packed copy of every MatMul's
+    weight, so that two sessions of a large model held six times its weights."""
     specs = input_specs(original)
     runs = _runs(specs, cases, given)
     held = routes(original, fused)
     with chosen_as_outputs(original, held) as added, chosen_as_inputs(fused, held):
-        before = _Original(original, threads, levels[0])
-        runner = OrtRunner(fused.SerializeToString(), "cpu", threads=threads,
-                           optimization=levels[1])
+        before = _Original(original, threads, levels[0], _written(original, scratch, "original"))
+        wants, skipped = _expected(runs, before, [r.chosen for r in held], added, scratch)
+        before.close()
+        source = (fused_file if not held else None) or _written(fused, scratch, "fused") \
+            or fused.SerializeToString()  # (routers' choices fed: inputs the file lacks)
+        runner = OrtRunner(source, "cpu", threads=threads, optimization=levels[1],
+                           prepacking=scratch is None)
         _loads(runner, before)
         with runner:
             after = SharedCache(runner, specs, cache_pairs(fused), rows=row_layout(fused)) \
                 if is_shared(fused) else runner
-            results, skipped = _compare(runs, before, after, [r.chosen for r in held], added,
-                                        atol, rtol)
+            results = _compare(wants, after, atol, rtol)
     return Verification(tuple(results), before.label, tuple(skipped),
                         tuple(r.node.name or r.chosen for r in held))
+
+
+def _written(model: onnx.ModelProto, scratch: Path | None, name: str) -> Path | None:
+    """``model`` as ``scratch/name.onnx`` with its weights beside it, or None without one."""
+    if scratch is None:
+        return None
+    return write_model(model, scratch / f"{name}.onnx", force=True, external=True)
 
 
 def _loads(runner: OrtRunner, before: _Original) -> None:
@@ -108,24 +126,24 @@ def _loads(runner: OrtRunner, before: _Original) -> None:
     try:
         runner.session  # noqa: B018
     except MhaOnnxError as exc:
-        if before.runner is not None:
-            try:  # unless ORT refuses the original too: then the input is what is broken
-                before.runner.session  # noqa: B018
-            except MhaOnnxError as original:
-                raise ModelFileError(
-                    f"onnxruntime refuses the original model, so the fused one (which keeps "
-                    f"its other nodes) cannot load either: {original}",
-                    hint="re-export it (a float16 TorchScript export may mix float32 and "
-                         "float16 inputs of one op); nothing was written") from exc
+        refused = before.refused_to_load()
+        if refused is not None:  # the input is what is broken
+            raise ModelFileError(
+                f"onnxruntime refuses the original model, so the fused one (which keeps "
+                f"its other nodes) cannot load either: {refused}",
+                hint="re-export it (a float16 TorchScript export may mix float32 and "
+                     "float16 inputs of one op); nothing was written") from exc
         raise _fuse_bug("does not load in ORT", exc) from exc
 
 
-def _compare(runs, before: _Original, after, chosen: list[str], added: list[str],
-             atol: float | None, rtol: float | None) -> tuple[list, list]:
-    """Every case's outputs compared; ``chosen``: the routers' indices the original gives
-    and the fused graph is fed (routes.py), ``added``: those not outputs of the model."""
-    results, skipped = [], []
-    for case, feeds in runs:
+def _expected(runs, before: _Original, chosen: list[str], added: list[str],
+              scratch: Path | None) -> tuple[list, list]:
+    """The original's outputs on every case: [(case, feeds, outputs, the routers' choices
+    to feed the fused graph)], and the optional cases it does not run. ``chosen``: the
+    routers' indices the original gives and the fused graph is fed (routes.py), ``added``:
+    those not outputs of the model. With ``scratch``, large outputs wait there (mapped)."""
+    wants, skipped = [], []
+    for n, (case, feeds) in enumerate(runs):
         try:
             want = before.infer(feeds, fall_back=not case.optional)
         except MhaOnnxError as exc:
@@ -136,14 +154,36 @@ def _compare(runs, before: _Original, after, chosen: list[str], added: list[str]
         held = {name: want[name] for name in chosen}
         for name in added:
             del want[name]
+        wants.append((case, feeds, _kept(want, scratch, n), held))
+    return wants, skipped
+
+
+def _kept(outputs: dict[str, np.ndarray], scratch: Path | None, n: int) -> dict:
+    """``outputs``, those of a MiB or more saved in ``scratch`` and read back mapped."""
+    if scratch is None:
+        return outputs
+    kept = {}
+    for k, (name, value) in enumerate(outputs.items()):
+        if isinstance(value, np.ndarray) and value.nbytes >= 1 << 20 and value.dtype.kind in "fiub":
+            path = scratch / f"expected_{n}_{k}.npy"
+            np.save(path, value)
+            value = np.load(path, mmap_mode="r")
+        kept[name] = value
+    return kept
+
+
+def _compare(wants, after, atol: float | None, rtol: float | None) -> list:
+    """Every case's outputs of the fused graph against the original's."""
+    results = []
+    for case, feeds, want, held in wants:
         try:
             got = after.infer({**feeds, **held})
         except MhaOnnxError as exc:  # fuse wrote a graph ORT cannot run: our bug
             raise _fuse_bug(f"does not run on ORT CPU at {case.describe()}", exc) from exc
         for name, expected in want.items():
-            stats = compare(got[name], expected, atol=atol, rtol=rtol)
+            stats = compare(got[name], np.asarray(expected), atol=atol, rtol=rtol)
             results.append(CaseResult(case.describe(), name, stats, np.dtype(got[name].dtype).name))
-    return results, skipped
+    return results
 
 
 def _runs(specs, cases: Sequence[ShapeCase] | None, given: Mapping[str, np.ndarray] | None):
@@ -157,15 +197,32 @@ def _runs(specs, cases: Sequence[ShapeCase] | None, given: Mapping[str, np.ndarr
 class _Original:
     """Runs the original on ORT CPU; a graph ORT refuses (e.g. torch's opset-23 Attention
     with a [B, 1, 1, T] mask) runs on the ONNX reference evaluator instead, which follows
-    the spec."""
+    the spec. ``file``: the original written with its weights beside it (its session reads
+    them in place), else the session is made from its bytes."""
 
-    def __init__(self, model: onnx.ModelProto, threads: int | None, level: str) -> None:
+    def __init__(self, model: onnx.ModelProto, threads: int | None, level: str,
+                 file: Path | None = None) -> None:
         self.model = model
-        self.runner: OrtRunner | None = OrtRunner(model.SerializeToString(), "cpu",
-                                                  threads=threads, optimization=level)
+        self.make = lambda: OrtRunner(file if file is not None else model.SerializeToString(),
+                                      "cpu", threads=threads, optimization=level,
+                                      prepacking=file is None)
+        self.runner: OrtRunner | None = self.make()
         self.evaluator: Any = None
         self.label = "onnxruntime CPU"
         self.refused = ""
+
+    def close(self) -> None:
+        """The session given back (the outputs were read); the evaluator kept."""
+        if self.runner is not None:
+            self.runner.close()
+
+    def refused_to_load(self) -> MhaOnnxError | None:
+        """ORT's refusal to load the original, or None where it loads."""
+        try:
+            with self.make():
+                return None
+        except MhaOnnxError as exc:
+            return exc
 
     def infer(self, feeds: dict[str, Any], fall_back: bool = True) -> dict[str, Any]:
         """``fall_back=False``: an ORT failure is raised (sizes the model may refuse)."""
@@ -337,58 +394,3 @@ def verify_on_openvino(original: onnx.ModelProto, fused: onnx.ModelProto, on_ort
                                               compare(got[name], expected, atol=atol,
                                                       rtol=rtol)))
     return Verification(tuple(results), on_ort.reference, on_ort.skipped, on_ort.routes_held)
-
-
-def refuse_mismatch(verification: Verification, unguarded: list[str]) -> None:
-    """A FusionError naming the first output that differs (nothing is written then); where
-    the original itself gives NaN there, why (``unguarded``: its RMS norms without an
-    epsilon)."""
-    failure = verification.first_failure()
-    if failure is not None:
-        stats = failure.stats
-        why = ""
-        if stats.nan_expected and not stats.nan_where_expected_finite:
-            why = (f"; the original itself gives NaN in {stats.nan_expected} values there (the"
-                   " fused graph nowhere else): " + (
-                       f"its RMS normalisation {unguarded[0]} has no epsilon (an exporter "
-                       "dropped one <= 1e-8)" if unguarded else
-                       "the generated inputs may be outside what the model is defined for"))
-        raise FusionError(
-            f"fused graph differs from the original: output {failure.output!r} at "
-            f"{failure.case}: max abs error {stats.max_abs:.3g} (atol {stats.atol:g} + rtol "
-            f"{stats.rtol:g} x |original|; would need atol {stats.needed_atol:.3g}){why}; "
-            "nothing was written",
-            hint=_rounding_hint(failure) or _mismatch_hint(bool(why), bool(unguarded)))
-
-
-ROUNDING = 4.0  # a half-precision miss within this many times the tolerance: rounding?
-
-
-def _rounding_hint(failure: CaseResult) -> str | None:
-    """For a half-precision output that misses by a small factor: the fused kernels (which
-    accumulate in float32 where the original's ops round each step, or the reverse) may
-    round differently; say which --atol would accept it, and how to check first."""
-    stats = failure.stats
-    if failure.dtype not in ("float16", "bfloat16") or stats.nan_where_expected_finite \
-            or not 0 < stats.needed_atol <= ROUNDING * stats.atol:
-        return None
-    return (f"{failure.dtype} kernels may round differently from the original's ops (a miss "
-            f"within {ROUNDING:g}x the tolerance): --atol {_round_up(stats.needed_atol)} accepts "
-            "it; check the outputs against the source model (`mha-onnx validate`; `export "
-            "--model` does after fusing); else please report this model")
-
-
-def _round_up(value: float) -> str:
-    """``value`` rounded up to two significant digits."""
-    digits = 1 - int(np.floor(np.log10(value)))
-    return f"{np.ceil(value * 10 ** digits) / 10 ** digits:g}"
-
-
-def _mismatch_hint(original_nan: bool, unguarded: bool) -> str:
-    if original_nan and unguarded:
-        return ("re-export without torch.onnx's optimizer (optimize=False) or with "
-                "`mha-onnx export --model`; --no-verify writes it anyway")
-    if original_nan:
-        return ("verify with real inputs (--inputs FILE.npz); else please report this model; "
-                "--no-verify writes it anyway")
-    return "please report this model; --no-verify writes it anyway"

@@ -151,6 +151,7 @@ class OrtRunner(Runner):
         initializers: Mapping[str, Any] | None = None,
         stop_spinning: bool = False,
         external_data_dir: str | os.PathLike[str] | None = None,
+        prepacking: bool = True,
     ) -> None:
         if provider not in PROVIDERS:
             raise ProviderError(
@@ -169,6 +170,7 @@ class OrtRunner(Runner):
         self.initializers = dict(initializers or {})  # name -> OrtValue (shared, not copied)
         self.stop_spinning = stop_spinning  # pool threads spin within a run, not after it
         self.external_data_dir = external_data_dir  # a model in bytes: where its data lies
+        self.prepacking = prepacking  # False: MatMuls read their weights as the file has them
         self._session: Any = None
         self._quiet_run: Any = None
         self.info: SessionInfo | None = None
@@ -202,6 +204,8 @@ class OrtRunner(Runner):
             options.profile_file_prefix = str(Path(self.profile_dir) / "ort_profile")
         for name, value in self.initializers.items():
             options.add_initializer(name, value)
+        if not self.prepacking:  # (no packed copy of each weight: a check's session)
+            options.add_session_config_entry("session.disable_prepacking", "1")
         if self.external_data_dir is not None:
             options.add_session_config_entry(
                 "session.model_external_initializers_file_folder_path",
