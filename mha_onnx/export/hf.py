@@ -24,8 +24,10 @@ from typing import Any
 from mha_onnx import __version__
 from mha_onnx.errors import ConfigError, ExportError, FusionError
 from mha_onnx.export.options import HfExportConfig, HfExportReport
+from mha_onnx.export.overflow import finite_or_refused, overflow_refused
 from mha_onnx.graph import metadata
 from mha_onnx.graph.files import prepare_output, write_model
+from mha_onnx.profile.memory import give_back_memory
 from mha_onnx.reference.hf import (
     DecoderWithPast,
     Seq2SeqParts,
@@ -201,10 +203,14 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
         check_decoder(model, config)
     notes, fused, validations = [], [], []
     with tempfile.TemporaryDirectory(prefix="mha_onnx_hf_") as tmp:
+        exported = {part: _export_part(folder, config, model, task, part, cfg, Path(tmp),
+                                       progress) for part in targets}
+        del model  # fuse and validate hold no PyTorch weights (validate loads its own)
+        give_back_memory()
         made = {}
         for part, target in targets.items():
-            final, what, validation = _export_part(folder, config, model, task, part, cfg,
-                                                   Path(tmp), progress)
+            final, what, validation = _fused_and_validated(exported[part], task, part, cfg,
+                                                           Path(tmp), progress)
             made[final] = target
             fused.append(f"{part}: {what}" if part else what)
             validations.append(validation)
@@ -300,12 +306,8 @@ def _learned_positions(model: Any) -> bool:
 
 
 def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | None,
-                 cfg: HfExportConfig, tmp: Path, progress: Callable[[str], None]):
-    """One file: torch.export, fuse, validate against PyTorch; (path in ``tmp``, what fuse
-    made of its blocks, the validation report)."""
-    from mha_onnx.parity import Tolerance, ValidateConfig, validate_model
-    from mha_onnx.rewrite import fuse_file
-
+                 cfg: HfExportConfig, tmp: Path, progress: Callable[[str], None]) -> Path:
+    """One file's torch.export, written in ``tmp`` (its path); nothing of it is held after."""
     name = part or "model"
     progress(f"torch.export{f' ({part})' if part else ''}")
     proto = _torch_export(task, config, model, cfg.dtype, cfg.opset, part)
@@ -331,6 +333,17 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
         proto = with_last_logits(proto)
     exported = tmp / f"{name}.exported.onnx"
     write_model(proto, exported, force=True)
+    return exported
+
+
+def _fused_and_validated(exported: Path, task: str, part: str | None, cfg: HfExportConfig,
+                         tmp: Path, progress: Callable[[str], None]):
+    """``exported`` fused and validated against PyTorch; (path in ``tmp``, what fuse made of
+    its blocks, the validation report)."""
+    from mha_onnx.parity import Tolerance, ValidateConfig, validate_model
+    from mha_onnx.rewrite import fuse_file
+
+    name = part or "model"
     final, fused = exported, "not fused (--no-fuse)"
     if cfg.fuse:
         progress("fuse (verified against the export on ORT CPU)")
@@ -341,16 +354,17 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
                                policy=FormPolicy(kv_cache="shared" if shared else "appended"))
         except FusionError as exc:  # (fuse's hint names fuse's options)
             if cfg.dtype == "float16" and "inf" in exc.message:
-                _overflow_refused(exported, ["the export's outputs"], progress)
+                overflow_refused(exported, ["the export's outputs"], progress)
             exc.hint = (exc.hint or "").replace("--no-verify writes it anyway", "--no-fuse "
                                                 "writes the export unfused")
             raise
         fused = "; ".join(b.said() for b in report.blocks) or "no attention block"
     cached = "with-past" in task and part != "encoder"
+    give_back_memory()  # (fuse's models and sessions, before PyTorch's weights load again)
     progress("validate against PyTorch" + (" (16 decode steps)" if cached else ""))
     given = {"*": Tolerance(cfg.atol, cfg.rtol)} if (cfg.atol, cfg.rtol) != (None, None) else {}
     validation = validate_model(final, ValidateConfig(memory_check=False, tolerances=given))
-    _finite_or_refused(final, validation, cfg, progress)
+    finite_or_refused(final, validation, cfg, progress)
     if not validation:
         raise FusionError("the exported model differs from the PyTorch model: "
                           + "; ".join(f"{c.output} at {c.case}: {c.stats.max_abs:.3g} (would "
@@ -359,37 +373,3 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
                           hint="nothing was written; --no-fuse tells the export from fuse; "
                                "--atol/--rtol set the tolerance")
     return final, fused, validation
-
-
-def _finite_or_refused(final: Path, validation, cfg: HfExportConfig,
-                       progress: Callable[[str], None]) -> None:
-    """A float16 export whose outputs hold inf or NaN (where PyTorch in float16 gives them
-    alike, validation compared NaN with NaN; where not, it only says they differ) is refused
-    with the node that overflows first."""
-    broken = sorted({c.output for c in validation.comparisons
-                     if c.stats.nan_actual or c.stats.inf_actual})
-    if cfg.dtype == "float16" and broken:
-        _overflow_refused(final, broken, progress)
-
-
-def _overflow_refused(path: Path, broken: list[str], progress: Callable[[str], None]) -> None:
-    """Refused with the node that overflows first on generated inputs, where one does (an
-    output's -inf that a model writes on purpose, a masked vocabulary's, is no overflow:
-    then validation's verdict stands)."""
-    from mha_onnx.errors import FusionError
-    from mha_onnx.graph.files import read_model
-    from mha_onnx.graph.inputs import case_for, input_specs, make_inputs
-    from mha_onnx.parity.ranges import activation_ranges
-
-    progress("activation ranges (the float16 outputs hold inf/NaN)")
-    model = read_model(path)
-    specs = input_specs(model)
-    ranges = activation_ranges(str(path), model, [make_inputs(specs, case_for(
-        specs, "ranges", 2, [16, 16, 16], "none"))])
-    if ranges.overflow is None:
-        return
-    raise FusionError(f"the float16 export: {', '.join(broken)} hold inf/NaN: "
-                      f"{ranges.overflow.said()}; "
-                      "nothing was written",
-                      hint="export in float32 (--dtype float32); validate --ranges on it names "
-                           "the activations near float16's range")

@@ -26,6 +26,21 @@ def available_memory() -> int:
         return 1 << 62
 
 
+def give_back_memory() -> None:
+    """What was freed returned to the system, not kept by the allocator for later: Python's
+    cycles collected, then glibc's free lists trimmed (a no-op where libc is not glibc).
+    Between the stages of a long job (export: PyTorch's weights, then ORT's), so that one
+    stage's freed gigabytes do not stay resident under the next one's."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def estimate_bytes(model: onnx.ModelProto, batch: int, seq_q: int, seq_kv: int | None = None) -> int:
     """Working set of one run of an mha-onnx export: activations, plus the [B, H, S, T]
     scores twice (scores and weights) when its attention is not fused. 0 for other models."""

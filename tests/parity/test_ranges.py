@@ -76,12 +76,12 @@ def test_a_float16_export_that_overflows_is_refused_with_its_layer(tmp_path):
     MatMul named with its module, whether its activations pass 65504 or its weight itself
     did not fit float16; "please report" nowhere."""
     from mha_onnx.errors import FusionError
-    from mha_onnx.export.hf import _overflow_refused
+    from mha_onnx.export.overflow import overflow_refused
 
     loud = tmp_path / "loud.onnx"
     _mlp(loud, np.full((8, 8), 30000.0))
     with pytest.raises(FusionError, match="makes inf/NaN from finite inputs") as caught:
-        _overflow_refused(loud, ["logits"], lambda _: None)
+        overflow_refused(loud, ["logits"], lambda _: None)
     assert "node_linear_13 [model.layers.1.mlp.down_proj] (MatMul)" in caught.value.message
     assert "please report" not in caught.value.message + (caught.value.hint or "")
     unfit = tmp_path / "unfit.onnx"
@@ -89,7 +89,7 @@ def test_a_float16_export_that_overflows_is_refused_with_its_layer(tmp_path):
     weight[0, 0] = 1e6  # past float16's largest: inf in the file
     _mlp(unfit, weight)
     with pytest.raises(FusionError, match="reads w, a constant holding inf/NaN"):
-        _overflow_refused(unfit, ["logits"], lambda _: None)
+        overflow_refused(unfit, ["logits"], lambda _: None)
     quiet = tmp_path / "quiet.onnx"
     _mlp(quiet, np.full((8, 8), 0.01))
-    _overflow_refused(quiet, ["the export's outputs"], lambda _: None)  # nothing found: as was
+    overflow_refused(quiet, ["the export's outputs"], lambda _: None)  # nothing found: as was
