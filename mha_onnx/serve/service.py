@@ -3,7 +3,6 @@ cache, or an encoder for embeddings), its tokenizer, its engine and its metrics.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,35 +47,48 @@ def model_file(path: str | Path) -> Path:
     return found[0]
 
 
-def _folders(path: Path) -> list[Path]:
+def _folders(path: Path, model) -> list[Path]:
     """Where the tokenizer and configs may lie: beside the file, then the HF folder export
-    recorded."""
+    recorded in ``model`` (the file's structure)."""
     from mha_onnx.graph import metadata
-    from mha_onnx.graph.files import read_model
 
     out = [path.parent]
-    hf = metadata.loaded(read_model(path, load_external_data=False), "hf_model") or {}
+    hf = metadata.loaded(model, "hf_model") or {}
     if hf.get("folder") and Path(hf["folder"]).is_dir():
         out.append(Path(hf["folder"]))
     return out
 
 
-def is_decoder(path: Path) -> bool:
+def is_decoder(model) -> bool:
+    """Is ``model`` (a file's structure) a decoder with a KV cache and logits?"""
     from mha_onnx.graph.cache import cache_pairs
-    from mha_onnx.graph.files import read_model
 
-    model = read_model(path, load_external_data=False)
     return bool(cache_pairs(model)) and any(o.name == "logits" for o in model.graph.output)
+
+
+def _weights(model) -> str:
+    """``model``'s weights as `quantize` recorded them: float, int4, int8 or w8a8 (and the
+    embedding's form where it is not float)."""
+    from mha_onnx.graph import metadata
+
+    record = metadata.loaded(model, "quantization") or {}
+    embedding = record.get("embeddings", "float")
+    return record.get("weights", "float") + ("" if embedding == "float"
+                                             else f" (embedding {embedding})")
 
 
 class Service:
     """The model served (module doc): ``engine`` for a decoder, ``embedder`` for an encoder."""
 
     def __init__(self, model: str | Path, config: ServeConfig = ServeConfig()) -> None:
+        from mha_onnx.graph.files import read_model
         from mha_onnx.serve.text import load_text
 
         self.config, self.path = config, model_file(model)
-        folders = [Path(config.tokenizer)] if config.tokenizer else _folders(self.path)
+        structure = read_model(self.path, load_external_data=False)  # (read once)
+        self.weights = _weights(structure)
+        folders = [Path(config.tokenizer)] if config.tokenizer else _folders(self.path,
+                                                                              structure)
         self.text = next((t for f in folders if (t := load_text(f)) is not None), None)
         if config.tokenizer and self.text is None:
             raise ModelFileError(f"--tokenizer {config.tokenizer} holds no tokenizer.json")
@@ -84,7 +96,7 @@ class Service:
         self.name = config.name or (source.name if source.is_dir() else self.path.parent.name)
         self.engine = self.embedder = None
         self.notes: tuple[str, ...] = ()
-        if is_decoder(self.path):
+        if is_decoder(structure):
             self.task = "text-generation"
             self._decoder()
         else:
@@ -138,7 +150,7 @@ class Service:
     def card(self) -> dict:
         """``GET /v1/models``'s entry."""
         out = {"id": self.name, "object": "model", "owned_by": "mha-onnx",
-               "task": self.task, "file": str(self.path), "weights": _weights(self.path),
+               "task": self.task, "file": str(self.path), "weights": self.weights,
                "max_model_len": self.max_length,
                "tokenizer": str(self.text.folder) if self.text else None,
                "notes": list(self.notes)}
@@ -150,15 +162,3 @@ class Service:
             out["pooling"] = self.pooling.describe()
         return out
 
-
-@functools.lru_cache(maxsize=8)
-def _weights(path: Path) -> str:
-    """The file's weights as `quantize` recorded them: float, int4, int8 or w8a8 (and the
-    embedding's form where it is not float); read once per file."""
-    from mha_onnx.graph import metadata
-    from mha_onnx.graph.files import read_model
-
-    record = metadata.loaded(read_model(path, load_external_data=False), "quantization") or {}
-    embedding = record.get("embeddings", "float")
-    return record.get("weights", "float") + ("" if embedding == "float"
-                                             else f" (embedding {embedding})")
