@@ -98,7 +98,7 @@ def quantize_embeddings(model: onnx.ModelProto, bits: int, block: int
     if not notes:
         notes.append(f"--embeddings int{bits}: no Gather of a constant table reads input_ids "
                      "(nothing changed)")
-    if any("GatherBlockQuantized" in n for n in notes):  # (a tied head's Transpose of the
-        common_passes.RemoveUnusedNodesPass()(made)  # float table: read by nothing now)
+    if done:  # (a tied head's Transpose of the float table: read by nothing now)
+        common_passes.RemoveUnusedNodesPass()(made)
     made.opset_imports.setdefault("com.microsoft", 1)
     return ir.to_proto(made), notes

@@ -132,7 +132,7 @@ def _eval_feeds(model: onnx.ModelProto, path: str, prompts: list[list[int]]):
     from mha_onnx.generate import read_interface
 
     iface = read_interface(model, path)
-    _check_prompts(iface, prompts, "--eval-prompts")
+    _check_prompts(iface, prompts, "--eval-prompts", run_whole=False)  # (cut below)
     length = min(EVAL_LENGTH, *(len(p) for p in prompts),
                  *([iface.position_limit // 2] if iface.position_limit else []))
     if length < accuracy.GREEDY_FROM:
@@ -304,15 +304,16 @@ def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,
             "GroupQueryAttention reads and writes them")
 
 
-def _check_prompts(iface, prompts: list[list[int]], option: str = "--kv-calibration"
-                   ) -> None:
+def _check_prompts(iface, prompts: list[list[int]], option: str = "--kv-calibration",
+                   run_whole: bool = True) -> None:
+    """Every token id in the vocabulary; with ``run_whole`` (the prompts are not cut to
+    fit: --kv-calibration's), every prompt within the position table."""
     for n, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= t < iface.vocab]
         if bad:
             raise ConfigError(f"{option} prompt {n} has token id(s) outside the "
                               f"vocabulary of {iface.vocab}: {bad[:5]}")
-        if iface.position_limit and len(prompt) > iface.position_limit \
-                and option == "--kv-calibration":
+        if run_whole and iface.position_limit and len(prompt) > iface.position_limit:
             raise ConfigError(f"{option} prompt {n} ({len(prompt)} tokens) is longer "
                               f"than the model's {iface.position_limit} positions")
 

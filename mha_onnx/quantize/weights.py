@@ -274,7 +274,7 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
     if config.embeddings != "float":  # (embeddings.py: an onnx-ir pass)
         model, said = embeddings.quantize_embeddings(model, int(config.embeddings[3:]),
                                                      config.block_size)
-        swap = any("GatherBlockQuantized" in n for n in said)
+        swap = any(n.op_type == "GatherBlockQuantized" for n in model.graph.node)
         notes = [n.replace("stays float for its Gather", "has its own for its Gather")
                  if swap else n for n in notes] + said
     before = _drop_unread(model)
