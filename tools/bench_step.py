@@ -4,12 +4,13 @@ llama-cpp-python, each in a worker process of its own environment, timed in inte
 rounds on one machine.
 
     .venv/bin/python -m tools.bench_step DIR [--prompt 512] [--steps 128] [--rounds 7]
-        [--threads 2] [--out FILE.md]
+        [--threads 2] [--out FILE.md] [--also LABEL=MODEL.onnx ...]
 
 DIR as tools/bench_serve.py's (int4/, genai-int4/, llama16-q4_0.gguf). Each round, each
 worker runs one request alone: a ``--prompt``-token prompt (the same ids for all), then
 ``--steps`` greedy tokens with EOS ignored; it reports its time to first token and the
-median time per token after it. The table gives each engine's median over the rounds and
+median time per token after it (``--also``: more of our files through the same loop, e.g.
+another --block-size). The table gives each engine's median over the rounds and
 the per-round ratios to ours. Workers start once and stay loaded; the order of the
 workers rotates each round.
 """
@@ -91,7 +92,10 @@ LLAMA = LLAMA.replace("for line in sys.stdin:", "def _ban(scores):\n    scores[e
                       "    return scores\n\nfor line in sys.stdin:", 1)
 
 
-def workers(folder: Path, threads: int) -> dict[str, list[str]]:
+def workers(folder: Path, threads: int, also: list[str]) -> dict[str, list[str]]:
+    extra = {f"mha-onnx generate ({label})": [str(ROOT / ".venv/bin/python"), "-c", OURS,
+                                              str(Path(path).resolve()), str(threads)]
+             for label, _, path in (a.partition("=") for a in also)}
     return {
         "mha-onnx generate (int4, shared cache)": [str(ROOT / ".venv/bin/python"), "-c", OURS,
                                                    str(folder / "int4" / "model.onnx"),
@@ -101,6 +105,7 @@ def workers(folder: Path, threads: int) -> dict[str, list[str]]:
                                                  str(threads)],
         "llama.cpp (llama-cpp-python, Q4_0)": [str(ROOT / ".venv-llama/bin/python"), "-c", LLAMA,
                                                str(folder / "llama16-q4_0.gguf"), str(threads)],
+        **extra,
     }
 
 
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--also", action="append", default=[], metavar="LABEL=MODEL.onnx")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from tools.loadgen import whole_words
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"OMP_NUM_THREADS": str(args.threads), "PATH": "/usr/bin:/bin"}
     procs = {name: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
-             for name, cmd in workers(args.dir, args.threads).items()}
+             for name, cmd in workers(args.dir, args.threads, args.also).items()}
     names = list(procs)
     results: dict[str, list[dict]] = {n: [] for n in names}
     request = json.dumps([ids, args.steps]) + "\n"

@@ -28,6 +28,7 @@ VARIANTS = {  # name -> quantize's options
     "int8 RTN": ["--weights", "int8"],
     "w8a8 (int8 weights per column and activations per row)": ["--weights", "w8a8"],
     "int4 RTN, block 32 (default)": [],
+    "int4 RTN, block 64": ["--block-size", "64"],
     "int4 RTN, block 128": ["--block-size", "128"],
     "int4 RTN, block 256 asymmetric": ["--block-size", "256", "--asymmetric"],
     "int4 HQQ, block 32": ["--algorithm", "hqq"],
