@@ -93,19 +93,18 @@ LLAMA = LLAMA.replace("for line in sys.stdin:", "def _ban(scores):\n    scores[e
 
 
 def workers(folder: Path, threads: int, also: list[str]) -> dict[str, list[str]]:
-    extra = {f"mha-onnx generate ({label})": [str(ROOT / ".venv/bin/python"), "-c", OURS,
-                                              str(Path(path).resolve()), str(threads)]
-             for label, _, path in (a.partition("=") for a in also)}
+    def ours(model: Path) -> list[str]:
+        return [str(ROOT / ".venv/bin/python"), "-c", OURS, str(model), str(threads)]
+
     return {
-        "mha-onnx generate (int4, shared cache)": [str(ROOT / ".venv/bin/python"), "-c", OURS,
-                                                   str(folder / "int4" / "model.onnx"),
-                                                   str(threads)],
+        "mha-onnx generate (int4, shared cache)": ours(folder / "int4" / "model.onnx"),
         "ORT GenAI generator (its int4 graph)": [str(ROOT / ".venv-genai-rt/bin/python"), "-c",
                                                  GENAI, str(folder / "genai-int4"),
                                                  str(threads)],
         "llama.cpp (llama-cpp-python, Q4_0)": [str(ROOT / ".venv-llama/bin/python"), "-c", LLAMA,
                                                str(folder / "llama16-q4_0.gguf"), str(threads)],
-        **extra,
+        **{f"mha-onnx generate ({label})": ours(Path(path).resolve())
+           for label, _, path in (a.partition("=") for a in also)},
     }
 
 
