@@ -35,6 +35,8 @@ VARIANTS = {  # name -> quantize's options
     "int4 RTN, first and last layers int8": ["--mixed", "first-last"],
     "int4 RTN, the embedding int8": ["--embeddings", "int8"],
     "int4 RTN, the embedding int4": ["--embeddings", "int4"],
+    "int4 RTN, block 128, --mixed auto": ["--block-size", "128", "--mixed", "auto"],
+    "int4 RTN, --mixed auto under --max-kl 0.02": ["--mixed", "auto", "--max-kl", "0.02"],
 }
 WINDOW, WINDOWS = 128, 24
 EVAL_WINDOWS = 8  # held-out windows after the perplexity's: quantize --eval-prompts
@@ -78,23 +80,35 @@ def run(args: argparse.Namespace) -> list[dict]:
     for name, options in VARIANTS.items():
         path = args.out / name.split(",")[0].replace(" ", "-") / f"{len(rows)}.onnx"
         figures, report = _quantized(float_path, path, options)
+        perplexity = held_out_perplexity(path, args.folder)
         on_text, _ = _quantized(float_path, path, [*options, "--eval-prompts", str(text)])
         rows.append({"name": name, "ratio": report["bytes"]["quantized"]
-                     / report["bytes"]["float"], "perplexity":
-                     held_out_perplexity(path, args.folder), "kl": figures["kl_mean"],
-                     "top1": figures["top1"], "greedy": figures["greedy"],
-                     "gate": _verdict(figures), "text_kl": on_text["kl_mean"],
-                     "text_gate": _verdict(on_text)})
+                     / report["bytes"]["float"], "perplexity": perplexity,
+                     "kl": figures["kl_mean"], "top1": figures["top1"],
+                     "greedy": figures["greedy"], "gate": _verdict(figures),
+                     "text_kl": on_text["kl_mean"], "text_gate": _verdict(on_text),
+                     "kept": _kept(report)})
     return rows
 
 
 def _quantized(source: Path, path: Path, options: list[str]) -> tuple[dict, dict]:
-    """`quantize`'s accuracy figures and report for ``options`` (written either way)."""
+    """`quantize`'s accuracy figures and report for ``options`` (written either way, but
+    by --mixed auto, which writes what passes)."""
+    check = [] if "auto" in options else ["--no-check"]
     done = subprocess.run([CLI, "quantize", str(source), "-o", str(path), "--force",
-                           "--no-check", "--no-sensitivity", "--json", *options],
+                           *check, "--no-sensitivity", "--json", *options],
                           capture_output=True, text=True)
     report = json.loads(done.stdout)
     return report["accuracy"], report
+
+
+def _kept(report: dict) -> str | None:
+    """What --mixed auto kept wider (N - 1 measured failing), or None."""
+    chosen = [t for t in report.get("mixed_auto", []) if t["passed"] and t["kept"]]
+    if not chosen:
+        return None
+    least = min(chosen, key=lambda t: t["kept"])
+    return f"{least['kept']} most sensitive weight(s) kept in {least['form']}"
 
 
 def _verdict(figures: dict) -> str:
@@ -124,6 +138,8 @@ def page(rows: list[dict], folder: Path) -> str:
         "| weights | bytes (x float) | held-out perplexity | KL (nats) | top-1 | greedy | "
         "default gate | KL on held-out text | gate on held-out text |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    notes = [f"- {row['name']}: the {row['kept']} (one fewer was measured failing the "
+             "gate)" for row in rows if row.get("kept")]
     for row in rows:
         cells = [row["name"], f"{row['ratio']:.2f}x", f"{row['perplexity']:.2f}"]
         cells += [f"{row[k]:.4f}" if row.get(k) is not None else "-"
@@ -131,6 +147,9 @@ def page(rows: list[dict], folder: Path) -> str:
         cells += [f"{row['text_kl']:.4f}" if row.get("text_kl") is not None else "-",
                   row.get("text_gate", "-")]
         lines.append("| " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", "`--mixed auto` rows (the gate's run and the held-out text's each search "
+                  "on their own prompts; the perplexity is the first's file):", *notes]
     return "\n".join(lines) + "\n"
 
 

@@ -7,14 +7,17 @@ import click
 from mha_onnx.cli.options import emit
 
 
-def _mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int]:
-    """--mixed values: (int8 patterns, first/last layers in int8, most sensitive count)."""
+def _mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int | str]:
+    """--mixed values: (int8 patterns, first/last layers in int8, most sensitive count or
+    "auto")."""
     from mha_onnx.errors import ConfigError
 
     patterns, first_last, sensitive = [], False, 0
     for spec in specs:
         if spec == "first-last":
             first_last = True
+        elif spec == "auto":
+            sensitive = "auto"
         elif spec.startswith("sensitive:"):
             try:
                 sensitive = int(spec.split(":", 1)[1])
@@ -69,8 +72,9 @@ def _prompts(path: str | None, model: str, option: str) -> list[list[int]] | Non
                    "'*lm_head*'. Embeddings (Gather) always stay float.")
 @click.option("--mixed", multiple=True, metavar="SPEC",
               help="Some MatMuls in int8: first-last (the first and last layers), "
-                   "sensitive:N (the N the accuracy report ranks most sensitive) or a "
-                   "name pattern (repeat).")
+                   "sensitive:N (the N the accuracy report ranks most sensitive), auto (the "
+                   "fewest of those, in int8 or else float, for the thresholds to pass) or "
+                   "a name pattern (repeat).")
 @click.option("--kv-bits", type=int, default=0, show_default=True,
               help="8: the KV cache of a --kv-cache shared fusion in int8 too (per K/V head "
                    "and channel, scales from the float model's cache); 0: as it is.")
@@ -118,8 +122,14 @@ def quantize(ctx, model, output, weights, embeddings, block_size, symmetric, acc
                             exclude=tuple(exclude), int8=int8, first_last=first_last,
                             kv_bits=kv_bits, embeddings=embeddings)
     thresholds = Thresholds(max_kl, min_top1, min_cosine, min_greedy)
+    if sensitive == "auto" and no_check:
+        raise ConfigError("--mixed auto searches for what passes the thresholds",
+                          hint="leave out --no-check")
     report = quantize_file(model, output, config, thresholds, sensitivity=not no_sensitivity,
-                           int8_most_sensitive=sensitive, check=not no_check, force=force,
+                           int8_most_sensitive=0 if sensitive == "auto" else sensitive,
+                           mixed_auto=sensitive == "auto", check=not no_check, force=force,
+                           progress=(lambda _: None) if as_json else (
+                               lambda line: click.echo(f"[quantize] {line}", err=True)),
                            calibration=_prompts(calibration, model, "--kv-calibration"),
                            prompts=_prompts(eval_prompts, model, "--eval-prompts"))
     emit(report, as_json)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ class QuantizeReport:
     written: bool
     seconds: float
     notes: tuple[str, ...] = field(default=())
+    trials: tuple[Any, ...] = field(default=())  # --mixed auto's (auto.Trial)
 
     def __bool__(self) -> bool:
         return self.written and bool(self.accuracy)
@@ -53,7 +55,8 @@ class QuantizeReport:
                 "config": self.config.to_dict(), "matmuls": self.quantized,
                 "bytes": {"float": self.sizes[0], "quantized": self.sizes[1]},
                 "accuracy": self.accuracy.to_dict(), "seconds": round(self.seconds, 2),
-                "notes": list(self.notes)}
+                "notes": list(self.notes),
+                **({"mixed_auto": [t.to_dict() for t in self.trials]} if self.trials else {})}
 
     def render(self) -> str:
         counts = {bits: sum(1 for b in self.quantized.values() if b == bits)
@@ -145,11 +148,12 @@ def _eval_feeds(model: onnx.ModelProto, path: str, prompts: list[list[int]]):
 
 def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProto,
             thresholds: accuracy.Thresholds, *, sensitive: list[str] | None = None,
-            config: QuantizeConfig | None = None, prompts: list[list[int]] | None = None
-            ) -> accuracy.AccuracyReport:
+            config: QuantizeConfig | None = None, prompts: list[list[int]] | None = None,
+            by_weight: bool = False) -> accuracy.AccuracyReport:
     """The accuracy report of ``quant`` against ``float_model`` (see the module's
-    docstring); ``sensitive``: the MatMuls to quantize alone (with ``config``);
-    ``prompts``: a decoder's prompts (token ids) instead of random ones."""
+    docstring); ``sensitive``: the weights to quantize alone (with ``config``), named in
+    the report by their first MatMul (by themselves with ``by_weight``); ``prompts``: a
+    decoder's prompts (token ids) instead of random ones."""
     decoder = _is_decoder(float_model, float_path)
     if prompts and not decoder:
         raise ConfigError("--eval-prompts are for decoders", hint="leave it out: the model "
@@ -172,7 +176,7 @@ def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProt
     if sensitive and "logits" in want and config is not None:
         report = replace(report, sensitivity=_sensitivity(float_model, float_path, quant,
                                                           sensitive, config, feeds,
-                                                          want["logits"]))
+                                                          want["logits"], by_weight))
     return report
 
 
@@ -193,7 +197,7 @@ def _greedy(float_path: str, quant: onnx.ModelProto, prompts) -> dict[str, Any]:
 
 
 def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: list[str],
-                 config: QuantizeConfig, feeds, want: np.ndarray):
+                 config: QuantizeConfig, feeds, want: np.ndarray, by_weight: bool = False):
     """Each weight quantized alone (sensitivity.py: in one session, fed as the quantized
     model reads it back; a weight that is not the main graph's, in a model of its own with
     every MatMul reading it quantized as ``config`` says); by the first MatMul reading it."""
@@ -223,19 +227,21 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
                                     feeds)["logits"]
 
         ranked = accuracy.sensitivity(weights, logits_of, want)
-    return tuple((readers[w][0], kl) for w, kl in ranked)
+    return tuple((w if by_weight else readers[w][0], kl) for w, kl in ranked)
 
 
 def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig,
                   thresholds: accuracy.Thresholds = accuracy.Thresholds(), *,
                   sensitivity: bool = True, int8_most_sensitive: int = 0, check: bool = True,
                   force: bool = False, calibration: list[list[int]] | None = None,
-                  prompts: list[list[int]] | None = None) -> QuantizeReport:
+                  prompts: list[list[int]] | None = None, mixed_auto: bool = False,
+                  progress: Callable[[str], None] = lambda _: None) -> QuantizeReport:
     """Quantize ``source`` into ``output``: written only when its accuracy passes (or
     ``check`` is False); ``int8_most_sensitive``: that many of the most sensitive MatMuls in
-    8 bits (sensitivity measured first); ``calibration``: token-id prompts whose cache
-    sets an int8 cache's scales (``config.kv_bits``); ``prompts``: what the accuracy is
-    measured on (a decoder's; random ids where None)."""
+    8 bits (sensitivity measured first); ``mixed_auto``: the fewest of them kept wider for
+    the thresholds to pass (auto.py); ``calibration``: token-id prompts whose cache sets
+    an int8 cache's scales (``config.kv_bits``); ``prompts``: what the accuracy is measured
+    on (a decoder's; random ids where None)."""
     from mha_onnx.graph.files import prepare_output, read_model, write_model
 
     started = time.perf_counter()
@@ -247,13 +253,11 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     first = quantize_weights(model, config)  # (refuses a quantized model, one without MatMul)
     names = list(dict.fromkeys(t.weight for t in first.targets if t.bits))  # (weights)
     notes = list(first.notes)
-    if int8_most_sensitive:  # (a MatMul named for each weight: its readers go together)
-        ranked = measure(model, str(source), first.model, thresholds, sensitive=names,
-                         config=config, prompts=prompts).sensitivity
-        chosen = tuple(n for n, _ in ranked[:int8_most_sensitive])
-        config = replace(config, int8=config.int8 + chosen)
-        notes.append(f"int8 for the {len(chosen)} most sensitive MatMul(s): "
-                     + ", ".join(chosen))
+    search = None
+    if int8_most_sensitive or mixed_auto:
+        config, search, note = _widened(model, str(source), first, config, thresholds,
+                                        int8_most_sensitive, prompts, progress)
+        notes.append(note)
         first = quantize_weights(model, config)
     if config.kv_bits:
         notes.append(_int8_cache(model, str(source), first.model, calibration))
@@ -262,7 +266,6 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     if prompts:
         notes.append(f"accuracy measured on {len(prompts)} --eval-prompts prompt(s) of "
                      f"{report.positions // len(prompts)} tokens")
-    quantized = first.matmuls()
     write = not check or bool(report)
     size = 0
     if write:
@@ -273,9 +276,40 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
         notes.append("past the accuracy thresholds: nothing was written (--exclude or --mixed "
                      "the sensitive MatMuls, int8, a smaller --block-size, or loosen the "
                      "thresholds; --no-check writes it anyway)")
-    return QuantizeReport(str(source), str(output), config, report, quantized,
+    return QuantizeReport(str(source), str(output), config, report, first.matmuls(),
                           (_bytes(Path(source)), size or first.model.ByteSize()),
-                          write, time.perf_counter() - started, tuple(notes))
+                          write, time.perf_counter() - started, tuple(notes),
+                          search.trials if search else ())
+
+
+def _widened(model: onnx.ModelProto, source: str, first: QuantizedWeights,
+             config: QuantizeConfig, thresholds: accuracy.Thresholds, count: int, prompts,
+             progress: Callable[[str], None]):
+    """(config, search, note): ``config`` with the ``count`` most sensitive weights in int8,
+    or (``count`` 0) with the fewest kept wider for ``thresholds`` to pass (auto.py's
+    search; None for a count). The note names each weight by its first MatMul."""
+    from mha_onnx.quantize import auto
+
+    reader: dict[str, str] = {}
+    for target in first.targets:
+        if target.bits:
+            reader.setdefault(target.weight, target.node)
+    progress(f"ranking {len(reader)} weight(s) by their accuracy, each quantized alone")
+    report = measure(model, source, first.model, thresholds, sensitive=list(reader),
+                     config=config, prompts=prompts, by_weight=True)
+    ranked = [name for name, _ in report.sensitivity]
+    if count:
+        chosen = ranked[:count]
+        return (auto.widened(config, "int8", chosen), None,
+                f"int8 for the {len(chosen)} most sensitive MatMul(s): "
+                + ", ".join(reader[w] for w in chosen))
+
+    def trial(wider: QuantizeConfig) -> accuracy.AccuracyReport:
+        return measure(model, source, quantize_weights(model, wider).model, thresholds,
+                       prompts=prompts)
+
+    search = auto.least(config, ranked, report, trial, progress)
+    return search.config, search, search.note(reader.__getitem__)
 
 
 def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,

@@ -85,3 +85,33 @@ def test_the_accuracy_is_measured_on_the_prompts_given(tmp_path):
     given.write_text(json.dumps(["some text"]))
     text = _cli("quantize", exported, "-o", out, "--force", "--eval-prompts", given)
     assert text.exit_code == 2 and "holds text" in text.output, text.output
+
+
+def test_mixed_auto_keeps_the_fewest_sensitive_weights_wider(tmp_path):
+    """--mixed auto on a quantization the gate refuses (block 128: KL past 0.05) writes
+    one that passes, with N weights in int8 where N - 1 was measured failing; with the
+    weights in int8 already it keeps some float; refused beside --no-check."""
+    from mha_onnx.graph.walk import all_nodes
+
+    exported = TRAINED.parent / "llama-onnx" / "model.onnx"
+    out = tmp_path / "auto.onnx"
+    result = _cli("quantize", exported, "-o", out, "--block-size", "128", "--max-kl", "0.03",
+                  "--mixed", "auto", "--no-sensitivity", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    trials = {t["kept"]: t for t in report["mixed_auto"]}
+    kept = min(n for n, t in trials.items() if t["passed"])
+    assert kept > 1 and not trials[0]["passed"] and not trials[kept - 1]["passed"]
+    assert report["accuracy"]["kl_mean"] <= 0.03 and report["written"]
+    bits = [a.i for n in all_nodes(onnx.load(out).graph) if n.op_type == "MatMulNBits"
+            for a in n.attribute if a.name == "bits"]
+    assert bits.count(8) == kept == sum(b == 8 for b in report["matmuls"].values())
+    assert any(f"the {kept} most sensitive weight(s) in int8" in n for n in report["notes"])
+    int8 = _cli("quantize", exported, "-o", tmp_path / "int8.onnx", "--weights", "int8",
+                "--max-kl", "0.0002", "--mixed", "auto", "--no-sensitivity", "--json")
+    assert int8.exit_code == 0, int8.output
+    forms = {t["form"] for t in json.loads(int8.output)["mixed_auto"] if t["kept"]}
+    assert forms == {"float"} and 0 in json.loads(int8.output)["matmuls"].values()
+    refused = _cli("quantize", exported, "-o", tmp_path / "x.onnx", "--mixed", "auto",
+                   "--no-check")
+    assert refused.exit_code == 2 and "--no-check" in refused.output, refused.output
