@@ -224,27 +224,44 @@ def padding_pattern(batch: int, length: int, case: ShapeCase, rng: np.random.Gen
     return padded
 
 
+def kept_at_least(padded: np.ndarray, least: int, case: ShapeCase) -> np.ndarray:
+    """``padded`` (bool [batch, length]) with every row keeping ``least`` (> 1) keys or
+    more: a row below it keeps its first ``least`` (its last under left padding). A mask
+    over a dim with a floor (a convolution stack's raw samples: each row's kept count
+    becomes its frames) is nonsense below it: the model computes a negative length."""
+    least = min(least, padded.shape[1])
+    if least <= 1:  # (no floor: a fully padded row is a case of its own)
+        return padded
+    for row in padded:
+        if (~row).sum() < least:
+            (row[row.size - least:] if case.padding == "left" else row[:least])[...] = False
+    return padded
+
+
 def _mask_values(spec: InputSpec, shape: tuple[int, ...], case: ShapeCase,
-                 rng: np.random.Generator) -> np.ndarray:
-    """bool masks: True = padded (PyTorch); integer masks: 1 = keep (Hugging Face)."""
+                 rng: np.random.Generator, least: int = 1) -> np.ndarray:
+    """bool masks: True = padded (PyTorch); integer masks: 1 = keep (Hugging Face);
+    ``least``: the keys each row keeps at least (kept_at_least)."""
     if len(shape) < 2:
         padded = np.zeros(shape, dtype=bool)
     else:
-        flat = padding_pattern(shape[0], shape[-1], case, rng)
+        flat = kept_at_least(padding_pattern(shape[0], shape[-1], case, rng), least, case)
         padded = np.broadcast_to(flat.reshape(shape[0], *([1] * (len(shape) - 2)), shape[-1]),
                                  shape).copy()
     return padded if spec.dtype == np.bool_ else (~padded).astype(spec.dtype)
 
 
 def make_inputs(specs: Sequence[InputSpec], case: ShapeCase, *, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random inputs for ``case``: masks with its padding, ids below their bound, floats
-    from a standard normal."""
+    """Random inputs for ``case``: masks with its padding (each row keeping at least its
+    dim's floor), ids below their bound, floats from a standard normal."""
     rng = np.random.default_rng(seed)
+    floors = dim_floors(specs)
     feeds = {}
     for spec in specs:
         shape = tuple(_size(d, case.dims) for d in spec.dims)
         if spec.role == "mask":
-            feeds[spec.name] = _mask_values(spec, shape, case, rng)
+            least = floors.get(spec.dims[-1], 1) if spec.dims else 1
+            feeds[spec.name] = _mask_values(spec, shape, case, rng, least)
         elif spec.name in case.counted and len(shape) == 2:  # a generation loop's positions
             feeds[spec.name] = np.broadcast_to(COUNT_FROM + np.arange(shape[1]), shape
                                                ).astype(spec.dtype)

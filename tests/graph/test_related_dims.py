@@ -120,6 +120,34 @@ def test_shapes_below_the_floor_are_refused_in_one_line():
         parse_shapes("1:5", specs)
 
 
+def test_a_mask_over_raw_samples_keeps_the_floor_in_every_row():
+    """A HuBERT file with its attention mask over the raw samples (torch.onnx.export,
+    tests/fixtures/audio/make.py): a row keeping fewer samples than the conv stack needs
+    gets a negative length from the model (ScatterND "invalid indice -2" in ORT). Every
+    generated row keeps the floor (20 samples), at every padding, so validate runs at the
+    least size; a fully padded row keeps it too."""
+    import numpy as np
+
+    from mha_onnx.graph.inputs import ShapeCase, make_inputs
+    from tests.paths import ROOT
+
+    path = ROOT / "tests" / "fixtures" / "audio" / "hubert-mask.onnx"
+    specs = input_specs(onnx.load(path))
+    assert dict(specs[1].floors) == {"samples": 20}
+    for padding in ("some", "left", "full", "tail"):
+        case = ShapeCase("least", {"batch": 5, "samples": 20}, padding, pad_fraction=0.5)
+        mask = make_inputs(specs, case)["attention_mask"]
+        assert (mask.sum(-1) == 20).all(), padding
+        longer = make_inputs(specs, ShapeCase("x", {"batch": 5, "samples": 33}, padding,
+                                              pad_fraction=0.5))["attention_mask"]
+        assert (longer.sum(-1) >= 20).all() and (longer.sum(-1) < 33).any(), padding
+        if padding == "left":
+            assert np.array_equal(longer[:, -20:], np.ones((5, 20), longer.dtype))
+    result = CliRunner().invoke(main, ["validate", str(path), "--reference", str(path),
+                                       "--shapes", "3:20,3:24"])
+    assert result.exit_code == 0 and "PASSED" in result.output, result.output
+
+
 def test_input_lengths_at_which_computed_keys_cross_a_switch():
     from mha_onnx.rewrite.verify import input_length
 
