@@ -75,12 +75,12 @@ def accuracy_rows(models: dict[str, Path]) -> list[tuple]:
     from mha_onnx.generate import GenerationConfig, Generator
     from mha_onnx.graph.files import read_model
     from mha_onnx.quantize import accuracy
-    from mha_onnx.quantize.run import _decoder_feeds, _session_outputs
+    from mha_onnx.quantize.feeds import decoder_feeds, session_outputs
 
     base = next(iter(models.values()))
-    feeds, prompts = _decoder_feeds(read_model(base, load_external_data=False), str(base),
+    feeds, prompts = decoder_feeds(read_model(base, load_external_data=False), str(base),
                                     accuracy.PROMPTS, accuracy.PROMPT_LENGTH, seed=0)
-    want = _session_outputs(str(base), feeds)["logits"]
+    want = session_outputs(str(base), feeds)["logits"]
     settings = GenerationConfig(accuracy.NEW_TOKENS, eos=())
     starts = [p[:16] for p in prompts]
     with Generator(base) as generator:
@@ -89,7 +89,7 @@ def accuracy_rows(models: dict[str, Path]) -> list[tuple]:
     for label, path in list(models.items())[1:]:
         if label == DECODE:  # (the int4 file's computations: its tokens are tested equal)
             continue
-        got = _session_outputs(str(path), feeds)["logits"]
+        got = session_outputs(str(path), feeds)["logits"]
         kl, agree = accuracy.kl_top1(want, got)
         cosine = accuracy.output_error("logits", want, got).cosine
         with Generator(path) as generator:  # (GenAI's: read from its genai_config.json)

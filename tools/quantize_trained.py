@@ -35,11 +35,15 @@ VARIANTS = {  # name -> quantize's options
     "int4 RTN, first and last layers int8": ["--mixed", "first-last"],
     "int4 RTN, the embedding int8": ["--embeddings", "int8"],
     "int4 RTN, the embedding int4": ["--embeddings", "int4"],
+    "int4 GPTQ, block 32": ["--algorithm", "gptq", "--calibration", "CALIBRATION"],
+    "int4 GPTQ, block 128": ["--algorithm", "gptq", "--calibration", "CALIBRATION",
+                             "--block-size", "128"],
     "int4 RTN, block 128, --mixed auto": ["--block-size", "128", "--mixed", "auto"],
     "int4 RTN, --mixed auto under --max-kl 0.02": ["--mixed", "auto", "--max-kl", "0.02"],
 }
 WINDOW, WINDOWS = 128, 24
 EVAL_WINDOWS = 8  # held-out windows after the perplexity's: quantize --eval-prompts
+CALIBRATION_WINDOWS = 64  # of the training text, GPTQ's --calibration (CALIBRATION above)
 
 
 def held_out_windows(folder: Path, first: int, count: int) -> list[list[int]]:
@@ -50,18 +54,27 @@ def held_out_windows(folder: Path, first: int, count: int) -> list[list[int]]:
     return [ids[i:i + WINDOW] for i in range(first * WINDOW, (first + count) * WINDOW, WINDOW)]
 
 
+def calibration_windows(folder: Path) -> list[list[int]]:
+    """The training text's first CALIBRATION_WINDOWS windows of WINDOW tokens."""
+    from transformers import AutoTokenizer
+
+    text = docstrings()[0][:CALIBRATION_WINDOWS * WINDOW * 8]
+    ids = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+    return [ids[i:i + WINDOW] for i in range(0, CALIBRATION_WINDOWS * WINDOW, WINDOW)]
+
+
 def held_out_perplexity(path: Path, folder: Path) -> float:
     """exp(mean next-token cross-entropy) over WINDOWS windows of held-out text."""
     import onnx
 
     from mha_onnx.quantize import kv_cache
-    from mha_onnx.quantize.run import _decoder_feeds, _session_outputs
+    from mha_onnx.quantize.feeds import decoder_feeds, session_outputs
 
     windows = held_out_windows(folder, 0, WINDOWS)
     model = onnx.load(path, load_external_data=False)
-    feeds, _ = _decoder_feeds(model, str(path), len(windows), WINDOW, seed=0)
+    feeds, _ = decoder_feeds(model, str(path), len(windows), WINDOW, seed=0)
     feeds["input_ids"] = np.array(windows, feeds["input_ids"].dtype)
-    logits = _session_outputs(str(path), kv_cache.cache_feeds(model, feeds))["logits"]
+    logits = session_outputs(str(path), kv_cache.cache_feeds(model, feeds))["logits"]
     logits = logits[:, :-1].astype(np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
@@ -77,7 +90,10 @@ def run(args: argparse.Namespace) -> list[dict]:
              "perplexity": held_out_perplexity(float_path, args.folder)}]
     text = args.out / "eval-prompts.json"
     text.write_text(json.dumps(held_out_windows(args.folder, WINDOWS, EVAL_WINDOWS)))
+    calibration = args.out / "calibration.json"
+    calibration.write_text(json.dumps(calibration_windows(args.folder)))
     for name, options in VARIANTS.items():
+        options = [str(calibration) if o == "CALIBRATION" else o for o in options]
         path = args.out / name.split(",")[0].replace(" ", "-") / f"{len(rows)}.onnx"
         figures, report = _quantized(float_path, path, options)
         perplexity = held_out_perplexity(path, args.folder)
@@ -134,7 +150,9 @@ def page(rows: list[dict], folder: Path) -> str:
         "top-1 and greedy: what `quantize` gates on by default (its 4 random-id prompts of 64 "
         "tokens, against the float model); the gate: its defaults (KL <= 0.05, top-1 >= 0.80, "
         f"cosine >= 0.95). On held-out text: the same gate with `--eval-prompts` the next "
-        f"{EVAL_WINDOWS} held-out windows of {WINDOW} tokens.", "",
+        f"{EVAL_WINDOWS} held-out windows of {WINDOW} tokens. GPTQ's `--calibration`: the "
+        f"training text's first {CALIBRATION_WINDOWS} windows of {WINDOW} tokens (none of "
+        "the held-out text).", "",
         "| weights | bytes (x float) | held-out perplexity | KL (nats) | top-1 | greedy | "
         "default gate | KL on held-out text | gate on held-out text |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -65,8 +65,12 @@ def _prompts(path: str | None, model: str, option: str) -> list[list[int]] | Non
 @click.option("--accuracy-level", type=int, default=4, show_default=True,
               help="MatMulNBits' accuracy_level: 4 computes in int8 on the CPU (GenAI's "
                    "default), 0 in float.")
-@click.option("--algorithm", type=click.Choice(["rtn", "hqq"]), default="rtn",
-              show_default=True, help="ONNX Runtime's quantizer: RTN or HQQ (4 bits).")
+@click.option("--algorithm", type=click.Choice(["rtn", "hqq", "gptq"]), default="rtn",
+              show_default=True, help="RTN or HQQ (ONNX Runtime's quantizer), or GPTQ (int4 "
+              "whose rounding errors make up for each other on --calibration's activations).")
+@click.option("--calibration", "weight_calibration", default=None, metavar="PROMPTS.json",
+              help="With --algorithm gptq: text the model reads (JSON: token-id lists, or "
+                   "text read with the tokenizer beside MODEL), in windows of 128 tokens.")
 @click.option("--exclude", multiple=True, metavar="PATTERN",
               help="MatMul node or weight names kept float (fnmatch; repeat), e.g. "
                    "'*lm_head*'. Embeddings (Gather) always stay float.")
@@ -105,7 +109,7 @@ def _prompts(path: str | None, model: str, option: str) -> list[list[int]] | Non
 @click.pass_context
 def quantize(ctx, model, output, weights, embeddings, block_size, symmetric, accuracy_level, algorithm, exclude,
              mixed, kv_bits, calibration, eval_prompts, max_kl, min_top1, min_cosine, min_greedy,
-             no_sensitivity, no_check, force, as_json):
+             no_sensitivity, no_check, force, as_json, weight_calibration):
     """Quantize MODEL's MatMul weights with ONNX Runtime's quantizer (in every graph of a
     fused model) and measure it against MODEL: written when the accuracy holds (exit 1
     otherwise, nothing written)."""
@@ -114,6 +118,8 @@ def quantize(ctx, model, output, weights, embeddings, block_size, symmetric, acc
     from mha_onnx.quantize.run import quantize_file
     from mha_onnx.quantize.weights import QuantizeConfig
 
+    if weight_calibration and algorithm != "gptq":
+        raise ConfigError("--calibration feeds GPTQ's activations", hint="--algorithm gptq")
     if calibration and not kv_bits:
         raise ConfigError("--kv-calibration sets an int8 cache's scales", hint="--kv-bits 8")
     int8, first_last, sensitive = _mixed(mixed)
@@ -131,6 +137,8 @@ def quantize(ctx, model, output, weights, embeddings, block_size, symmetric, acc
                            progress=(lambda _: None) if as_json else (
                                lambda line: click.echo(f"[quantize] {line}", err=True)),
                            calibration=_prompts(calibration, model, "--kv-calibration"),
-                           prompts=_prompts(eval_prompts, model, "--eval-prompts"))
+                           prompts=_prompts(eval_prompts, model, "--eval-prompts"),
+                           weight_calibration=_prompts(weight_calibration, model,
+                                                       "--calibration"))
     emit(report, as_json)
     ctx.exit(0 if report.written and (no_check or report) else 1)

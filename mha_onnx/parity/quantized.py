@@ -135,14 +135,14 @@ def validate_quantized(path: str | Path, config) -> QuantizedValidation:
 def _against_torch(model: onnx.ModelProto, path: str, thresholds: accuracy.Thresholds):
     """A quantized `export --model` whose float export is gone: its logits against the
     folder's PyTorch model's (float32), on the accuracy run's prompts (no greedy run)."""
-    from mha_onnx.quantize.run import _decoder_feeds, _session_outputs
+    from mha_onnx.quantize.feeds import decoder_feeds, session_outputs
     from mha_onnx.reference.hf import HfReference
     from mha_onnx.rewrite.last_logits import at_last
 
     record = metadata.loaded(model, "hf_model") or {}
     torch = HfReference(record, "PyTorch")
-    feeds, _ = _decoder_feeds(model, path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH, seed=0)
-    got = _session_outputs(model, feeds)
+    feeds, _ = decoder_feeds(model, path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH, seed=0)
+    got = session_outputs(model, feeds)
     plain = {k: v for k, v in feeds.items() if k != "past_sequence_length"}
     for name, value in plain.items():  # PyTorch takes the appended interface: empty pasts
         if name.startswith("past_key_values."):  # (an int8 cache's: PyTorch's are float)
@@ -162,12 +162,12 @@ def _against_torch(model: onnx.ModelProto, path: str, thresholds: accuracy.Thres
 def _parity(path: str, model: onnx.ModelProto, provider: str) -> RuntimeParity:
     """The quantized model on ``provider`` against ORT CPU, on the accuracy run's inputs."""
     from mha_onnx.errors import ProviderError
-    from mha_onnx.quantize.run import _decoder_feeds, _generic_feeds, _is_decoder
+    from mha_onnx.quantize.feeds import decoder_feeds, generic_feeds, is_decoder
     from mha_onnx.runtime import make_runner
     from mha_onnx.runtime.ort import OrtRunner
 
-    feeds = _decoder_feeds(model, path, 2, 16, seed=1)[0] if _is_decoder(model, path) \
-        else _generic_feeds(model, seed=1)
+    feeds = decoder_feeds(model, path, 2, 16, seed=1)[0] if is_decoder(model, path) \
+        else generic_feeds(model, seed=1)
     try:
         with make_runner(path, provider) as runner:
             got = runner.infer(feeds)

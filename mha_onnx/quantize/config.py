@@ -8,7 +8,7 @@ from typing import Any
 
 from mha_onnx.errors import ConfigError
 
-ALGORITHMS = ("rtn", "hqq")
+ALGORITHMS = ("rtn", "hqq", "gptq")
 WEIGHTS = ("int4", "int8", "w8a8")
 EMBEDDINGS = ("float", "int4", "int8")
 
@@ -51,6 +51,9 @@ class QuantizeConfig:
             raise ConfigError(f"--algorithm {self.algorithm!r}", hint=" | ".join(ALGORITHMS))
         if self.embeddings not in EMBEDDINGS:
             raise ConfigError(f"--embeddings {self.embeddings!r}", hint=" | ".join(EMBEDDINGS))
+        if self.algorithm == "gptq" and (self.weights != "int4" or not self.symmetric):
+            raise ConfigError("GPTQ writes int4 symmetric blocks", hint="--weights int4 "
+                              "--symmetric (int8 rounds finely enough for RTN)")
         if self.algorithm == "hqq" and (self.weights != "int4" or self.int8 or self.first_last):
             raise ConfigError("HQQ quantizes to 4 bits only", hint="--algorithm rtn for int8")
 

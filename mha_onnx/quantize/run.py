@@ -27,11 +27,22 @@ import onnx
 from mha_onnx.errors import ConfigError
 from mha_onnx.graph import metadata
 from mha_onnx.quantize import accuracy, kv_cache
+from mha_onnx.quantize.calibrated import Quantizer
+from mha_onnx.quantize.feeds import (
+    EVAL_LENGTH,
+    calibration_batches,
+    check_prompts,
+    decoder_feeds,
+    eval_feeds,
+    generic_feeds,
+    is_decoder,
+    prompt_feeds,
+    session_outputs,
+)
 from mha_onnx.quantize.weights import QuantizeConfig, QuantizedWeights, quantize_weights
 
 log = logging.getLogger(__name__)
 INT8_CACHE_NOTE = "the KV cache in int8"  # how the report's note on it begins
-EVAL_LENGTH = 128  # the tokens of an --eval-prompts prompt measured (its first)
 
 
 @dataclass(frozen=True)
@@ -76,76 +87,6 @@ class QuantizeReport:
         return "\n".join(lines)
 
 
-def _session_outputs(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray]):
-    from mha_onnx.runtime.ort import OrtRunner
-
-    source = model if isinstance(model, str) else model.SerializeToString()
-    with OrtRunner(source) as runner:
-        return runner.infer({k: v for k, v in feeds.items() if k in runner.input_names})
-
-
-def _decoder_feeds(model: onnx.ModelProto, path: str, batch: int, length: int, seed: int):
-    """A decoder's prompt run: (feeds, prompts) for ``batch`` random prompts of ``length``
-    (fewer where a position table ends first), empty pasts of the cache's form."""
-    from mha_onnx.generate import read_interface
-
-    iface = read_interface(model, path)
-    if iface.position_limit:
-        length = min(length, iface.position_limit // 2)
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, iface.vocab, (batch, length)).tolist()
-    return _prompt_feeds(iface, prompts), prompts
-
-
-def _prompt_feeds(iface, prompts: list[list[int]]) -> dict[str, np.ndarray]:
-    """``prompts`` (of one length) as one run of the decoder ``iface`` describes, with
-    empty pasts of its cache's form."""
-    from mha_onnx.generate import prompt_feeds
-
-    feeds = prompt_feeds(prompts, iface, 0)
-    size = len(prompts[0]) if iface.shared else 0
-    for past, _ in iface.pasts:
-        feeds[past] = np.zeros((len(prompts), iface.kv_heads_of(past), size,
-                                iface.head_of(past)), iface.kv_dtype)
-    if iface.length_input:
-        feeds["past_sequence_length"] = np.array(0, np.int64)
-    return feeds
-
-
-def _generic_feeds(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
-    from mha_onnx.graph.inputs import case_for, input_specs, make_inputs
-
-    specs = input_specs(model)
-    return make_inputs(specs, case_for(specs, "accuracy", 2, [64], "none"), seed=seed)
-
-
-def _is_decoder(model: onnx.ModelProto, path: str) -> bool:
-    from mha_onnx.generate import read_interface
-
-    try:
-        read_interface(model, path)
-    except ConfigError:
-        return False
-    return True
-
-
-def _eval_feeds(model: onnx.ModelProto, path: str, prompts: list[list[int]]):
-    """``prompts`` (--eval-prompts) as the measure's batch: (feeds, prompts), each prompt
-    cut to the shortest one's length, at most EVAL_LENGTH tokens."""
-    from mha_onnx.generate import read_interface
-
-    iface = read_interface(model, path)
-    _check_prompts(iface, prompts, "--eval-prompts", run_whole=False)  # (cut below)
-    length = min(EVAL_LENGTH, *(len(p) for p in prompts),
-                 *([iface.position_limit // 2] if iface.position_limit else []))
-    if length < accuracy.GREEDY_FROM:
-        raise ConfigError(f"--eval-prompts: a prompt of {length} tokens",
-                          hint=f"{accuracy.GREEDY_FROM} or more each (greedy generation "
-                               "starts from their first tokens)")
-    cut = [p[:length] for p in prompts]
-    return _prompt_feeds(iface, cut), cut
-
-
 def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProto,
             thresholds: accuracy.Thresholds, *, sensitive: list[str] | None = None,
             config: QuantizeConfig | None = None, prompts: list[list[int]] | None = None,
@@ -154,18 +95,18 @@ def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProt
     docstring); ``sensitive``: the weights to quantize alone (with ``config``), named in
     the report by their first MatMul (by themselves with ``by_weight``); ``prompts``: a
     decoder's prompts (token ids) instead of random ones."""
-    decoder = _is_decoder(float_model, float_path)
+    decoder = is_decoder(float_model, float_path)
     if prompts and not decoder:
         raise ConfigError("--eval-prompts are for decoders", hint="leave it out: the model "
                           "runs generated inputs")
     if decoder:
-        feeds, prompts = _eval_feeds(float_model, float_path, prompts) if prompts else \
-            _decoder_feeds(float_model, float_path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH,
+        feeds, prompts = eval_feeds(float_model, float_path, prompts) if prompts else \
+            decoder_feeds(float_model, float_path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH,
                            seed=0)
     else:
-        feeds, prompts = _generic_feeds(float_model, seed=0), None
-    want = _session_outputs(float_path, feeds)
-    got = kv_cache.dequantized(quant, _session_outputs(quant, kv_cache.cache_feeds(quant, feeds)))
+        feeds, prompts = generic_feeds(float_model, seed=0), None
+    want = session_outputs(float_path, feeds)
+    got = kv_cache.dequantized(quant, session_outputs(quant, kv_cache.cache_feeds(quant, feeds)))
     errors, figures = accuracy.compare(want, got)
     report = accuracy.AccuracyReport(tuple(errors), figures.get("positions", 0),
                                      figures.get("kl_mean"), figures.get("kl_max"),
@@ -223,7 +164,7 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
             config_alone = replace(config, exclude=tuple(n for n in every
                                                          if n not in readers[weight]),
                                    int8=(), first_last=False)
-            return _session_outputs(quantize_weights(float_model, config_alone).model,
+            return session_outputs(quantize_weights(float_model, config_alone).model,
                                     feeds)["logits"]
 
         ranked = accuracy.sensitivity(weights, logits_of, want)
@@ -235,13 +176,15 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
                   sensitivity: bool = True, int8_most_sensitive: int = 0, check: bool = True,
                   force: bool = False, calibration: list[list[int]] | None = None,
                   prompts: list[list[int]] | None = None, mixed_auto: bool = False,
+                  weight_calibration: list[list[int]] | None = None,
                   progress: Callable[[str], None] = lambda _: None) -> QuantizeReport:
     """Quantize ``source`` into ``output``: written only when its accuracy passes (or
     ``check`` is False); ``int8_most_sensitive``: that many of the most sensitive MatMuls in
     8 bits (sensitivity measured first); ``mixed_auto``: the fewest of them kept wider for
     the thresholds to pass (auto.py); ``calibration``: token-id prompts whose cache sets
     an int8 cache's scales (``config.kv_bits``); ``prompts``: what the accuracy is measured
-    on (a decoder's; random ids where None)."""
+    on (a decoder's; random ids where None); ``weight_calibration``: token-id prompts
+    GPTQ's activations come from (``config.algorithm`` gptq)."""
     from mha_onnx.graph.files import prepare_output, read_model, write_model
 
     started = time.perf_counter()
@@ -250,15 +193,17 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     if config.kv_bits:
         kv_cache.require_shared(model)
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    first = quantize_weights(model, config)  # (refuses a quantized model, one without MatMul)
+    make = Quantizer(model, (lambda: calibration_batches(model, str(source), weight_calibration))
+                     if weight_calibration else None, progress)
+    first = make(config)  # (refuses a quantized model, one without MatMul)
     names = list(dict.fromkeys(t.weight for t in first.targets if t.bits))  # (weights)
     notes = list(first.notes)
     search = None
     if int8_most_sensitive or mixed_auto:
-        config, search, note = _widened(model, str(source), first, config, thresholds,
+        config, search, note = _widened(model, str(source), first, make, config, thresholds,
                                         int8_most_sensitive, prompts, progress)
         notes.append(note)
-        first = quantize_weights(model, config)
+        first = make(config)
     if config.kv_bits:
         notes.append(_int8_cache(model, str(source), first.model, calibration))
     report = measure(model, str(source), first.model, thresholds,
@@ -282,7 +227,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
                           search.trials if search else ())
 
 
-def _widened(model: onnx.ModelProto, source: str, first: QuantizedWeights,
+def _widened(model: onnx.ModelProto, source: str, first: QuantizedWeights, make: Quantizer,
              config: QuantizeConfig, thresholds: accuracy.Thresholds, count: int, prompts,
              progress: Callable[[str], None]):
     """(config, search, note): ``config`` with the ``count`` most sensitive weights in int8,
@@ -305,7 +250,7 @@ def _widened(model: onnx.ModelProto, source: str, first: QuantizedWeights,
                 + ", ".join(reader[w] for w in chosen))
 
     def trial(wider: QuantizeConfig) -> accuracy.AccuracyReport:
-        return measure(model, source, quantize_weights(model, wider).model, thresholds,
+        return measure(model, source, make(wider).model, thresholds,
                        prompts=prompts)
 
     search = auto.least(config, ranked, report, trial, progress)
@@ -323,33 +268,19 @@ def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,
     pairs = cache_pairs(model)
     if calibration:
         iface = read_interface(model, path)
-        _check_prompts(iface, calibration)
-        runs = [_prompt_feeds(iface, [prompt]) for prompt in calibration]
+        check_prompts(iface, calibration)
+        runs = [prompt_feeds(iface, [prompt]) for prompt in calibration]
         source = f"{len(calibration)} calibration prompt(s)"
     else:
-        runs = [_decoder_feeds(model, path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH,
+        runs = [decoder_feeds(model, path, accuracy.PROMPTS, accuracy.PROMPT_LENGTH,
                                seed=1)[0]]
         source = (f"{accuracy.PROMPTS} random prompts of {accuracy.PROMPT_LENGTH} tokens; "
                   "--kv-calibration PROMPTS.json for text like the model's")
-    scales = [kv_cache.calibrate(_session_outputs(path, feeds), pairs) for feeds in runs]
+    scales = [kv_cache.calibrate(session_outputs(path, feeds), pairs) for feeds in runs]
     kv_cache.quantize_cache(quant, {p: np.max([s[p] for s in scales], axis=0) for p in pairs})
     return (f"{INT8_CACHE_NOTE} per K/V head and channel, its scales from the float "
             f"model's cache over {source}: past and present buffers are int8, ORT's "
             "GroupQueryAttention reads and writes them")
-
-
-def _check_prompts(iface, prompts: list[list[int]], option: str = "--kv-calibration",
-                   run_whole: bool = True) -> None:
-    """Every token id in the vocabulary; with ``run_whole`` (the prompts are not cut to
-    fit: --kv-calibration's), every prompt within the position table."""
-    for n, prompt in enumerate(prompts):
-        bad = [t for t in prompt if not 0 <= t < iface.vocab]
-        if bad:
-            raise ConfigError(f"{option} prompt {n} has token id(s) outside the "
-                              f"vocabulary of {iface.vocab}: {bad[:5]}")
-        if run_whole and iface.position_limit and len(prompt) > iface.position_limit:
-            raise ConfigError(f"{option} prompt {n} ({len(prompt)} tokens) is longer "
-                              f"than the model's {iface.position_limit} positions")
 
 
 def _bytes(path: Path) -> int:

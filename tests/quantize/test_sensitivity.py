@@ -61,7 +61,8 @@ def test_one_session_gives_each_weight_the_kl_of_a_model_with_it_alone_quantized
     """A fused Llama (a packed Q/K/V weight two If branches share): float compute (accuracy
     level 0), so both ways multiply by the same weights."""
     from mha_onnx.quantize import accuracy
-    from mha_onnx.quantize.run import _decoder_feeds, _session_outputs, measure
+    from mha_onnx.quantize.feeds import decoder_feeds, session_outputs
+    from mha_onnx.quantize.run import measure
     from mha_onnx.rewrite import fuse_file
     from mha_onnx.rewrite.policy import FormPolicy
 
@@ -74,15 +75,15 @@ def test_one_session_gives_each_weight_the_kl_of_a_model_with_it_alone_quantized
     ranked = measure(model, str(path), made.model, accuracy.Thresholds(), sensitive=weights,
                      config=config).sensitivity
     assert len(ranked) == len(weights) == 11
-    feeds, _ = _decoder_feeds(model, str(path), accuracy.PROMPTS, accuracy.PROMPT_LENGTH, 0)
-    want = _session_outputs(str(path), feeds)["logits"]
+    feeds, _ = decoder_feeds(model, str(path), accuracy.PROMPTS, accuracy.PROMPT_LENGTH, 0)
+    want = session_outputs(str(path), feeds)["logits"]
     every = [t.node for t in made.targets]
     for node, kl in ranked:
         weight = next(t.weight for t in made.targets if t.node == node)
         readers = {t.node for t in made.targets if t.weight == weight}
         alone = quantize_weights(model, QuantizeConfig(
             accuracy_level=0, exclude=tuple(n for n in every if n not in readers))).model
-        got = _session_outputs(alone, feeds)["logits"]
+        got = session_outputs(alone, feeds)["logits"]
         assert kl == pytest.approx(float(accuracy.kl_top1(want, got)[0].mean()), rel=1e-3)
     assert ranked[0][1] > ranked[-1][1] > 0
 
