@@ -22,7 +22,37 @@ import sys
 from pathlib import Path
 
 
+def readable(folder: Path, into: Path) -> Path:
+    """``folder`` copied into ``into`` as the converter (transformers < 5 beside it) reads
+    it: transformers 5 writes ``TokenizersBackend`` as the tokenizer class and the rotary
+    base under ``rope_parameters``."""
+    import json
+    import shutil
+
+    copy = into / folder.name
+    shutil.copytree(folder, copy, dirs_exist_ok=True)
+    settings = copy / "tokenizer_config.json"
+    if settings.is_file():
+        data = json.loads(settings.read_text())
+        if data.get("tokenizer_class") == "TokenizersBackend":
+            data["tokenizer_class"] = "PreTrainedTokenizerFast"
+        settings.write_text(json.dumps(data))
+    config = json.loads((copy / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    (copy / "config.json").write_text(json.dumps(config, indent=1))
+    return copy
+
+
 def convert(source: Path, folder: Path, out: Path) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gguf_anchor_") as tmp:
+        _convert(source, readable(folder, Path(tmp)), out)
+
+
+def _convert(source: Path, folder: Path, out: Path) -> None:
     sys.path[:0] = [str(source), str(source / "gguf-py")]
     import conversion.base as base  # (the converter's own package, from ``source``)
 

@@ -4,7 +4,13 @@ logits are peaked: the file each writes, its held-out perplexity on text the mod
 figures `quantize` gates on (KL, top-1, greedy, over its random-id prompts). One table,
 written to docs with the command.
 
-    .venv/bin/python tools/quantize_trained.py --out /tmp/qt --page docs/quantize-trained.md
+    .venv/bin/python tools/quantize_trained.py --out /tmp/qt --page docs/quantize-trained.md \
+        [--llama-cpp LLAMA_CPP_SRC]
+
+With --llama-cpp (the ``vendor/llama.cpp`` folder of llama-cpp-python's sdist, as
+tools/gguf_anchor.py takes it; ``.venv-optimum`` and ``.venv-llama``), llama.cpp's own
+conversion of the folder and its Q4_0 join the table: bytes against llama.cpp's float file,
+perplexity on the same held-out windows through llama.cpp (tools/gguf_perplexity.py).
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ VARIANTS = {  # name -> quantize's options
     "int4 GPTQ, block 32": ["--algorithm", "gptq", "--calibration", "CALIBRATION"],
     "int4 GPTQ, block 128": ["--algorithm", "gptq", "--calibration", "CALIBRATION",
                              "--block-size", "128"],
+    "int4 GPTQ, block 64, the LM head int8": ["--algorithm", "gptq", "--calibration",
+                                              "CALIBRATION", "--block-size", "64",
+                                              "--mixed", "*lm_head*"],
+    "int4 GPTQ, block 128, the LM head int8": ["--algorithm", "gptq", "--calibration",
+                                               "CALIBRATION", "--block-size", "128",
+                                               "--mixed", "*lm_head*"],
     "int4 RTN, block 128, --mixed auto": ["--block-size", "128", "--mixed", "auto"],
     "int4 RTN, --mixed auto under --max-kl 0.02": ["--mixed", "auto", "--max-kl", "0.02"],
 }
@@ -107,6 +119,30 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def llama_cpp_rows(args: argparse.Namespace) -> list[dict]:
+    """llama.cpp's conversion of the folder (float32) and its Q4_0 (tools/gguf_anchor.py),
+    the held-out perplexity of each through llama.cpp itself (tools/gguf_perplexity.py)."""
+    if args.llama_cpp is None:
+        return []
+    out = args.out / "gguf" / "q4_0.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(ROOT / ".venv-optimum" / "bin" / "python"), "-m", "tools.gguf_anchor",
+                    str(args.llama_cpp), str(args.folder), str(out)], cwd=ROOT, check=True,
+                   capture_output=True)
+    windows = args.out / "held-out.json"
+    windows.write_text(json.dumps(held_out_windows(args.folder, 0, WINDOWS)))
+    floated = out.with_name("q4_0-f32.gguf")
+    rows = []
+    for name, path in (("llama.cpp float32 (its GGUF conversion)", floated),
+                       ("llama.cpp Q4_0 (its quantizer's default for Q4_0)", out)):
+        done = subprocess.run([str(ROOT / ".venv-llama" / "bin" / "python"), "-m",
+                               "tools.gguf_perplexity", str(path), str(windows)], cwd=ROOT,
+                              check=True, capture_output=True, text=True)
+        rows.append({"name": name, "ratio": path.stat().st_size / floated.stat().st_size,
+                     "perplexity": json.loads(done.stdout.splitlines()[-1])["perplexity"]})
+    return rows
+
+
 def _quantized(source: Path, path: Path, options: list[str]) -> tuple[dict, dict]:
     """`quantize`'s accuracy figures and report for ``options`` (written either way, but
     by --mixed auto, which writes what passes)."""
@@ -131,7 +167,7 @@ def _verdict(figures: dict) -> str:
     return "passes" if figures["passed"] else "fails: " + "; ".join(figures["failures"])[:80]
 
 
-def page(rows: list[dict], folder: Path) -> str:
+def page(rows: list[dict], folder: Path, llama_cpp: Path | None = None) -> str:
     from mha_onnx.runtime.machine import machine_info
 
     record = json.loads((folder / "training.json").read_text())
@@ -145,14 +181,18 @@ def page(rows: list[dict], folder: Path) -> str:
         f"held-out perplexity {record['held_out_perplexity']} against a uniform "
         f"{record['uniform_perplexity']}).", "",
         "```", ".venv/bin/python tools/quantize_trained.py --out /tmp/qt "
-        "--page docs/quantize-trained.md", "```", "",
+        "--page docs/quantize-trained.md" + (f" --llama-cpp {llama_cpp}" if llama_cpp else ""),
+        "```", "",
         f"Held-out perplexity: the held-out text in {WINDOWS} windows of {WINDOW} tokens. KL, "
         "top-1 and greedy: what `quantize` gates on by default (its 4 random-id prompts of 64 "
         "tokens, against the float model); the gate: its defaults (KL <= 0.05, top-1 >= 0.80, "
         f"cosine >= 0.95). On held-out text: the same gate with `--eval-prompts` the next "
         f"{EVAL_WINDOWS} held-out windows of {WINDOW} tokens. GPTQ's `--calibration`: the "
         f"training text's first {CALIBRATION_WINDOWS} windows of {WINDOW} tokens (none of "
-        "the held-out text).", "",
+        "the held-out text)." + (" llama.cpp rows: its own conversion and quantizer "
+                                  "(tools/gguf_anchor.py), bytes against its float GGUF, "
+                                  "perplexity through llama.cpp on the same windows."
+                                  if llama_cpp else ""), "",
         "| weights | bytes (x float) | held-out perplexity | KL (nats) | top-1 | greedy | "
         "default gate | KL on held-out text | gate on held-out text |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -176,9 +216,12 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=ROOT / "tests/fixtures/trained/llama")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--page", type=Path)
+    parser.add_argument("--llama-cpp", type=Path, default=None, metavar="SRC",
+                        help="llama-cpp-python's vendor/llama.cpp (tools/gguf_anchor.py): "
+                             "rows for llama.cpp's float and Q4_0 conversions too")
     args = parser.parse_args()
     args.folder = args.folder.resolve()
-    text = page(run(args), args.folder)
+    text = page(run(args) + llama_cpp_rows(args), args.folder, args.llama_cpp)
     if args.page:
         args.page.write_text(text)
     print(text)

@@ -41,8 +41,9 @@ class Quantizer:
                  batches: Callable[[], list[dict[str, np.ndarray]]] | None,
                  progress: Callable[[str], None] = lambda _: None) -> None:
         self.model, self.batches, self.progress = model, batches, progress
-        self._base: onnx.ModelProto | None = None
+        self._base = onnx.ModelProto()
         self._sums: dict[str, np.ndarray] | None = None
+        self._rows = 0
 
     def __call__(self, config: QuantizeConfig) -> QuantizedWeights:
         made = quantize_weights(self.model, config)
@@ -53,7 +54,7 @@ class Quantizer:
                               hint="--calibration PROMPTS.json (a decoder's prompts: token-id "
                                    "lists, or text read with the tokenizer beside MODEL)")
         weights = list(dict.fromkeys(t.weight for t in made.targets if t.bits == 4))
-        sums = self._hessians(weights)
+        sums = self._hessians([t.weight for t in made.targets if t.bits])
         done = gptq.rewrite(made.model, self._base, {w: sums[w] for w in weights if w in sums},
                             config.block_size)
         left = len(weights) - len(done)
@@ -63,7 +64,10 @@ class Quantizer:
         return replace(made, notes=(*made.notes, note))
 
     def _hessians(self, weights: list[str]) -> dict[str, np.ndarray]:
+        """X^T X of ``weights`` (every weight the first model quantizes: --mixed's later
+        ones quantize no more of them in 4 bits), computed on the first call."""
         if self._sums is None:
+            weights = list(dict.fromkeys(weights))
             base = onnx.ModelProto.FromString(self.model.SerializeToString())
             cut_slices(base)  # (the weights' names as quantize_weights gives them)
             untie_transposes(base)
