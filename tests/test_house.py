@@ -1,7 +1,8 @@
 """The house rules (CONTRIBUTING.md, rules 2, 5, 6, 12) that code can check: imports point one
 way (no cycles, lazy imports inside functions included; packages in layers, ARCHITECTURE.md),
 modules stay small and functions short, rewrite/ parses no labels (no regular expressions)
-and uses the ONNX libraries' public APIs only."""
+and uses the ONNX libraries' public APIs only, the delivery packages edit graphs through
+onnx-ir alone."""
 
 from __future__ import annotations
 
@@ -127,6 +128,21 @@ def test_no_private_api_of_onnx_runtime_or_the_onnx_libraries():
         ours = [m for m in modules if m.split(".")[0] in libraries]
         private = [m for m in ours if "._" in m or m.startswith("onnxruntime.tools")]
         assert not private, f"{path.relative_to(PACKAGE)} imports {private}"
+
+
+def test_delivery_edits_graphs_through_onnx_ir_only():
+    """quantize/, tune/ and generate/ edit graphs with onnx-ir, never onnx.helper's
+    NodeProto builders (one graph API; numpy_helper's tensor conversions are fine)."""
+    for package in ("quantize", "tune", "generate"):
+        for path in (PACKAGE / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            helper = [node.lineno for node in ast.walk(tree)
+                      if isinstance(node, ast.ImportFrom) and node.module == "onnx"
+                      and any(alias.name == "helper" for alias in node.names)]
+            helper += [node.lineno for node in ast.walk(tree)
+                       if isinstance(node, ast.Attribute) and node.attr == "helper"
+                       and isinstance(node.value, ast.Name) and node.value.id == "onnx"]
+            assert not helper, f"{path.relative_to(PACKAGE)} uses onnx.helper (line {helper})"
 
 
 # Tests of more than one stage (a KV cache from export to profile; property tests over

@@ -142,6 +142,8 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
     """Each weight quantized alone (sensitivity.py: in one session, fed as the quantized
     model reads it back; a weight that is not the main graph's, in a model of its own with
     every MatMul reading it quantized as ``config`` says); by the first MatMul reading it."""
+    import onnx_ir as ir
+
     from mha_onnx.quantize import sensitivity
     from mha_onnx.quantize.weights import cut_slices, targets, untie_transposes
     from mha_onnx.runtime.ort import OrtRunner
@@ -154,8 +156,9 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
         readers.setdefault(target.weight, []).append(target.node)
     every = [node for nodes in readers.values() for node in nodes]
     values = sensitivity.read_back(quant, weights)
-    fed = sensitivity.overridable(base, [w for w in weights if w in values])
-    with OrtRunner(base.SerializeToString()) as runner:
+    overriding = ir.from_proto(base)
+    fed = sensitivity.overridable(overriding, [w for w in weights if w in values])
+    with OrtRunner(ir.to_proto(overriding).SerializeToString()) as runner:
         plain = {k: v for k, v in feeds.items() if k in runner.input_names}
 
         def logits_of(weight: str) -> np.ndarray:

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
+from onnx import numpy_helper
 
 from mha_onnx.graph.walk import all_graphs, all_nodes, attr
 from mha_onnx.quantize import w8a8 as row_int8
@@ -74,17 +75,15 @@ def read_back(quant: onnx.ModelProto, weights: Sequence[str]) -> dict[str, np.nd
     return found
 
 
-def overridable(model: onnx.ModelProto, weights: Sequence[str]) -> list[str]:
+def overridable(model: ir.Model, weights: Sequence[str]) -> list[str]:
     """Each of ``weights`` that is an initializer of ``model``'s main graph made a graph
     input too (fed, it is used instead of the initializer), in place; those names."""
-    tensors = {t.name: t for t in model.graph.initializer}
-    taken = {i.name for i in model.graph.input}
+    graph = model.graph
     made = []
     for name in dict.fromkeys(weights):
-        tensor = tensors.get(name)
-        if tensor is None or name in taken:
+        value = graph.initializers.get(name)
+        if value is None or value in graph.inputs:
             continue
-        model.graph.input.append(helper.make_tensor_value_info(name, tensor.data_type,
-                                                               list(tensor.dims)))
+        graph.inputs.append(value)
         made.append(name)
     return made
