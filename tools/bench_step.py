@@ -72,7 +72,7 @@ import json, sys, time
 import numpy as np
 from llama_cpp import Llama
 threads = int(sys.argv[2])
-llm = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[3]), n_threads=threads, n_threads_batch=threads,
             n_batch=512, verbose=False, logits_all=False)
 eos = llm.token_eos()
 for line in sys.stdin:
@@ -92,7 +92,9 @@ LLAMA = LLAMA.replace("for line in sys.stdin:", "def _ban(scores):\n    scores[e
                       "    return scores\n\nfor line in sys.stdin:", 1)
 
 
-def workers(folder: Path, threads: int, also: list[str]) -> dict[str, list[str]]:
+def workers(folder: Path, threads: int, also: list[str], context: int = 2048
+            ) -> dict[str, list[str]]:
+    """Each engine's worker command; ``context``: llama.cpp's context size."""
     def ours(model: Path) -> list[str]:
         return [str(ROOT / ".venv/bin/python"), "-c", OURS, str(model), str(threads)]
 
@@ -102,7 +104,8 @@ def workers(folder: Path, threads: int, also: list[str]) -> dict[str, list[str]]
                                                  GENAI, str(folder / "genai-int4"),
                                                  str(threads)],
         "llama.cpp (llama-cpp-python, Q4_0)": [str(ROOT / ".venv-llama/bin/python"), "-c", LLAMA,
-                                               str(folder / "llama16-q4_0.gguf"), str(threads)],
+                                               str(folder / "llama16-q4_0.gguf"), str(threads),
+                                               str(context)],
         **{f"mha-onnx generate ({label})": ours(Path(path).resolve())
            for label, _, path in (a.partition("=") for a in also)},
     }
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {"OMP_NUM_THREADS": str(args.threads), "PATH": "/usr/bin:/bin"}
     procs = {name: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
-             for name, cmd in workers(args.dir, args.threads, args.also).items()}
+             for name, cmd in workers(args.dir, args.threads, args.also,
+                                      max(2048, args.prompt + args.steps + 16)).items()}
     names = list(procs)
     results: dict[str, list[dict]] = {n: [] for n in names}
     request = json.dumps([ids, args.steps]) + "\n"
@@ -140,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
             procs[name].stdin.write(request)
             procs[name].stdin.flush()
-            results[name].append(json.loads(procs[name].stdout.readline()))
+            line = procs[name].stdout.readline()
+            if not line:
+                raise SystemExit(f"{name}'s worker stopped at a {args.prompt}-token prompt "
+                                 f"(run its command alone to see why: {procs[name].args[:1]})")
+            results[name].append(json.loads(line))
             time.sleep(0.5)
     for proc in procs.values():
         proc.stdin.close()
