@@ -34,8 +34,7 @@ def windows(prompts: Sequence[Sequence[int]], length: int) -> list[list[int]]:
 
 class Quantizer:
     """``quantizer(config)``: quantize_weights(model, config), then GPTQ where asked.
-    ``batches()``: the calibration runs' feeds (a decoder's prompts), None where the model
-    has none."""
+    ``batches()``: the calibration runs' feeds, None where none were given."""
 
     def __init__(self, model: onnx.ModelProto,
                  batches: Callable[[], list[dict[str, np.ndarray]]] | None,
@@ -51,8 +50,8 @@ class Quantizer:
             return made
         if self.batches is None:
             raise ConfigError("--algorithm gptq needs text the model reads",
-                              hint="--calibration PROMPTS.json (a decoder's prompts: token-id "
-                                   "lists, or text read with the tokenizer beside MODEL)")
+                              hint="--calibration PROMPTS.json (token-id lists, or text read "
+                                   "with the tokenizer beside MODEL)")
         weights = list(dict.fromkeys(t.weight for t in made.targets if t.bits == 4))
         sums = self._hessians([t.weight for t in made.targets if t.bits])
         done = gptq.rewrite(made.model, self._base, {w: sums[w] for w in weights if w in sums},

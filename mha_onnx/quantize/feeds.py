@@ -98,10 +98,14 @@ def check_prompts(iface, prompts: list[list[int]], option: str = "--kv-calibrati
 
 
 def calibration_batches(model: onnx.ModelProto, path: str, prompts: list[list[int]]):
-    """--calibration's prompts as a decoder's prompt runs: their tokens in windows of
-    calibrated.WINDOW (half the position table where it is shorter), BATCH a run."""
+    """--calibration's prompts as runs of the model: their tokens in windows of
+    calibrated.WINDOW (half the position table where it is shorter), BATCH a run; a
+    decoder's prompt runs (empty pasts), any other model's generated inputs (no padding)
+    with the windows as its ``input_ids``."""
     from mha_onnx.generate import read_interface
 
+    if not is_decoder(model, path):
+        return _encoder_batches(model, prompts)
     iface = read_interface(model, path)
     check_prompts(iface, prompts, "--calibration", run_whole=False)
     length = min([calibrated.WINDOW, *([iface.position_limit // 2] if iface.position_limit
@@ -109,3 +113,26 @@ def calibration_batches(model: onnx.ModelProto, path: str, prompts: list[list[in
     cut = calibrated.windows(prompts, length)
     return [prompt_feeds(iface, cut[i:i + calibrated.BATCH])
             for i in range(0, len(cut), calibrated.BATCH)]
+
+
+def _encoder_batches(model: onnx.ModelProto, prompts: list[list[int]]):
+    from mha_onnx.graph.inputs import case_for, input_specs, make_inputs
+
+    specs = input_specs(model)
+    ids = next((s for s in specs if s.name == "input_ids" and s.dtype.kind in "iu"), None)
+    if ids is None:
+        raise ConfigError("--calibration: the model takes no input_ids",
+                          hint="GPTQ calibrates models that read token ids")
+    bad = [t for p in prompts for t in p if not 0 <= t < ids.bound]
+    if bad:
+        raise ConfigError(f"--calibration has token id(s) outside the vocabulary of "
+                          f"{ids.bound}: {bad[:5]}")
+    cut = calibrated.windows(prompts, calibrated.WINDOW)
+    runs = []
+    for start in range(0, len(cut), calibrated.BATCH):
+        rows = cut[start:start + calibrated.BATCH]
+        feeds = make_inputs(specs, case_for(specs, "calibration", len(rows), [len(rows[0])],
+                                            "none", lift=False))
+        feeds["input_ids"] = np.array(rows, ids.dtype).reshape(feeds["input_ids"].shape)
+        runs.append(feeds)
+    return runs

@@ -108,3 +108,29 @@ def test_gptq_on_the_trained_fixture(tmp_path):
                  ["--calibration", given]):
         refused = _cli("quantize", EXPORTED, "-o", tmp_path / "x.onnx", *args)
         assert refused.exit_code == 2, (args, refused.output)
+
+
+def test_an_encoder_calibrates_on_its_input_ids(tmp_path):
+    """Optimum's BERT (nobody here wrote it): --calibration's windows as its input_ids
+    (mask all ones, token types zero); every weight calibrated, the output nearer the float
+    model's than RTN's; ids past the vocabulary refused."""
+    from tests.paths import OPTIMUM
+
+    source = OPTIMUM / "bert" / "model.onnx"
+    given = tmp_path / "ids.json"
+    given.write_text(json.dumps([list(np.random.default_rng(0).integers(3, 90, 512))],
+                                default=int))
+    errors = {}
+    for algorithm in ("rtn", "gptq"):
+        extra = ["--calibration", given] if algorithm == "gptq" else []
+        made = _cli("quantize", source, "-o", tmp_path / f"{algorithm}.onnx", "--algorithm",
+                    algorithm, *extra, "--no-sensitivity", "--no-check", "--json")
+        assert made.exit_code == 0, made.output
+        report = json.loads(made.output)
+        errors[algorithm] = report["accuracy"]["outputs"][0]["mean_abs"]
+    assert any(n.startswith("GPTQ: 12 weight(s)") for n in report["notes"]), report["notes"]
+    assert errors["gptq"] < errors["rtn"], errors
+    given.write_text(json.dumps([[5, 100000]]))
+    refused = _cli("quantize", source, "-o", tmp_path / "x.onnx", "--algorithm", "gptq",
+                   "--calibration", given)
+    assert refused.exit_code == 2 and "vocabulary" in refused.output, refused.output
