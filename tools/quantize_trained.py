@@ -66,6 +66,25 @@ def held_out_windows(folder: Path, first: int, count: int) -> list[list[int]]:
     return [ids[i:i + WINDOW] for i in range(first * WINDOW, (first + count) * WINDOW, WINDOW)]
 
 
+def decode_step(path: Path, folder: Path, steps: int = 64, rounds: int = 3) -> float:
+    """Median ms per generated token at batch 1 after a 128-token held-out prompt
+    (generate's loop, 2 threads), the median over ``rounds``."""
+    import time
+
+    from mha_onnx.generate import GenerationConfig, Generator
+
+    prompt = held_out_windows(folder, 0, 1)[0]
+    medians = []
+    with Generator(str(path), threads=2) as generator:
+        for _ in range(rounds + 1):  # (the first warms)
+            stamps: list[float] = []
+            generator.generate([prompt], GenerationConfig(max_new_tokens=steps + 1, eos=()),
+                               on_step=lambda done, total, into=stamps: into.append(
+                                   time.perf_counter()))
+            medians.append(float(np.median(np.diff(stamps))) * 1e3)
+    return float(np.median(medians[1:]))
+
+
 def calibration_windows(folder: Path) -> list[list[int]]:
     """The training text's first CALIBRATION_WINDOWS windows of WINDOW tokens."""
     from transformers import AutoTokenizer
@@ -99,7 +118,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     subprocess.run([CLI, "export", "--model", str(args.folder), "-o", str(float_path),
                     "--force"], check=True, capture_output=True)
     rows = [{"name": "float32", "ratio": 1.0,
-             "perplexity": held_out_perplexity(float_path, args.folder)}]
+             "perplexity": held_out_perplexity(float_path, args.folder),
+             "step": decode_step(float_path, args.folder)}]
     text = args.out / "eval-prompts.json"
     text.write_text(json.dumps(held_out_windows(args.folder, WINDOWS, EVAL_WINDOWS)))
     calibration = args.out / "calibration.json"
@@ -109,13 +129,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         path = args.out / name.split(",")[0].replace(" ", "-") / f"{len(rows)}.onnx"
         figures, report = _quantized(float_path, path, options)
         perplexity = held_out_perplexity(path, args.folder)
+        step = decode_step(path, args.folder)
         on_text, _ = _quantized(float_path, path, [*options, "--eval-prompts", str(text)])
         rows.append({"name": name, "ratio": report["bytes"]["quantized"]
                      / report["bytes"]["float"], "perplexity": perplexity,
                      "kl": figures["kl_mean"], "top1": figures["top1"],
                      "greedy": figures["greedy"], "gate": _verdict(figures),
                      "text_kl": on_text["kl_mean"], "text_gate": _verdict(on_text),
-                     "kept": _kept(report)})
+                     "kept": _kept(report), "step": step})
     return rows
 
 
@@ -187,15 +208,18 @@ def page(rows: list[dict], folder: Path, llama_cpp: Path | None = None) -> str:
         "top-1 and greedy: what `quantize` gates on by default (its 4 random-id prompts of 64 "
         "tokens, against the float model); the gate: its defaults (KL <= 0.05, top-1 >= 0.80, "
         f"cosine >= 0.95). On held-out text: the same gate with `--eval-prompts` the next "
-        f"{EVAL_WINDOWS} held-out windows of {WINDOW} tokens. GPTQ's `--calibration`: the "
+        f"{EVAL_WINDOWS} held-out windows of {WINDOW} tokens. Decode: ms per token at batch "
+        "1 after a 128-token prompt (generate's loop, 2 threads, median of 3 runs of 64): a "
+        "model this small steps in fractions of a millisecond, mostly the loop's own cost; "
+        "the 16-layer model's steps are in docs/guide/serve.md. GPTQ's `--calibration`: the "
         f"training text's first {CALIBRATION_WINDOWS} windows of {WINDOW} tokens (none of "
         "the held-out text)." + (" llama.cpp rows: its own conversion and quantizer "
                                   "(tools/gguf_anchor.py), bytes against its float GGUF, "
                                   "perplexity through llama.cpp on the same windows."
                                   if llama_cpp else ""), "",
         "| weights | bytes (x float) | held-out perplexity | KL (nats) | top-1 | greedy | "
-        "default gate | KL on held-out text | gate on held-out text |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "default gate | KL on held-out text | gate on held-out text | decode ms/token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = [f"- {row['name']}: the {row['kept']} (one fewer was measured failing the "
              "gate)" for row in rows if row.get("kept")]
     for row in rows:
@@ -203,7 +227,8 @@ def page(rows: list[dict], folder: Path, llama_cpp: Path | None = None) -> str:
         cells += [f"{row[k]:.4f}" if row.get(k) is not None else "-"
                   for k in ("kl", "top1", "greedy")] + [row.get("gate", "-")]
         cells += [f"{row['text_kl']:.4f}" if row.get("text_kl") is not None else "-",
-                  row.get("text_gate", "-")]
+                  row.get("text_gate", "-"),
+                  f"{row['step']:.3f}" if row.get("step") is not None else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     if notes:
         lines += ["", "`--mixed auto` rows (the gate's run and the held-out text's each search "
