@@ -248,7 +248,8 @@ def _each_quantized(made: dict[Path, Path], cfg: HfExportConfig, notes: list[str
             kept.append(str(floated))
         raise FusionError(f"{exc.message}; the float model kept: {', '.join(kept)}",
                           hint=f"`mha-onnx quantize {kept[-1]} -o ...` takes the thresholds, "
-                               "--exclude and --mixed") from exc
+                               "--exclude, --mixed (auto: the fewest weights kept in int8 to "
+                               "pass) and --algorithm gptq --calibration TEXT") from exc
 
 
 def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],

@@ -221,9 +221,10 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
         size = _bytes(write_model(first.model, output, force=force))
         notes += _genai(source, output)
     if not write:
-        notes.append("past the accuracy thresholds: nothing was written (--exclude or --mixed "
-                     "the sensitive MatMuls, int8, a smaller --block-size, or loosen the "
-                     "thresholds; --no-check writes it anyway)")
+        notes.append("past the accuracy thresholds: nothing was written (--mixed auto keeps "
+                     "the fewest sensitive MatMuls in int8; or --exclude them, int8, "
+                     "--algorithm gptq --calibration TEXT, a smaller --block-size, or loosen "
+                     "the thresholds; --no-check writes it anyway)")
     return QuantizeReport(str(source), str(output), config, report, first.matmuls(),
                           (_bytes(Path(source)), size or first.model.ByteSize()),
                           write, time.perf_counter() - started, tuple(notes),
