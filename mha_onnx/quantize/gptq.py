@@ -111,11 +111,18 @@ def _unique(graph: ir.Graph) -> None:
 
 
 def _inline(graph: ir.Graph, node: ir.Node, then: bool) -> None:
+    """``node`` (an If of ``graph``) replaced by its ``then`` or else branch: the branch's
+    nodes and initializers (renamed where ``graph`` has the name) moved up."""
     branch = node.attributes["then_branch" if then else "else_branch"].as_graph()
     nodes, outputs = list(branch), list(branch.outputs)
     branch.outputs.clear()
     for inner in nodes:
         branch.remove(inner)
+    for name, value in list(branch.initializers.items()):
+        del branch.initializers[name]
+        if name in graph.initializers:
+            value.name = f"{name}_inlined{len(graph.initializers)}"
+        graph.register_initializer(value)
     graph.insert_before(node, nodes)
     for old, new in zip(node.outputs, outputs, strict=True):
         old.replace_all_uses_with(new, replace_graph_outputs=True)

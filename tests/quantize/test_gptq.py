@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from click.testing import CliRunner
 
 from mha_onnx.cli import main
@@ -61,8 +62,6 @@ def test_outputs_move_less_than_under_rtn():
 
 
 def test_the_if_free_copy_computes_what_the_model_does():
-    import onnx_ir as ir
-
     from mha_onnx.quantize.feeds import decoder_feeds, session_outputs
     from mha_onnx.runtime.ort import OrtRunner
 
@@ -134,3 +133,30 @@ def test_an_encoder_calibrates_on_its_input_ids(tmp_path):
     refused = _cli("quantize", source, "-o", tmp_path / "x.onnx", "--algorithm", "gptq",
                    "--calibration", given)
     assert refused.exit_code == 2 and "vocabulary" in refused.output, refused.output
+
+
+def test_branches_with_initializers_of_one_name_flatten_apart():
+    """Sibling branches (Optimum's merged decoders, other exporters) may each hold an
+    initializer of the same name: each moves up under a name of its own."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from mha_onnx.quantize.feeds import session_outputs
+
+    def branch(tag: str, value: float) -> onnx.GraphProto:
+        return helper.make_graph(
+            [helper.make_node("Add", ["x", "k"], [f"y{tag}"])], tag, [],
+            [helper.make_tensor_value_info(f"y{tag}", TensorProto.FLOAT, [2])],
+            [numpy_helper.from_array(np.full(2, value, np.float32), "k")])
+
+    ifs = [helper.make_node("If", ["c"], [f"out{i}"], then_branch=branch(f"t{i}", 1.0 + i),
+                            else_branch=branch(f"e{i}", -1.0)) for i in range(2)]
+    graph = helper.make_graph(ifs, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+                                         helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, [2])
+                               for i in range(2)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    feeds = {"x": np.zeros(2, np.float32), "c": np.array(True)}
+    flat = gptq.flattened(model, lambda proto, names: {
+        n: session_outputs(proto, feeds)[n] for n in names})
+    got = session_outputs(ir.to_proto(flat), feeds)
+    assert got["out0"].tolist() == [1.0, 1.0] and got["out1"].tolist() == [2.0, 2.0]
