@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 from tests.paths import ROOT
 
-TRAINED = ROOT / "tests" / "fixtures" / "trained" / "llama"
+TRAINED = ROOT / "tests" / "fixtures" / "trained" / "llama"  # (bert beside it: the encoder)
 
 
 def _cli(*args):
@@ -115,3 +115,30 @@ def test_mixed_auto_keeps_the_fewest_sensitive_weights_wider(tmp_path):
     refused = _cli("quantize", exported, "-o", tmp_path / "x.onnx", "--mixed", "auto",
                    "--no-check")
     assert refused.exit_code == 2 and "--no-check" in refused.output, refused.output
+
+
+def test_the_trained_encoder_quantizes_every_weight_and_gptq_moves_it_less(tmp_path):
+    """The trained BERT-like encoder (tests/fixtures/trained/bert, tools/train_encoder.py;
+    its fused export in bert-onnx): the default int4 passes the gate with every MatMul in
+    4 bits (the packed Q/K/V inside the fused forms too), and GPTQ calibrated on training
+    text moves last_hidden_state less than RTN."""
+    from tokenizers import Tokenizer
+
+    from tools.train_fixture import docstrings
+
+    encoder = TRAINED.parent / "bert"
+    record = json.loads((encoder / "training.json").read_text())
+    assert record["masked_perplexity"] < record["uniform_perplexity"] / 5
+    tokenizer = Tokenizer.from_file(str(encoder / "tokenizer.json"))
+    given = tmp_path / "calibration.json"
+    given.write_text(json.dumps([tokenizer.encode(docstrings()[0][:20000]).ids]))
+    exported = TRAINED.parent / "bert-onnx" / "model.onnx"
+    errors = {}
+    for algorithm, extra in (("rtn", []), ("gptq", ["--calibration", given])):
+        made = _cli("quantize", exported, "-o", tmp_path / f"{algorithm}.onnx", "--algorithm",
+                    algorithm, *extra, "--no-sensitivity", "--json")
+        assert made.exit_code == 0, made.output
+        report = json.loads(made.output)
+        assert set(report["matmuls"].values()) == {4} and len(report["matmuls"]) == 16
+        errors[algorithm] = report["accuracy"]["outputs"][0]["mean_abs"]
+    assert errors["gptq"] < 0.8 * errors["rtn"], errors

@@ -1,0 +1,158 @@
+"""Train the small encoder with weights that have structure (tests/fixtures/trained/bert), as
+tools/train_fixture.py trains the decoder: a BERT-like masked language model on the standard
+library's docstrings (nothing downloaded; the same held-out split), a byte-level BPE
+tokenizer of its own (with <pad> and <mask>), seeded; saved as a BertModel (the encoder and
+a seeded pooler: what feature-extraction exports). Writes the folder and
+``training.json`` (settings, loss curve, held-out masked-token accuracy and perplexity
+against the uniform one).
+
+    .venv/bin/python tools/train_encoder.py --out tests/fixtures/trained/bert [--steps 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.train_fixture import batches, docstrings  # noqa: E402
+
+MASKED = 0.15  # BERT's share of positions predicted (80% <mask>, 10% random, 10% kept)
+
+
+def tokenizer(text: str, vocab: int, out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<s>", "</s>", "<pad>", "<mask>"],
+        show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                                   cls_token="<s>", sep_token="</s>", pad_token="<pad>",
+                                   mask_token="<mask>")
+    fast.save_pretrained(out)
+    return fast
+
+
+def masked(batch: np.ndarray, mask_id: int, vocab: int, rng: np.random.Generator):
+    """(inputs, labels): MASKED of the positions chosen, labels -100 elsewhere."""
+    chosen = rng.random(batch.shape) < MASKED
+    labels = np.where(chosen, batch, -100)
+    draw = rng.random(batch.shape)
+    inputs = np.where(chosen & (draw < 0.8), mask_id, batch)
+    swap = chosen & (draw >= 0.8) & (draw < 0.9)
+    inputs = np.where(swap, rng.integers(4, vocab, batch.shape), inputs)
+    return inputs, labels
+
+
+def held_out(model, ids: np.ndarray, length: int, mask_id: int, vocab: int) -> dict:
+    """Masked-token accuracy and perplexity over the held-out text (seeded masks)."""
+    import torch
+
+    rng = np.random.default_rng(1)
+    chunks = np.stack([ids[s:s + length] for s in range(0, len(ids) - length, length)])
+    inputs, labels = masked(chunks, mask_id, vocab, rng)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(inputs.astype(np.int64))).logits.numpy()
+    where = labels != -100
+    picked = logits[where].astype(np.float64)
+    shifted = picked - picked.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    truth = labels[where]
+    return {"masked_accuracy": round(float((picked.argmax(-1) == truth).mean()), 4),
+            "masked_perplexity": round(math.exp(-float(
+                log_probs[np.arange(len(truth)), truth].mean())), 2)}
+
+
+def saved_encoder(model, config, out: Path) -> None:
+    """The trained encoder saved as a BertModel (what feature-extraction loads): the MLM's
+    encoder weights and a pooler of its own, seeded (BertForMaskedLM has none, and one
+    left for from_pretrained to initialise would differ between loads)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(1)
+    encoder = tf.BertModel(config)
+    left = encoder.load_state_dict(model.bert.state_dict(), strict=False)
+    assert all(k.startswith("pooler.") for k in left.missing_keys), left
+    encoder.eval()
+    encoder.save_pretrained(out)
+
+
+def train(args: argparse.Namespace) -> dict:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    text, held = docstrings()
+    fast = tokenizer(text, args.vocab, args.out)
+    ids = np.array(fast(text)["input_ids"], np.int32)
+    held_ids = np.array(fast(held)["input_ids"], np.int32)
+    config = tf.BertConfig(vocab_size=len(fast), hidden_size=args.hidden,
+                           num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
+                           intermediate_size=args.hidden * 4, max_position_embeddings=args.length,
+                           pad_token_id=fast.pad_token_id)
+    model = tf.BertForMaskedLM(config)
+    optimiser = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, args.lr, total_steps=args.steps,
+                                                   pct_start=0.05)
+    curve, started = [], time.perf_counter()
+    rng = np.random.default_rng(0)
+    for step, batch in zip(range(args.steps), batches(ids, args.length - 1, args.batch, rng),
+                           strict=False):
+        inputs, labels = masked(batch, fast.mask_token_id, len(fast), rng)
+        loss = model(torch.from_numpy(inputs.astype(np.int64)),
+                     labels=torch.from_numpy(labels.astype(np.int64))).loss
+        optimiser.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimiser.step()
+        schedule.step()
+        if step % 100 == 0 or step == args.steps - 1:
+            curve.append((step, round(loss.item(), 4)))
+            print(f"step {step}: loss {loss.item():.3f} ({time.perf_counter() - started:.0f} s)",
+                  file=sys.stderr)
+    model.eval()
+    saved_encoder(model, config, args.out)
+    return {"command": " ".join(sys.argv), "python": sys.version.split()[0],
+            "torch": torch.__version__, "tokens": {"train": int(len(ids)),
+                                                   "held_out": int(len(held_ids))},
+            "seconds": round(time.perf_counter() - started, 1), "loss": curve,
+            **held_out(model, held_ids, args.length, fast.mask_token_id, len(fast)),
+            "uniform_perplexity": len(fast),
+            "settings": {k: v for k, v in vars(args).items() if k != "out"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = train(args)
+    (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"held-out masked accuracy {record['masked_accuracy']}, perplexity "
+          f"{record['masked_perplexity']} (uniform {record['uniform_perplexity']}) in "
+          f"{record['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
