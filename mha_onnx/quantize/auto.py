@@ -69,9 +69,9 @@ class Search:
 
 
 def forms(config: QuantizeConfig) -> tuple[str, ...]:
-    """The wider forms to try, in order: int8 first where the weights are 4 bits by RTN
-    (HQQ has no 8 bits), then float."""
-    return ("int8", "float") if config.bits == 4 and config.algorithm == "rtn" else ("float",)
+    """The wider forms to try, in order: int8 first where the weights are 4 bits by RTN or
+    GPTQ (its int8 weights are RTN's; HQQ has no 8 bits), then float."""
+    return ("int8", "float") if config.bits == 4 and config.algorithm != "hqq" else ("float",)
 
 
 def widened(config: QuantizeConfig, form: str, weights: Sequence[str]) -> QuantizeConfig:

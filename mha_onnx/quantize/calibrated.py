@@ -59,7 +59,7 @@ class Quantizer:
         left = len(weights) - len(done)
         note = (f"GPTQ: {len(done)} weight(s) from {self._rows} calibration token(s)"
                 + (f"; {left} keep RTN's codes (no MatMul on the calibration path reads "
-                   "them, or K is not a multiple of the block)" if left else ""))
+                   "them)" if left else ""))
         return replace(made, notes=(*made.notes, note))
 
     def _hessians(self, weights: list[str]) -> dict[str, np.ndarray]:

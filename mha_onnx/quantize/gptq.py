@@ -29,11 +29,15 @@ COLUMNS = 128  # input dims updated together (the "lazy batch")
 
 def quantized(weight: np.ndarray, hessian: np.ndarray, block: int
               ) -> tuple[np.ndarray, np.ndarray]:
-    """GPTQ of ``weight`` [K, N] under ``hessian`` [K, K]: (codes [N, K] in 0..15, scales
-    [N, K // block]); K a multiple of ``block``."""
-    k, n = weight.shape
-    w = weight.T.astype(np.float64).copy()  # [N, K]: a row per output
-    h = hessian.astype(np.float64).copy()
+    """GPTQ of ``weight`` [K, N] under ``hessian`` [K, K]: (codes [N, K'] in 0..15, scales
+    [N, K' // block]), K' = K padded to a multiple of ``block`` with zero weights (as
+    MatMulNBits pads it: the padded inputs are zeros, so those dims are dead)."""
+    given, n = weight.shape
+    k = -(-given // block) * block
+    w = np.zeros((n, k))
+    w[:, :given] = weight.T  # [N, K']: a row per output
+    h = np.zeros((k, k))
+    h[:given, :given] = hessian
     dead = np.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
@@ -54,6 +58,7 @@ def quantized(weight: np.ndarray, hessian: np.ndarray, block: int
             w[:, i + 1:end] -= np.outer(error, inverse[i, i + 1:end])
             errors[:, i - start] = error
         w[:, end:] -= errors @ inverse[start:end, end:]
+    codes[:, given:] = 0  # (the padding's codes as ORT's quantizer writes them)
     return codes, scales
 
 
@@ -189,7 +194,7 @@ def rewrite(quant: onnx.ModelProto, base: onnx.ModelProto, sums: dict[str, np.nd
         if codes_name not in tensors or scales_name not in tensors:
             continue  # (not 4 bits in this model)
         w = numpy_helper.to_array(floats[weight])
-        if w.ndim != 2 or w.shape[0] % block:
+        if w.ndim != 2:
             continue
         codes, scales = quantized(w, hessian, block)
         old = tensors[scales_name]

@@ -205,8 +205,8 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     if int8_most_sensitive or mixed_auto:
         config, search, note = _widened(model, str(source), first, make, config, thresholds,
                                         int8_most_sensitive, prompts, progress)
-        notes.append(note)
         first = make(config)
+        notes = [*first.notes, note]  # (the notes of the model written)
     if config.kv_bits:
         notes.append(_int8_cache(model, str(source), first.model, calibration))
     report = measure(model, str(source), first.model, thresholds,

@@ -46,6 +46,17 @@ def test_an_identity_hessian_gives_ort_rtn_codes():
         codes, scales = gptq.quantized(w, np.eye(w.shape[0]), 32)
         assert np.array_equal(gptq.packed(codes, 32), tensors[f"{weight}_Q4"]), weight
         np.testing.assert_allclose(scales, tensors[f"{weight}_scales"], rtol=1e-6)
+    coarse = quantize_weights(model, QuantizeConfig(block_size=128))  # (K 352: padded to 384)
+    tensors = {t.name: numpy_helper.to_array(t) for g in all_graphs(coarse.model.graph)
+               for t in g.initializer}
+    padded = [w for w in weights if numpy_helper.to_array(floats[w]).shape[0] % 128]
+    assert padded
+    for weight in padded:
+        w = numpy_helper.to_array(floats[weight])
+        codes, scales = gptq.quantized(w, np.eye(w.shape[0]), 128)
+        assert np.array_equal(gptq.packed(codes, 128), tensors[f"{weight}_Q4"]), weight
+        np.testing.assert_allclose(scales.ravel(), tensors[f"{weight}_scales"].ravel(),
+                                   rtol=1e-6)
 
 
 def test_outputs_move_less_than_under_rtn():

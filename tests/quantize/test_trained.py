@@ -87,6 +87,18 @@ def test_the_accuracy_is_measured_on_the_prompts_given(tmp_path):
     assert text.exit_code == 2 and "holds text" in text.output, text.output
 
 
+def _calibration(folder) -> str:
+    """Token ids of the training text (not the held-out), for --calibration."""
+    from tokenizers import Tokenizer
+
+    from tools.train_fixture import docstrings
+
+    tokenizer = Tokenizer.from_file(str(TRAINED / "tokenizer.json"))
+    given = folder / "calibration.json"
+    given.write_text(json.dumps([tokenizer.encode(docstrings()[0][:20000]).ids]))
+    return str(given)
+
+
 def test_mixed_auto_keeps_the_fewest_sensitive_weights_wider(tmp_path):
     """--mixed auto on a quantization the gate refuses (block 128: KL past 0.05) writes
     one that passes, with N weights in int8 where N - 1 was measured failing; with the
@@ -107,6 +119,15 @@ def test_mixed_auto_keeps_the_fewest_sensitive_weights_wider(tmp_path):
             for a in n.attribute if a.name == "bits"]
     assert bits.count(8) == kept == sum(b == 8 for b in report["matmuls"].values())
     assert any(f"the {kept} most sensitive weight(s) in int8" in n for n in report["notes"])
+    gptq = _cli("quantize", exported, "-o", tmp_path / "gptq.onnx", "--block-size", "128",
+                "--max-kl", "0.03", "--algorithm", "gptq", "--calibration", _calibration(tmp_path),
+                "--mixed", "auto", "--no-sensitivity", "--json")  # (int8 beside GPTQ's int4)
+    assert gptq.exit_code == 0, gptq.output
+    report = json.loads(gptq.output)
+    assert set(report["matmuls"].values()) == {4, 8}  # (none float)
+    assert {t["form"] for t in report["mixed_auto"] if t["kept"]} == {"int8"}
+    said = [n for n in report["notes"] if n.startswith("GPTQ: ")]  # (the written model's)
+    assert len(said) == 1 and "keep RTN" not in said[0], said
     int8 = _cli("quantize", exported, "-o", tmp_path / "int8.onnx", "--weights", "int8",
                 "--max-kl", "0.0002", "--mixed", "auto", "--no-sensitivity", "--json")
     assert int8.exit_code == 0, int8.output
