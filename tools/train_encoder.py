@@ -21,26 +21,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.train_fixture import batches, docstrings  # noqa: E402
+from tools.train_fixture import (  # noqa: E402
+    arguments,
+    batches,
+    docstrings,
+    optimise,
+    record,
+    tokenizer,
+)
 
 MASKED = 0.15  # BERT's share of positions predicted (80% <mask>, 10% random, 10% kept)
-
-
-def tokenizer(text: str, vocab: int, out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<s>", "</s>", "<pad>", "<mask>"],
-        show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
-                                   cls_token="<s>", sep_token="</s>", pad_token="<pad>",
-                                   mask_token="<mask>")
-    fast.save_pretrained(out)
-    return fast
 
 
 def masked(batch: np.ndarray, mask_id: int, vocab: int, rng: np.random.Generator):
@@ -95,7 +85,9 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     text, held = docstrings()
-    fast = tokenizer(text, args.vocab, args.out)
+    fast = tokenizer(text, args.vocab, args.out, ("<s>", "</s>", "<pad>", "<mask>"),
+                     bos_token="<s>", eos_token="</s>", cls_token="<s>", sep_token="</s>",
+                     pad_token="<pad>", mask_token="<mask>")
     ids = np.array(fast(text)["input_ids"], np.int32)
     held_ids = np.array(fast(held)["input_ids"], np.int32)
     config = tf.BertConfig(vocab_size=len(fast), hidden_size=args.hidden,
@@ -103,55 +95,30 @@ def train(args: argparse.Namespace) -> dict:
                            intermediate_size=args.hidden * 4, max_position_embeddings=args.length,
                            pad_token_id=fast.pad_token_id)
     model = tf.BertForMaskedLM(config)
-    optimiser = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, args.lr, total_steps=args.steps,
-                                                   pct_start=0.05)
-    curve, started = [], time.perf_counter()
     rng = np.random.default_rng(0)
-    for step, batch in zip(range(args.steps), batches(ids, args.length - 1, args.batch, rng),
-                           strict=False):
-        inputs, labels = masked(batch, fast.mask_token_id, len(fast), rng)
-        loss = model(torch.from_numpy(inputs.astype(np.int64)),
+    rows = batches(ids, args.length - 1, args.batch, rng)
+
+    def loss(step: int):
+        inputs, labels = masked(next(rows), fast.mask_token_id, len(fast), rng)
+        return model(torch.from_numpy(inputs.astype(np.int64)),
                      labels=torch.from_numpy(labels.astype(np.int64))).loss
-        optimiser.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimiser.step()
-        schedule.step()
-        if step % 100 == 0 or step == args.steps - 1:
-            curve.append((step, round(loss.item(), 4)))
-            print(f"step {step}: loss {loss.item():.3f} ({time.perf_counter() - started:.0f} s)",
-                  file=sys.stderr)
+
+    started = time.perf_counter()
+    curve = optimise(model, args, loss)
     model.eval()
     saved_encoder(model, config, args.out)
-    return {"command": " ".join(sys.argv), "python": sys.version.split()[0],
-            "torch": torch.__version__, "tokens": {"train": int(len(ids)),
-                                                   "held_out": int(len(held_ids))},
-            "seconds": round(time.perf_counter() - started, 1), "loss": curve,
-            **held_out(model, held_ids, args.length, fast.mask_token_id, len(fast)),
-            "uniform_perplexity": len(fast),
-            "settings": {k: v for k, v in vars(args).items() if k != "out"}}
+    return {**record(args, started, curve, (int(len(ids)), int(len(held_ids))), len(fast)),
+            **held_out(model, held_ids, args.length, fast.mask_token_id, len(fast))}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = arguments(__doc__.split("\n\n")[0], steps=1500, lr=1e-3)
     args.out = args.out.resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
-    record = train(args)
-    (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"held-out masked accuracy {record['masked_accuracy']}, perplexity "
-          f"{record['masked_perplexity']} (uniform {record['uniform_perplexity']}) in "
-          f"{record['seconds']} s")
+    result = train(args)
+    (args.out / "training.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"held-out masked accuracy {result['masked_accuracy']}, perplexity "
+          f"{result['masked_perplexity']} (uniform {result['uniform_perplexity']}) in "
+          f"{result['seconds']} s")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,11 @@ def docstrings() -> tuple[str, str]:
     return "\n\n".join(texts[:cut]), "\n\n".join(texts[cut:])
 
 
-def tokenizer(text: str, vocab: int, out: Path):
+def tokenizer(text: str, vocab: int, out: Path, special: tuple[str, ...] = ("<s>", "</s>"),
+              **roles: str):
+    """A byte-level BPE of ``vocab`` tokens trained on ``text`` (``special`` tokens first),
+    saved in ``out``; ``roles``: the transformers tokenizer's special tokens (bos/eos by
+    default)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,9 +61,10 @@ def tokenizer(text: str, vocab: int, out: Path):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<s>", "</s>"], show_progress=False,
+        vocab_size=vocab, special_tokens=list(special), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe,
+                                   **(roles or {"bos_token": "<s>", "eos_token": "</s>"}))
     fast.save_pretrained(out)
     return fast
 
@@ -81,6 +86,58 @@ def perplexity(model, ids: np.ndarray, length: int) -> float:
     return math.exp(sum(losses) / len(losses))
 
 
+def optimise(model, args: argparse.Namespace, loss) -> list[tuple[int, float]]:
+    """``args.steps`` AdamW steps (one-cycle schedule to ``args.lr``, gradients clipped at
+    1) of ``loss(step)``; the loss every 100 steps, said on stderr as it goes."""
+    import torch
+
+    optimiser = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, args.lr, total_steps=args.steps,
+                                                   pct_start=0.05)
+    curve, started = [], time.perf_counter()
+    for step in range(args.steps):
+        value = loss(step)
+        optimiser.zero_grad()
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimiser.step()
+        schedule.step()
+        if step % 100 == 0 or step == args.steps - 1:
+            curve.append((step, round(value.item(), 4)))
+            print(f"step {step}: loss {value.item():.3f} "
+                  f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    return curve
+
+
+def record(args: argparse.Namespace, started: float, curve, tokens: tuple[int, int],
+           vocab: int) -> dict:
+    """training.json's fields every trained fixture has."""
+    import torch
+
+    return {"command": " ".join(sys.argv), "python": sys.version.split()[0],
+            "torch": torch.__version__, "tokens": {"train": tokens[0], "held_out": tokens[1]},
+            "seconds": round(time.perf_counter() - started, 1), "loss": curve,
+            "uniform_perplexity": vocab,
+            "settings": {k: v for k, v in vars(args).items() if k != "out"}}
+
+
+def arguments(description: str, steps: int, lr: float) -> argparse.Namespace:
+    """The trainers' command line (--out, sizes, steps, learning rate, threads), --out made."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
 def train(args: argparse.Namespace) -> dict:
     import torch
     import transformers as tf
@@ -97,53 +154,28 @@ def train(args: argparse.Namespace) -> dict:
         num_key_value_heads=max(1, args.hidden // 64), max_position_embeddings=args.length * 2,
         tie_word_embeddings=True, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
     model = tf.LlamaForCausalLM(config)
-    optimiser = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, args.lr, total_steps=args.steps,
-                                                   pct_start=0.05)
-    curve, started = [], time.perf_counter()
     rng = np.random.default_rng(0)
-    for step, batch in zip(range(args.steps), batches(ids, args.length, args.batch, rng),
-                           strict=False):
-        chunk = torch.from_numpy(batch.astype(np.int64))
-        loss = model(chunk[:, :-1], labels=chunk[:, :-1]).loss
-        optimiser.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimiser.step()
-        schedule.step()
-        if step % 100 == 0 or step == args.steps - 1:
-            curve.append((step, round(loss.item(), 4)))
-            print(f"step {step}: loss {loss.item():.3f} ({time.perf_counter() - started:.0f} s)",
-                  file=sys.stderr)
+    chunks = batches(ids, args.length, args.batch, rng)
+
+    def loss(step: int):
+        chunk = torch.from_numpy(next(chunks).astype(np.int64))
+        return model(chunk[:, :-1], labels=chunk[:, :-1]).loss
+
+    started = time.perf_counter()
+    curve = optimise(model, args, loss)
     model.eval()
     model.save_pretrained(args.out)
     model.generation_config.save_pretrained(args.out)
-    return {"command": " ".join(sys.argv), "python": sys.version.split()[0],
-            "torch": torch.__version__, "tokens": {"train": int(len(ids)),
-                                                   "held_out": int(len(held_ids))},
-            "seconds": round(time.perf_counter() - started, 1), "loss": curve,
-            "held_out_perplexity": round(perplexity(model, held_ids, args.length), 2),
-            "uniform_perplexity": len(fast),
-            "settings": {k: v for k, v in vars(args).items() if k != "out"}}
+    return {**record(args, started, curve, (int(len(ids)), int(len(held_ids))), len(fast)),
+            "held_out_perplexity": round(perplexity(model, held_ids, args.length), 2)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--length", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    record = train(args)
-    (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"held-out perplexity {record['held_out_perplexity']} (uniform "
-          f"{record['uniform_perplexity']}) in {record['seconds']} s")
+    args = arguments(__doc__.split("\n\n")[0], steps=1200, lr=3e-3)
+    result = train(args)
+    (args.out / "training.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"held-out perplexity {result['held_out_perplexity']} (uniform "
+          f"{result['uniform_perplexity']}) in {result['seconds']} s")
 
 
 if __name__ == "__main__":
