@@ -13,12 +13,7 @@ import onnx
 from mha_onnx.errors import ConfigError
 from mha_onnx.quantize import gptq
 from mha_onnx.quantize.config import QuantizeConfig
-from mha_onnx.quantize.weights import (
-    QuantizedWeights,
-    cut_slices,
-    quantize_weights,
-    untie_transposes,
-)
+from mha_onnx.quantize.weights import QuantizedWeights, quantize_weights, read_apart
 
 WINDOW, BATCH = 128, 8  # calibration windows of tokens, windows a run
 
@@ -67,9 +62,7 @@ class Quantizer:
         ones quantize no more of them in 4 bits), computed on the first call."""
         if self._sums is None:
             weights = list(dict.fromkeys(weights))
-            base = onnx.ModelProto.FromString(self.model.SerializeToString())
-            cut_slices(base)  # (the weights' names as quantize_weights gives them)
-            untie_transposes(base)
+            base = read_apart(self.model)  # (the weights' names as quantize_weights gives them)
             batches = self.batches()
             self.progress(f"GPTQ: the activations of {len(weights)} weight(s) over "
                           f"{len(batches)} calibration run(s)")

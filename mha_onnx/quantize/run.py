@@ -145,12 +145,10 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
     import onnx_ir as ir
 
     from mha_onnx.quantize import sensitivity
-    from mha_onnx.quantize.weights import cut_slices, targets, untie_transposes
+    from mha_onnx.quantize.weights import read_apart, targets
     from mha_onnx.runtime.ort import OrtRunner
 
-    base = onnx.ModelProto.FromString(float_model.SerializeToString())
-    cut_slices(base)  # (as quantize_weights does: the weights' names are the cut ones,
-    untie_transposes(base)  # the tied head's its own)
+    base = read_apart(float_model)  # (the cut weights' and the tied head's own names)
     readers: dict[str, list[str]] = {}
     for target in targets(base, config):
         readers.setdefault(target.weight, []).append(target.node)

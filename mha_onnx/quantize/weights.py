@@ -292,6 +292,14 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
     return QuantizedWeights(model, tuple(plan), before, after, tuple(notes), left)
 
 
+def read_apart(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the float ``model`` with its weights named as quantize_weights names
+    them: those read through a Slice or a Transpose of a constant cut out and untied."""
+    copy = onnx.ModelProto.FromString(model.SerializeToString())
+    _read_apart(copy)
+    return copy
+
+
 def _read_apart(model: onnx.ModelProto) -> list[str]:
     """Weights read through a Slice or a Transpose of a constant given initializers of their
     own (cut_slices, untie_transposes); the notes that say so."""

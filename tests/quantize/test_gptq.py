@@ -29,13 +29,11 @@ def test_an_identity_hessian_gives_ort_rtn_codes():
 
     from mha_onnx.graph.walk import all_graphs
     from mha_onnx.quantize.config import QuantizeConfig
-    from mha_onnx.quantize.weights import cut_slices, quantize_weights, untie_transposes
+    from mha_onnx.quantize.weights import quantize_weights, read_apart
 
     model = onnx.load(EXPORTED)
     made = quantize_weights(model, QuantizeConfig())
-    base = onnx.ModelProto.FromString(model.SerializeToString())
-    cut_slices(base)
-    untie_transposes(base)
+    base = read_apart(model)
     floats = {t.name: t for g in all_graphs(base.graph) for t in g.initializer}
     tensors = {t.name: numpy_helper.to_array(t) for g in all_graphs(made.model.graph)
                for t in g.initializer}
