@@ -15,6 +15,8 @@ import sys
 
 import numpy as np
 
+from tools.train_fixture import target_log_probs
+
 
 def perplexity(path: str, windows: list[list[int]]) -> float:
     import llama_cpp
@@ -26,10 +28,8 @@ def perplexity(path: str, windows: list[list[int]]) -> float:
     for window in windows:
         llm.reset()
         llm.eval(window)
-        logits = np.array(llm.scores[:len(window)], dtype=np.float64)[:-1]
-        shifted = logits - logits.max(-1, keepdims=True)
-        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-        total -= log_probs[np.arange(len(window) - 1), np.array(window[1:])].sum()
+        logits = np.array(llm.scores[:len(window)])[:-1]
+        total -= target_log_probs(logits, window[1:]).sum()
         count += len(window) - 1
     return math.exp(total / count)
 

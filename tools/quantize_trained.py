@@ -27,7 +27,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tools.train_fixture import docstrings  # noqa: E402
+from tools.train_fixture import docstrings, target_log_probs  # noqa: E402
 
 CLI = str(ROOT / ".venv" / "bin" / "mha-onnx")
 VARIANTS = {  # name -> quantize's options
@@ -106,10 +106,7 @@ def held_out_perplexity(path: Path, folder: Path) -> float:
     feeds, _ = decoder_feeds(model, str(path), len(windows), WINDOW, seed=0)
     feeds["input_ids"] = np.array(windows, feeds["input_ids"].dtype)
     logits = session_outputs(str(path), kv_cache.cache_feeds(model, feeds))["logits"]
-    logits = logits[:, :-1].astype(np.float64)
-    shifted = logits - logits.max(-1, keepdims=True)
-    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    chosen = np.take_along_axis(log_probs, np.array(windows)[:, 1:, None], -1)
+    chosen = target_log_probs(logits[:, :-1], np.array(windows)[:, 1:])
     return math.exp(-float(chosen.mean()))
 
 

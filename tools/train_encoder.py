@@ -27,6 +27,7 @@ from tools.train_fixture import (  # noqa: E402
     docstrings,
     optimise,
     record,
+    target_log_probs,
     tokenizer,
 )
 
@@ -54,13 +55,10 @@ def held_out(model, ids: np.ndarray, length: int, mask_id: int, vocab: int) -> d
     with torch.no_grad():
         logits = model(torch.from_numpy(inputs.astype(np.int64))).logits.numpy()
     where = labels != -100
-    picked = logits[where].astype(np.float64)
-    shifted = picked - picked.max(-1, keepdims=True)
-    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    truth = labels[where]
+    picked, truth = logits[where], labels[where]
     return {"masked_accuracy": round(float((picked.argmax(-1) == truth).mean()), 4),
             "masked_perplexity": round(math.exp(-float(
-                log_probs[np.arange(len(truth)), truth].mean())), 2)}
+                target_log_probs(picked, truth).mean())), 2)}
 
 
 def saved_encoder(model, config, out: Path) -> None:

@@ -69,6 +69,15 @@ def tokenizer(text: str, vocab: int, out: Path, special: tuple[str, ...] = ("<s>
     return fast
 
 
+def target_log_probs(logits, targets) -> np.ndarray:
+    """log softmax(``logits``) at each row's ``targets`` (float64; logits [..., vocab],
+    targets [...]): what every held-out perplexity here is the mean of."""
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return np.take_along_axis(log_probs, np.asarray(targets)[..., None], -1)[..., 0]
+
+
 def batches(ids: np.ndarray, length: int, size: int, rng: np.random.Generator):
     while True:
         starts = rng.integers(0, len(ids) - length - 1, size)
