@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import shutil
 import tempfile
 import time
 import warnings
@@ -26,6 +25,7 @@ from mha_onnx.errors import ConfigError, ExportError, FusionError
 from mha_onnx.export.options import HfExportConfig, HfExportReport
 from mha_onnx.export.overflow import finite_or_refused, overflow_refused
 from mha_onnx.graph import metadata
+from mha_onnx.graph.copies import copy_model
 from mha_onnx.graph.files import prepare_output, write_model
 from mha_onnx.profile.memory import give_back_memory
 from mha_onnx.reference.hf import (
@@ -217,7 +217,7 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
         if cfg.weights != "float":  # each part's weights, measured against it first
             made = _each_quantized(made, cfg, notes, progress)
         for final, target in made.items():  # every part passed: now written
-            shutil.copyfile(final, target)
+            copy_model(final, target)
     if task == "text-generation-with-past" and cfg.genai:
         from mha_onnx.generate.genai import write_genai_folder
 
@@ -244,7 +244,7 @@ def _each_quantized(made: dict[Path, Path], cfg: HfExportConfig, notes: list[str
         kept = []
         for final, target in made.items():
             floated = target.with_name(f"{target.stem}.float{target.suffix or '.onnx'}")
-            shutil.copyfile(final, floated)
+            copy_model(final, floated)
             kept.append(str(floated))
         raise FusionError(f"{exc.message}; the float model kept: {', '.join(kept)}",
                           hint=f"`mha-onnx quantize {kept[-1]} -o ...` takes the thresholds, "
@@ -333,7 +333,7 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
         progress("logits of the last position only (checked against the export)")
         proto = with_last_logits(proto)
     exported = tmp / f"{name}.exported.onnx"
-    write_model(proto, exported, force=True)
+    write_model(proto, exported, force=True, external=True)  # (ORT maps the weights in place)
     return exported
 
 
@@ -352,7 +352,8 @@ def _fused_and_validated(exported: Path, task: str, part: str | None, cfg: HfExp
         shared = cfg.kv_cache == "shared" and part != "encoder"
         try:
             report = fuse_file(exported, final, force=True, atol=cfg.atol, rtol=cfg.rtol,
-                               policy=FormPolicy(kv_cache="shared" if shared else "appended"))
+                               policy=FormPolicy(kv_cache="shared" if shared else "appended"),
+                               external=True)  # (validate's sessions map the weights)
         except FusionError as exc:  # (fuse's hint names fuse's options)
             if cfg.dtype == "float16" and "inf" in exc.message:
                 overflow_refused(exported, ["the export's outputs"], progress)

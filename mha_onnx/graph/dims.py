@@ -26,6 +26,8 @@ from dataclasses import replace
 import onnx
 
 from mha_onnx.errors import InputSpecError
+from mha_onnx.graph.copies import scratch_file
+from mha_onnx.graph.light import structure_key
 from mha_onnx.graph.trials import external, trial
 
 log = logging.getLogger(__name__)
@@ -39,14 +41,25 @@ FLOOR_LIMIT = 4096  # wav2vec2-base needs 400 samples
 WINDOWED = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "Einsum"}
 
 
-def floor_dims(model: onnx.ModelProto, specs: Sequence) -> list:
-    """``specs`` with the floors of the length dims the graph does not run at size 1 (see
-    the module docstring); as they are for graphs without convolutions, pooling or Einsums."""
+def runs_trials(model: onnx.ModelProto, specs: Sequence) -> bool:
+    """Whether floor_dims or relate_dims would run ``model`` (given its weights) on
+    ``specs``."""
+    return bool(_floor_names(model, specs)) or _related(specs) != list(specs)
+
+
+def _floor_names(model: onnx.ModelProto, specs: Sequence) -> list[str]:
+    """The length dims whose floors floor_dims looks for ([] where it looks for none)."""
     leading = {s.dims[0] for s in specs if s.dims}
     names = sorted({d for s in specs for d in s.dims[1:] if isinstance(d, str) and "+" not in d}
                    - leading)
-    if not names or not any(n.op_type in WINDOWED for n in model.graph.node) \
-            or external(model):
+    return names if any(n.op_type in WINDOWED for n in model.graph.node) else []
+
+
+def floor_dims(model: onnx.ModelProto, specs: Sequence) -> list:
+    """``specs`` with the floors of the length dims the graph does not run at size 1 (see
+    the module docstring); as they are for graphs without convolutions, pooling or Einsums."""
+    names = _floor_names(model, specs)
+    if not names or external(model):
         return list(specs)
     key = _structure(model)
     if key not in _FLOORS:
@@ -81,7 +94,8 @@ def _structure(model: onnx.ModelProto) -> str:
 def _find_floors(model: onnx.ModelProto, specs: Sequence, names: list[str]) -> dict[str, int]:
     from mha_onnx.runtime.ort import OrtRunner
 
-    with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
+    with scratch_file(model) as path, OrtRunner(path, "cpu", optimization="basic",
+                                                 prepacking=False) as runner:
         def runs(sizes: dict) -> bool:
             return not trial(runner, specs, sizes)
 
@@ -119,7 +133,7 @@ def relate_dims(model: onnx.ModelProto, specs: Sequence) -> list:
     related = _related(specs)
     if related == list(specs):
         return list(specs)
-    key = hashlib.sha1(model.graph.SerializeToString()).hexdigest()
+    key = structure_key(model)
     if key not in _RELATED:
         _RELATED[key] = _needs_relating(model, specs, related)
     return related if _RELATED[key] else list(specs)
@@ -155,7 +169,8 @@ def _needs_relating(model: onnx.ModelProto, specs: Sequence, related: list) -> b
     falling = {name: 2 + len(names) - n for n, name in enumerate(names)}
     if external(model):
         return False  # no trial run: the dims as named
-    with OrtRunner(model.SerializeToString(), "cpu", optimization="basic") as runner:
+    with scratch_file(model) as path, OrtRunner(path, "cpu", optimization="basic",
+                                                 prepacking=False) as runner:
         try:
             runner.session  # noqa: B018 - a graph ORT cannot load is not about its dims
         except Exception:  # noqa: BLE001

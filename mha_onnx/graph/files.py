@@ -21,6 +21,13 @@ from google.protobuf.message import DecodeError
 from google.protobuf.text_format import ParseError as TextParseError
 
 from mha_onnx.errors import ModelFileError, OutputExistsError
+from mha_onnx.graph.light import (
+    checkable,
+    data_bytes,
+    external_copy,
+    model_bytes,
+    write_inline,
+)
 from mha_onnx.graph.walk import all_graphs, all_nodes
 
 log = logging.getLogger(__name__)
@@ -121,8 +128,8 @@ def check_structure(model: onnx.ModelProto, path: str | os.PathLike[str] = "<mod
     other corruption (invalid text included) before any rewrite or session sees the graph."""
     _check_text(model, path)
     try:
-        if model.ByteSize() < PROTOBUF_LIMIT:
-            onnx.checker.check_model(for_checker(model))
+        if model_bytes(model) < PROTOBUF_LIMIT:
+            onnx.checker.check_model(for_checker(checkable(model)))
     except (onnx.checker.ValidationError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelFileError(f"{path} is not a valid ONNX model: {first[:300]}",
@@ -155,7 +162,7 @@ def external_files(model: onnx.ModelProto, path: str | os.PathLike[str]) -> list
 
 def load_external(model: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     """Load external tensors in place, after checking every location is safe."""
-    if not _has_external_data(model):
+    if not has_external_data(model):
         return
     check_external_data(model, Path(path).parent)
     try:
@@ -186,7 +193,7 @@ def _external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     yield from onnx.external_data_helper._get_all_tensors(model)
 
 
-def _has_external_data(model: onnx.ModelProto) -> bool:
+def has_external_data(model: onnx.ModelProto) -> bool:
     return any(onnx.external_data_helper.uses_external_data(t) for t in _external_tensors(model))
 
 
@@ -343,23 +350,32 @@ def tensor_bytes(model: onnx.ModelProto) -> int:
 
 
 def write_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, force: bool,
-                external: bool = False) -> Path:
+                external: bool = False, base: Path | None = None) -> Path:
     """Save ``model`` atomically; beyond ~2 GB (or with ``external``: another file reads
-    them too) the tensors of 1 KiB and more go to ``<name>.data`` beside it."""
+    them too) the tensors of 1 KiB and more go to ``<name>.data`` beside it. ``base``: the
+    folder where the external data of ``model``'s initializers lies (it is copied, tensor by
+    tensor, into the file or beside it)."""
     path = Path(path)
-    if not external and tensor_bytes(model) < EXTERNAL_DATA_THRESHOLD:
+    outside = base is not None and has_external_data(model)
+    if not external and outside and data_bytes(model) < EXTERNAL_DATA_THRESHOLD:
+        with atomic_path(path, force=force) as tmp, tmp.open("wb") as handle:
+            write_inline(model, Path(base), handle)
+        return path
+    if not external and not outside and tensor_bytes(model) < EXTERNAL_DATA_THRESHOLD:
         return write_bytes(model.SerializeToString(), path, force=force)
     data_name = path.name + ".data"
     data_path = path.with_name(data_name)
     if data_path.exists() and not force:
         raise OutputExistsError(f"output exists: {data_path}", hint="pass --force to replace it")
-    model = _copy(model)
-    onnx.external_data_helper.convert_model_to_external_data(
-        model, all_tensors_to_one_file=True, location=data_name, size_threshold=1024
-    )
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=prepare_output(path, force=force).parent) as tmp_dir:
-        onnx.external_data_helper.write_external_data_tensors(model, tmp_dir)
         tmp_data = Path(tmp_dir) / data_name
+        with tmp_data.open("wb") as handle:  # the weights streamed, not copied
+            model = external_copy(model, handle, data_name, base=base if outside else None)
+        onnx.external_data_helper.convert_model_to_external_data(  # (the rest: Constants,
+            model, all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        onnx.external_data_helper.write_external_data_tensors(model, tmp_dir)  # branches)
+        if tmp_data.stat().st_size == 0:
+            tmp_data.unlink()
         if tmp_data.exists():  # (not where no tensor is 1 KiB)
             os.chmod(tmp_data, _creation_mode())
             with tmp_data.open("rb") as handle:
@@ -370,12 +386,6 @@ def write_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, force: 
                 os.replace(tmp_data, data_path)
     log.info("wrote %s with external data %s", path, data_path)
     return path
-
-
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    clone = onnx.ModelProto()
-    clone.CopyFrom(model)
-    return clone
 
 
 def all_initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:

@@ -24,6 +24,7 @@ from onnx import numpy_helper
 
 from mha_onnx.graph import metadata
 from mha_onnx.graph.files import all_initializers
+from mha_onnx.graph.light import without_initializers
 
 KEY = "original"
 # Past this many bytes of weights the written model does not hold, the original is not kept
@@ -37,21 +38,20 @@ def _digest(array: np.ndarray) -> str:
 
 
 def record(original: onnx.ModelProto, model: onnx.ModelProto,
-           packed: Mapping[str, list] | None = None) -> bool:
+           packed: Mapping[str, list] | None = None, base: str = "") -> bool:
     """Keep ``original`` in ``model``'s metadata (see the module); ``packed``: name ->
     [joined, start, end] of the weights fuse packed (names as ``model`` has them; default:
-    its "packed" metadata). False where it is not kept: external data, or too much that
-    ``model`` does not hold."""
+    its "packed" metadata; ``base``: the folder ``model``'s external data lies in). False
+    where it is not kept: the original's weights external, or too much that ``model`` does
+    not hold."""
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in original.graph.initializer):
         return False
     packed = metadata.loaded(model, "packed") if packed is None else packed
     held = all_initializers(model.graph)
     by_content = {}
     for name, tensor in held.items():
-        by_content.setdefault(_digest(numpy_helper.to_array(tensor)), name)
-    kept = onnx.ModelProto()
-    kept.CopyFrom(original)
-    del kept.graph.initializer[:]
+        by_content.setdefault(_digest(numpy_helper.to_array(tensor, base)), name)
+    kept = without_initializers(original)  # (not a copy of every weight)
     others = [(p.key, p.value) for p in kept.metadata_props
               if p.key not in (metadata.PREFIX + KEY, f"{metadata.PREFIX}{KEY}_weights")]
     del kept.metadata_props[:]
@@ -61,7 +61,7 @@ def record(original: onnx.ModelProto, model: onnx.ModelProto,
     size = 0
     for tensor in original.graph.initializer:
         array = numpy_helper.to_array(tensor)
-        where = _where(tensor.name, array, held, by_content, packed or {})
+        where = _where(tensor.name, array, held, by_content, packed or {}, base)
         found.append([tensor.name, where])
         if where is None:
             kept.graph.initializer.append(tensor)
@@ -74,7 +74,7 @@ def record(original: onnx.ModelProto, model: onnx.ModelProto,
 
 
 def _where(name: str, array: np.ndarray, held: dict, by_content: dict,
-           packed: Mapping[str, list]) -> list | None:
+           packed: Mapping[str, list], base: str = "") -> list | None:
     """How ``model`` gives this weight back: [name] (a tensor of the same bytes) or
     [joined, start, end] (its slice of a packed one, checked equal); None: it does not."""
     same = by_content.get(_digest(array))
@@ -82,7 +82,7 @@ def _where(name: str, array: np.ndarray, held: dict, by_content: dict,
         return [same]
     if name in packed and packed[name][0] in held:
         joined, start, end = packed[name]
-        piece = numpy_helper.to_array(held[joined])[..., int(start):int(end)]
+        piece = numpy_helper.to_array(held[joined], base)[..., int(start):int(end)]
         if piece.dtype == array.dtype and np.array_equal(piece, array):
             return [joined, int(start), int(end)]
     return None

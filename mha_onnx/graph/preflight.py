@@ -47,17 +47,21 @@ class Preflight:
 
 
 def preflight(model: str | os.PathLike[str] | bytes, provider: str = "cpu",
-              start: str = "all") -> Preflight:
-    """Session + one run of ``model`` in a child process, from level ``start`` down."""
+              start: str = "all", *, prepacking: bool = True) -> Preflight:
+    """Session + one run of ``model`` in a child process, from level ``start`` down.
+    ``prepacking=False``: the session packs no copy of each MatMul weight (fuse's checks:
+    the graph's optimisations are what crash at a level; validate's check packs, as users'
+    sessions do)."""
     if isinstance(model, bytes):
         with tempfile.TemporaryDirectory(prefix="mha_onnx_preflight_") as folder:
             path = Path(folder) / "model.onnx"
             path.write_bytes(model)
-            return preflight(path, provider, start)
+            return preflight(path, provider, start, prepacking=prepacking)
     names = list(LEVELS)
     crashes: list[tuple[str, str]] = []
     for level in names[names.index(start):]:
-        outcome = _child({"model": str(model), "provider": provider, "level": level})
+        outcome = _child({"model": str(model), "provider": provider, "level": level,
+                          "prepacking": prepacking})
         if "signal" in outcome:
             crashes.append((level, outcome["signal"]))
             continue
@@ -148,7 +152,7 @@ def _check(request: dict) -> dict:
             feeds = to_shared(feeds, specs, pairs, rows=row_layout(model),
                               length_input=takes_length(model))
         with OrtRunner(request["model"], request["provider"], optimization=request["level"],
-                       strict=False) as runner:
+                       strict=False, prepacking=request.get("prepacking", True)) as runner:
             runner.infer(feeds)
     except MhaOnnxError as exc:
         return {"error": str(exc)}

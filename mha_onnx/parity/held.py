@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from mha_onnx.graph.light import model_bytes
 from mha_onnx.rewrite.routes import chosen_values, indices_as_outputs
 
 
@@ -41,7 +42,7 @@ def routed_source(model: onnx.ModelProto, references: dict) -> tuple[list[str], 
 def with_router_outputs(model: onnx.ModelProto, names: Sequence[str]) -> bytes | None:
     """The serialized model with ``names`` added to its outputs (the proto is put back);
     None past protobuf's 2 GB (its weights inline): then nothing is held."""
-    if model.ByteSize() >= (1 << 31) - (1 << 20):
+    if model_bytes(model) >= (1 << 31) - (1 << 20):
         return None
     with indices_as_outputs(model, list(names)):
         return model.SerializeToString()

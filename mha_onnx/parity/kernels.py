@@ -25,7 +25,8 @@ def attention_kernels(model: str, feeds: Mapping[str, np.ndarray], specs: Sequen
     from mha_onnx.runtime.ort import OrtRunner, read_profile
 
     with tempfile.TemporaryDirectory(prefix="mha_onnx_kernels_") as folder:
-        runner = OrtRunner(model, "cpu", profile_dir=folder, strict=False)
+        runner = OrtRunner(model, "cpu", profile_dir=folder, strict=False,
+                           prepacking=False)  # (the same kernels, no packed weights)
         try:
             run = SharedCache(runner, specs, pairs, rows=rows) if shared else runner
             run.infer(dict(feeds))

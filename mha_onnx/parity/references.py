@@ -4,6 +4,7 @@ export's metadata and weights, and another ONNX model (``--reference``) on ORT C
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,12 +13,19 @@ import onnx
 from mha_onnx.errors import InputSpecError, MhaOnnxError, RuntimeCrash
 from mha_onnx.graph import metadata
 from mha_onnx.graph.cache import SharedCache, is_shared, row_layout, shared_view
-from mha_onnx.graph.files import all_initializers, read_model
-from mha_onnx.graph.inputs import input_specs
+from mha_onnx.graph.files import (
+    all_initializers,
+    check_structure,
+    has_external_data,
+    load_external,
+    read_model,
+)
+from mha_onnx.graph.inputs import input_specs, specs_run_trials
 from mha_onnx.graph.metadata import CheckResult, session_options
 from mha_onnx.graph.preflight import preflight
 from mha_onnx.parity.config import ValidateConfig
 from mha_onnx.parity.golden import golden_provenance
+from mha_onnx.parity.held import router_indices
 from mha_onnx.runtime.ort import OrtRunner
 
 
@@ -161,3 +169,18 @@ def with_golden(model, path, config: ValidateConfig, golden):
         labels.append(golden.label)
         checks += golden_provenance(golden, path, config.strict)
     return references, labels, checks, ref_specs
+
+
+def model_to_validate(path: str | Path, config: ValidateConfig) -> onnx.ModelProto:
+    """The model, its weights read in only where something here reads them (a reference
+    rebuilt from them, routers held, --ranges, the memory check, trial runs that read its
+    dims): an exported file's PyTorch reference loads its own weights, and ORT maps the
+    file's in place."""
+    model = read_model(path, load_external_data=False)
+    if not has_external_data(model):
+        return read_model(path)
+    check_structure(model, path)
+    if "config" in metadata.read(model) or config.memory_check or config.ranges \
+            or router_indices(model) or specs_run_trials(model):
+        load_external(model, path)
+    return model

@@ -43,7 +43,7 @@ from mha_onnx.parity.golden import (
 )
 from mha_onnx.parity.held import held_note, hold_routes, routed_source
 from mha_onnx.parity.kernels import attention_kernels, describe
-from mha_onnx.parity.references import with_golden
+from mha_onnx.parity.references import model_to_validate, with_golden
 from mha_onnx.parity.report import Comparison, MaskedRows, ProviderStatus, ValidationReport
 from mha_onnx.profile.memory import ensure_fits
 from mha_onnx.runtime import capabilities, make_runner
@@ -132,7 +132,7 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     started = time.perf_counter()
     if config.save_outputs:
         prepare_output(config.save_outputs, force=config.force)
-    model = read_model(path)
+    model = model_to_validate(path, config)
     if "quantization" in metadata.read(model):  # accuracy against its float original
         from mha_onnx.parity.quantized import validate_quantized
         config.progress("a quantized model: its accuracy against its float original")
@@ -160,15 +160,17 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
     try:
         comparisons, masked, saved = _compare_runs(model, specs, runs, references, ref_specs,
                                                    runners, config, set(pairs.values()))
-        kernels: list[str] = []
+        probes: list[tuple[str, dict]] = []
         if pairs and golden is None and not config.inputs and config.decode_steps > 0:
             config.progress(f"decode chains ({config.decode_steps} steps)")
-            decoded, kernels = _decode(str(path), model, specs, pairs, references, runners,
-                                       config)
+            decoded, probes = _decode(model, specs, pairs, references, runners, config)
             comparisons += decoded
     finally:
         for runner in runners.values():
             runner.close()
+    rows, shared = cache.row_layout(model), cache.is_shared(model)  # (runners closed first)
+    kernels = [f"{step}: {describe(attention_kernels(str(path), feeds, specs, pairs, shared, rows))}"
+               for step, feeds in probes]
     if config.save_outputs and saved:
         _save_outputs(path, config, saved, next(iter(runners)))
     if golden is not None:  # a comparison of nothing is no pass
@@ -233,10 +235,11 @@ def placement_notes(model, statuses: Sequence[ProviderStatus]) -> list[str]:
     return notes
 
 
-def _decode(path, model, specs, pairs, references, runners, config: ValidateConfig
-            ) -> tuple[list[Comparison], list[str]]:
+def _decode(model, specs, pairs, references, runners, config: ValidateConfig
+            ) -> tuple[list[Comparison], list[tuple[str, dict]]]:
     """A prompt and ``decode_steps`` single-token steps, every runtime on its own chain; and
-    which attention kernels ORT CPU ran at the prompt, the first and the last step."""
+    the feeds of the prompt, the first and the last step on ORT CPU (whose attention
+    kernels the report says)."""
     out_dims = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
                 for o in model.graph.output}
     runtimes = {**runners, **{f"reference:{k}": r for k, r in references.items()}}
@@ -259,10 +262,7 @@ def _decode(path, model, specs, pairs, references, runners, config: ValidateConf
             gots = {k: v for k, v in results.items() if not k.startswith("reference:")}
             case = ShapeCase(f"{prefix}{label}", {}, "given")
             comparisons += _compare_case(case, gots, wants, None, out_dims, config)
-    rows, shared = cache.row_layout(model), cache.is_shared(model)
-    said = [f"{step}: {describe(attention_kernels(path, feeds, specs, pairs, shared, rows))}"
-            for step, feeds in probes]
-    return comparisons, said
+    return comparisons, probes
 
 
 def _probe_feeds(prefix: str, steps, pairs) -> list[tuple[str, dict]]:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+from onnx import external_data_helper
+from onnx.external_data_helper import uses_external_data
 
 from mha_onnx import __version__
 from mha_onnx.errors import BlocksLeft, RuntimeCrash
@@ -21,6 +23,7 @@ from mha_onnx.graph import metadata
 from mha_onnx.graph.dims import dim_floors, with_related_dims
 from mha_onnx.graph.files import prepare_output, read_model, to_ir, write_model
 from mha_onnx.graph.inputs import input_specs, load_inputs
+from mha_onnx.graph.light import lend, structure
 from mha_onnx.graph.original import record as record_original
 from mha_onnx.graph.preflight import Preflight, preflight
 from mha_onnx.rewrite.blocks import why_left
@@ -31,7 +34,7 @@ from mha_onnx.rewrite.core import (
 )
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
-from mha_onnx.rewrite.irutil import opset
+from mha_onnx.rewrite.irutil import forget_matches, opset
 from mha_onnx.rewrite.kv_interface import past_dim
 from mha_onnx.rewrite.mismatch import refuse_mismatch
 from mha_onnx.rewrite.norms import unguarded_norms
@@ -55,9 +58,12 @@ def fuse_model(model_proto: onnx.ModelProto, policy: FormPolicy | None = None,
     on the CPU, its fastest measured forms, the cache appended)."""
     policy = policy or FormPolicy()
     specs = input_specs(model_proto)
-    related = with_related_dims(model_proto, specs)  # one name per axis
-    model = to_ir(with_symbolic_shapes(related))
+    light, weights = structure(model_proto)  # (shapes are read without copying weights)
+    model = to_ir(with_symbolic_shapes(with_related_dims(light, specs)))  # one name per axis
+    del light
+    lend(model, weights)  # (read from model_proto where a pass or the fused model asks)
     facts, notes = run_pipeline(model, policy, floors=dim_floors(specs))
+    forget_matches()  # (onnxscript's module-level rules would keep ``model`` alive)
     results = _results(facts.before, facts.blog, facts.chosen)
     fused = ir.to_proto(model)
     if facts.packed:  # validate rebuilds PyTorch references from weights: where each went
@@ -132,6 +138,7 @@ def fuse_file(
     inputs: str | Path | None = None,
     strict: bool = False,
     logits: str = "all",
+    external: bool = False,
 ) -> FuseReport:
     """Fuse ``source`` into ``output``; refuses to write when the fused graph's outputs differ
     from the original's beyond tolerance (unless ``verify_result`` is False). ``policy``: the
@@ -141,26 +148,33 @@ def fuse_file(
     decoder whose folder holds a HF config.json (Optimum's output) records it (GenAI's folder
     beside ``output`` is generate.genai.deliver_genai's, as ``mha-onnx fuse`` writes it).
     ``logits="last"``: the LM head computes each row's last kept position only
-    (last_logits.py), checked against the original before fusing."""
+    (last_logits.py), checked against the original before fusing. ``external``: the weights
+    written beside ``output`` whatever their size (a scratch file that other sessions read
+    next: ORT maps such weights in place)."""
     started = time.perf_counter()
     output = prepare_output(output, force=force)
     original = read_model(source)
     given = load_inputs(inputs, input_specs(original)) if inputs is not None else None
-    level = _safe_level(preflight(source), "the original model") if verify_result else "all"
+    level = _safe_level(preflight(source, prepacking=False), "the original model") \
+        if verify_result else "all"
     policy = policy or FormPolicy()
     target = policy.target
     original, notes = _logits(original, logits)
     fused, results, more = fuse_model(original, policy)
-    notes += more
-    carry_metadata(original, fused, results, target, policy.ep)
-    notes += policy.unmatched({r.mask for r in results if r.status == "fused"})
-    unguarded = unguarded_norms(original)
-    if unguarded:
-        notes.append(_UNGUARDED.format(len(unguarded), unguarded[0]))
-    notes += _blocks_left(results, strict)
-    verification = _checked(original, fused, results, notes, level, target, given,
-                            verify_result, atol, rtol, unguarded)
-    _write(source, original, fused, output, target, force)
+    with tempfile.TemporaryDirectory(prefix="mha_onnx_fuse_") as scratch:
+        held = Path(scratch) if target == "ort" else None  # (OpenVINO's check reads bytes)
+        if held is not None:  # its weights on disk from here: ORT's checks map them there
+            fused = _set_down(fused, held)
+        notes += more
+        carry_metadata(original, fused, results, target, policy.ep)
+        notes += policy.unmatched({r.mask for r in results if r.status == "fused"})
+        unguarded = unguarded_norms(original)
+        if unguarded:
+            notes.append(_UNGUARDED.format(len(unguarded), unguarded[0]))
+        notes += _blocks_left(results, strict)
+        verification = _checked(original, fused, results, notes, level, target, given,
+                                verify_result, atol, rtol, unguarded, Path(scratch))
+        _write(source, original, fused, output, target, force, external, held)
     return FuseReport(
         input=str(source), output=str(output), target=target, blocks=tuple(results),
         verification=verification, seconds=time.perf_counter() - started, written=True,
@@ -168,45 +182,57 @@ def fuse_file(
     )
 
 
+def _set_down(fused: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
+    """``fused`` written in ``folder`` with its weights beside it, and read back without
+    them (the caller lets go of the copy in memory: what reads them next reads them there;
+    ``fused`` itself where a branch holds weights of its own)."""
+    path = write_model(fused, folder / "weights.onnx", force=True, external=True)
+    light = read_model(path, load_external_data=False)
+    outside = sum(map(uses_external_data, external_data_helper._get_all_tensors(light)))
+    if outside > sum(map(uses_external_data, light.graph.initializer)):
+        return fused  # (a branch's own weights: what writes it later reads the main graph's)
+    return light
+
+
 def _checked(original: onnx.ModelProto, fused: onnx.ModelProto, results, notes: list[str],
              level: str, target: str, given, verify_result: bool, atol: float | None,
-             rtol: float | None, unguarded: list[str]):
+             rtol: float | None, unguarded: list[str], scratch: Path):
     """The fused model's preflight (the level it runs at recorded where a higher one
     crashed) and, with ``verify_result``, its outputs against the original's (refused where
-    they differ). Each model a file in a scratch folder with its weights beside it, which
-    its session reads in place."""
-    with tempfile.TemporaryDirectory(prefix="mha_onnx_fuse_") as scratch:
-        checked_file = write_model(fused, Path(scratch) / "fused.onnx", force=True, external=True)
-        checked = preflight(checked_file)
-        fused_level = _safe_level(checked, "the fused model")
-        if checked.crashed:
-            metadata.write(fused, {"session": {"optimization": fused_level}})
-            notes.append(f"{checked.message()}; recorded in the fused model for validate and "
-                         "profile")
-        if not verify_result:
-            return None
-        cases = None if given is not None else verification_cases(original, results)
-        verification = verify(original, fused, cases=cases, given=given, atol=atol, rtol=rtol,
-                              levels=(level, fused_level), scratch=Path(scratch),
-                              fused_file=None if checked.crashed else checked_file)
-        if target == "openvino":
-            verification = verify_on_openvino(original, fused, verification, cases=cases,
-                                              given=given, atol=atol, rtol=rtol)
-        refuse_mismatch(verification, unguarded)
-        return verification
+    they differ). Each model a file in ``scratch`` (where the fused model's external data
+    lies, _set_down) with its weights beside it, which its session reads in place."""
+    checked_file = write_model(fused, scratch / "fused.onnx", force=True, external=True)
+    checked = preflight(checked_file, prepacking=False)
+    fused_level = _safe_level(checked, "the fused model")
+    if checked.crashed:
+        metadata.write(fused, {"session": {"optimization": fused_level}})
+        notes.append(f"{checked.message()}; recorded in the fused model for validate and "
+                     "profile")
+    if not verify_result:
+        return None
+    cases = None if given is not None else verification_cases(original, results)
+    verification = verify(original, fused, cases=cases, given=given, atol=atol, rtol=rtol,
+                          levels=(level, fused_level), scratch=scratch,
+                          fused_file=None if checked.crashed else checked_file)
+    if target == "openvino":
+        verification = verify_on_openvino(original, fused, verification, cases=cases,
+                                          given=given, atol=atol, rtol=rtol)
+    refuse_mismatch(verification, unguarded)
+    return verification
 
 
 def _write(source, original: onnx.ModelProto, fused: onnx.ModelProto, output: Path,
-           target: str, force: bool) -> None:
+           target: str, force: bool, external: bool, held: Path | None) -> None:
     """Write the fused model: (ORT target) its original kept inside for `mha-onnx tune` on
     another machine; a decoder's HF config recorded (Optimum's folder: what generate and
-    GenAI's folder read; GenAI's folder itself is the delivery's, generate.genai)."""
+    GenAI's folder read; GenAI's folder itself is the delivery's, generate.genai). ``held``:
+    the folder where ``fused``'s external data lies."""
     from mha_onnx.graph.decoder import folder_generation
 
     if target == "ort":
-        record_original(original, fused)
+        record_original(original, fused, base=str(held or ""))
     folder_generation(source, fused)
-    write_model(fused, output, force=force)
+    write_model(fused, output, force=force, external=external, base=held)
 
 
 def _blocks_left(results: list[BlockResult], strict: bool) -> list[str]:

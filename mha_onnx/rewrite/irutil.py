@@ -215,3 +215,22 @@ def all_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
     for node in graph:
         for sub in subgraphs(node):
             yield from all_graphs(sub)
+
+
+def forget_matches() -> int:
+    """Each of onnxscript's module-level rewrite rules (``rules.common``, which faithful.py
+    runs) made to let go of the graph it last matched in: onnxscript 0.7's matcher keeps it,
+    with the node and the match, until its next match, and so would keep the last model
+    fused alive, and through it the weights that model read. How many held one."""
+    from onnxscript.rewriter.rules import common
+
+    held = 0
+    for rule in vars(common).values():
+        matcher = getattr(rule, "_matcher", None)
+        if matcher is None:
+            continue
+        held += getattr(matcher, "_graph", None) is not None
+        for name in ("_graph", "_current_node", "_match", "_tracer"):
+            if hasattr(matcher, name):
+                setattr(matcher, name, None)
+    return held
