@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,43 +27,60 @@ def _weights_bytes(folder: Path) -> int:
                if p.suffix in (".safetensors", ".bin") and p.is_file())
 
 
-class _Sampler(threading.Thread):
-    """The resident memory of this process and its children every ``every`` seconds, all of
-    it (RSS: file pages mapped included, which the kernel may drop and read again) and the
-    anonymous part (RssAnon: what the machine must hold); the peaks since the last
-    ``take``."""
+_SAMPLER = r"""
+import os, select, sys, time
+from pathlib import Path
+import psutil
+me, peak = psutil.Process(int(sys.argv[1])), [0, 0]
+def now():
+    rss = anon = 0
+    try:
+        tree = [p for p in [me, *me.children(recursive=True)] if p.pid != os.getpid()]
+    except psutil.NoSuchProcess:
+        sys.exit(0)
+    for process in tree:
+        try:
+            status = Path(f"/proc/{process.pid}/status").read_text().splitlines()
+        except OSError:  # (a child that ended between the listing and the read)
+            continue
+        fields = {k: v for k, _, v in (line.partition(":") for line in status)}
+        rss += int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+        anon += int(fields.get("RssAnon", "0 kB").split()[0]) * 1024
+    return rss, anon
+while True:
+    rss, anon = now()
+    peak = [max(peak[0], rss), max(peak[1], anon)]
+    if select.select([sys.stdin], [], [], 0.02)[0]:
+        if not sys.stdin.readline():
+            break
+        print(peak[0], peak[1], flush=True)
+        peak = list(now())
+"""
 
-    def __init__(self, every: float = 0.02) -> None:
-        super().__init__(daemon=True)
-        import psutil
 
-        self.me, self.every, self.peak = psutil.Process(), every, (0, 0)
-        self.lock = threading.Lock()
+class _Sampler:
+    """The resident memory of this process and its children every 20 ms, all of it (RSS:
+    file pages mapped included, which the kernel may drop and read again) and the anonymous
+    part (RssAnon: what the machine must hold); the peaks since the last ``take``. It reads
+    from a process of its own: a thread here waits for the interpreter's lock, which a
+    protobuf encoding or an ORT call holds for seconds, and would miss what peaks then."""
 
-    def now(self) -> tuple[int, int]:
-        rss = anon = 0
-        for process in [self.me, *self.me.children(recursive=True)]:
-            try:
-                status = Path(f"/proc/{process.pid}/status").read_text().splitlines()
-            except OSError:  # (a child that ended between the listing and the read)
-                continue
-            fields = {k: v for k, _, v in (line.partition(":") for line in status)}
-            rss += int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
-            anon += int(fields.get("RssAnon", "0 kB").split()[0]) * 1024
-        return rss, anon
+    def __init__(self) -> None:
+        import os
+        import subprocess
 
-    def run(self) -> None:
-        while True:
-            rss, anon = self.now()
-            with self.lock:
-                self.peak = (max(self.peak[0], rss), max(self.peak[1], anon))
-            time.sleep(self.every)
+        self.child = subprocess.Popen([sys.executable, "-c", _SAMPLER, str(os.getpid())],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def take(self) -> tuple[int, int]:
-        rss, anon = self.now()
-        with self.lock:
-            peak, self.peak = (max(self.peak[0], rss), max(self.peak[1], anon)), (0, 0)
-        return peak
+        self.child.stdin.write("take\n")
+        self.child.stdin.flush()
+        rss, anon = self.child.stdout.readline().split()
+        return int(rss), int(anon)
+
+    def close(self) -> None:
+        self.child.stdin.close()
+        self.child.wait(timeout=10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     from mha_onnx.export.options import HfExportConfig
 
     sampler = _Sampler()
-    sampler.start()
 
     stages: list[dict] = []
     state = {"name": "start-up (imports)", "t": time.perf_counter()}
@@ -102,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         progress("loading")
         hf.export_hf(args.folder, out, cfg, progress=progress)
         progress("done")
+    sampler.close()
     whole = max(s["peak_rss"] for s in stages)
     anon = max(s["peak_anon"] for s in stages)
     total = time.perf_counter() - started
