@@ -30,6 +30,17 @@ from mha_onnx.rewrite.policy import KV_CACHES
 @click.option("--embeddings", type=click.Choice(["float", "int4", "int8"]), default="float",
               show_default=True, help="With --model --weights: the token embedding table "
               "too (as `mha-onnx quantize --embeddings`).")
+@click.option("--block-size", type=int, default=32, show_default=True,
+              help="With --model --weights: weights per quantization block (as quantize's).")
+@click.option("--algorithm", type=click.Choice(["rtn", "hqq", "gptq"]), default="rtn",
+              show_default=True, help="With --model --weights: as quantize's (gptq takes "
+              "--calibration).")
+@click.option("--calibration", default=None, metavar="PROMPTS.json",
+              help="With --algorithm gptq: text the model reads (JSON: token-id lists, or "
+                   "text read with the folder's tokenizer).")
+@click.option("--mixed", multiple=True, metavar="SPEC",
+              help="With --model --weights: some MatMuls wider, as quantize's --mixed "
+                   "(first-last, sensitive:N, auto, a name pattern; repeat).")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default 20; 18 with --model).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=None)
 @click.option("--kv-cache", type=click.Choice(KV_CACHES), is_flag=False,
@@ -50,7 +61,8 @@ from mha_onnx.rewrite.policy import KV_CACHES
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weights, kv_bits,
-           embeddings, opset, dtype, kv_cache, cache_padding, logits, atol, rtol, seed, output, force, as_json):
+           embeddings, block_size, algorithm, calibration, mixed, opset, dtype, kv_cache,
+           cache_padding, logits, atol, rtol, seed, output, force, as_json):
     """Export the PyTorch reference (or, with --model, a Hugging Face model) to ONNX with
     dynamic batch and sequence axes."""
     from mha_onnx.config import load_config_file, load_preset
@@ -64,20 +76,27 @@ def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weigh
         if given:
             raise ConfigError(f"--model excludes {', '.join(given)}",
                               hint="the folder's config says what the model is")
+        from pathlib import Path
+
+        from mha_onnx.cli.quantize import prompts
         from mha_onnx.export.hf import HfExportConfig, export_hf
 
+        read = prompts(calibration, Path(model_dir), "--calibration") or []
         cfg = HfExportConfig(task=task, dtype=dtype or "float32", opset=opset or 18,
                              fuse=not no_fuse, kv_cache=kv_cache or "appended", force=force,
                              logits=logits, weights=weights or "float", atol=atol, rtol=rtol,
-                             kv_bits=kv_bits, embeddings=embeddings)
+                             kv_bits=kv_bits, embeddings=embeddings, block_size=block_size,
+                             algorithm=algorithm, mixed=tuple(mixed),
+                             calibration=tuple(tuple(p) for p in read))
         emit(export_hf(model_dir, output, cfg, progress=lambda line: click.echo(
             f"[export] {line}", err=True)), as_json)
         return
     if logits != "all":
         raise ConfigError("--logits is for decoders exported with --model")
-    if kv_bits or embeddings != "float":
-        raise ConfigError("--kv-bits and --embeddings are for a model exported with --model "
-                          "--weights")
+    if kv_bits or embeddings != "float" or block_size != 32 or algorithm != "rtn" \
+            or calibration or mixed:
+        raise ConfigError("--kv-bits, --embeddings, --block-size, --algorithm, --calibration "
+                          "and --mixed are for a model exported with --model --weights")
     if atol is not None or rtol is not None:
         raise ConfigError("--atol/--rtol are for --model (the reference export is checked at its "
                           "dtype's tolerance)")

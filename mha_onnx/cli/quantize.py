@@ -2,48 +2,25 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from mha_onnx.cli.options import emit
 
 
-def _mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int | str]:
-    """--mixed values: (int8 patterns, first/last layers in int8, most sensitive count or
-    "auto")."""
-    from mha_onnx.errors import ConfigError
-
-    patterns, first_last, sensitive = [], False, 0
-    for spec in specs:
-        if spec == "first-last":
-            first_last = True
-        elif spec == "auto":
-            sensitive = "auto"
-        elif spec.startswith("sensitive:"):
-            try:
-                sensitive = int(spec.split(":", 1)[1])
-            except ValueError:
-                raise ConfigError(f"--mixed {spec!r}", hint="sensitive:N, e.g. sensitive:4"
-                                  ) from None
-        else:
-            patterns.append(spec)
-    return tuple(patterns), first_last, sensitive
-
-
-def _prompts(path: str | None, model: str, option: str) -> list[list[int]] | None:
-    """``option``'s prompts (token ids, or text through the tokenizer beside MODEL)."""
-    from pathlib import Path
-
+def prompts(path: str | None, folder: Path, option: str) -> list[list[int]] | None:
+    """``option``'s prompts (token ids, or text through the tokenizer in ``folder``)."""
     from mha_onnx.errors import ConfigError
     from mha_onnx.generate.text import load_prompts, load_tokenizer
 
     if path is None:
         return None
-    folder = Path(model).resolve().parent
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
-    prompts = [p for p in load_prompts(path, tokenizer, option) if p]
-    if not prompts:
+    read = [p for p in load_prompts(path, tokenizer, option) if p]
+    if not read:
         raise ConfigError(f"{option} {path} holds no prompt")
-    return prompts
+    return read
 
 
 @click.command("quantize")
@@ -115,14 +92,16 @@ def quantize(ctx, model, output, weights, embeddings, block_size, symmetric, acc
     otherwise, nothing written)."""
     from mha_onnx.errors import ConfigError
     from mha_onnx.quantize.accuracy import Thresholds
+    from mha_onnx.quantize.config import parse_mixed
     from mha_onnx.quantize.run import quantize_file
     from mha_onnx.quantize.weights import QuantizeConfig
 
+    folder = Path(model).resolve().parent  # (the tokenizer beside MODEL reads text prompts)
     if weight_calibration and algorithm != "gptq":
         raise ConfigError("--calibration feeds GPTQ's activations", hint="--algorithm gptq")
     if calibration and not kv_bits:
         raise ConfigError("--kv-calibration sets an int8 cache's scales", hint="--kv-bits 8")
-    int8, first_last, sensitive = _mixed(mixed)
+    int8, first_last, sensitive = parse_mixed(mixed)
     config = QuantizeConfig(weights=weights, block_size=block_size, symmetric=symmetric,
                             accuracy_level=accuracy_level, algorithm=algorithm,
                             exclude=tuple(exclude), int8=int8, first_last=first_last,
@@ -136,9 +115,9 @@ def quantize(ctx, model, output, weights, embeddings, block_size, symmetric, acc
                            mixed_auto=sensitive == "auto", check=not no_check, force=force,
                            progress=(lambda _: None) if as_json else (
                                lambda line: click.echo(f"[quantize] {line}", err=True)),
-                           calibration=_prompts(calibration, model, "--kv-calibration"),
-                           prompts=_prompts(eval_prompts, model, "--eval-prompts"),
-                           weight_calibration=_prompts(weight_calibration, model,
-                                                       "--calibration"))
+                           calibration=prompts(calibration, folder, "--kv-calibration"),
+                           prompts=prompts(eval_prompts, folder, "--eval-prompts"),
+                           weight_calibration=prompts(weight_calibration, folder,
+                                                      "--calibration"))
     emit(report, as_json)
     ctx.exit(0 if report.written and (no_check or report) else 1)

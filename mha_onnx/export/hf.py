@@ -258,15 +258,22 @@ def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],
     its cache in int8 with ``cfg.kv_bits``), next to it; refused (nothing written) past
     the accuracy thresholds."""
     from mha_onnx.errors import FusionError
+    from mha_onnx.quantize.config import parse_mixed
     from mha_onnx.quantize.run import INT8_CACHE_NOTE, quantize_file
     from mha_onnx.quantize.weights import QuantizeConfig
 
     weights = cfg.weights
     progress(f"quantize the weights to {weights} (measured against the float model)")
     out = final.with_name(f"{final.stem}.{weights}.onnx")
-    report = quantize_file(final, out, QuantizeConfig(weights=weights, kv_bits=cfg.kv_bits,
-                                                      embeddings=cfg.embeddings),
-                           sensitivity=False, force=True)
+    int8, first_last, sensitive = parse_mixed(cfg.mixed)
+    config = QuantizeConfig(weights=weights, block_size=cfg.block_size, kv_bits=cfg.kv_bits,
+                            algorithm=cfg.algorithm, int8=int8, first_last=first_last,
+                            embeddings=cfg.embeddings)
+    report = quantize_file(final, out, config, sensitivity=bool(sensitive), force=True,
+                           int8_most_sensitive=0 if sensitive == "auto" else sensitive,
+                           mixed_auto=sensitive == "auto",
+                           weight_calibration=[list(p) for p in cfg.calibration] or None,
+                           progress=lambda line: progress(f"quantize: {line}"))
     if not report.written:
         raise FusionError(f"the {weights} model is past the accuracy thresholds: "
                           f"{'; '.join(report.accuracy.failures())}; it was not written")

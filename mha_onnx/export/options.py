@@ -26,6 +26,10 @@ class HfExportConfig:
     rtol: float | None = None  # the dtype's, mha_onnx.stats.DEFAULT_TOLERANCES)
     kv_bits: int = 0  # 8: a shared cache in int8 too (quantize --kv-bits)
     embeddings: str = "float"  # int4 | int8: the token embedding too (quantize --embeddings)
+    block_size: int = 32  # quantize's --block-size, --algorithm, --mixed (specs as it takes
+    algorithm: str = "rtn"  # them) and --calibration (GPTQ's prompts, token ids)
+    mixed: tuple[str, ...] = ()
+    calibration: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -46,12 +50,36 @@ class HfExportConfig:
         if self.embeddings != "float" and self.weights == "float":
             raise ConfigError("--embeddings quantizes the embedding beside the weights",
                               hint="--weights int4 --embeddings int8")
+        self._check_quantizing()
         decoder = self.task in ("auto", "text-generation-with-past")
         if self.kv_bits and (self.weights == "float" or self.kv_cache != "shared"
                              or not self.fuse or not decoder):
             raise ConfigError("--kv-bits quantizes the cache of a decoder exported with "
                               "--kv-cache shared and --weights int4|int8",
                               hint="--model FOLDER --kv-cache shared --weights int4 --kv-bits 8")
+
+
+    def _check_quantizing(self) -> None:
+        """quantize's options refused before the export, not after it (as quantize's
+        QuantizeConfig refuses them)."""
+        given = [name for name, value in (
+            ("--block-size", self.block_size != 32), ("--algorithm", self.algorithm != "rtn"),
+            ("--mixed", self.mixed), ("--calibration", self.calibration)) if value]
+        if given and self.weights == "float":
+            raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
+                              "the weights quantized after the export",
+                              hint="--weights int4 (or int8, w8a8)")
+        if self.weights == "float":
+            return
+        from mha_onnx.quantize.config import QuantizeConfig, parse_mixed
+
+        int8, first_last, _ = parse_mixed(self.mixed)
+        QuantizeConfig(weights=self.weights, block_size=self.block_size, kv_bits=self.kv_bits,
+                       algorithm=self.algorithm, int8=int8, first_last=first_last,
+                       embeddings=self.embeddings)
+        if (self.algorithm == "gptq") != bool(self.calibration):
+            raise ConfigError("--algorithm gptq takes its activations from --calibration's "
+                              "text", hint="--algorithm gptq --calibration PROMPTS.json")
 
 
 @dataclass(frozen=True)

@@ -67,3 +67,23 @@ class QuantizeConfig:
                 "algorithm": self.algorithm, "exclude": list(self.exclude),
                 "int8": list(self.int8), "first_last": self.first_last,
                 "kv_bits": self.kv_bits, "embeddings": self.embeddings}
+
+
+def parse_mixed(specs: tuple[str, ...]) -> tuple[tuple[str, ...], bool, int | str]:
+    """--mixed values: (int8 patterns, first/last layers in int8, the most sensitive count
+    or "auto")."""
+    patterns, first_last, sensitive = [], False, 0
+    for spec in specs:
+        if spec == "first-last":
+            first_last = True
+        elif spec == "auto":
+            sensitive = "auto"
+        elif spec.startswith("sensitive:"):
+            try:
+                sensitive = int(spec.split(":", 1)[1])
+            except ValueError:
+                raise ConfigError(f"--mixed {spec!r}", hint="sensitive:N, e.g. sensitive:4"
+                                  ) from None
+        else:
+            patterns.append(spec)
+    return tuple(patterns), first_last, sensitive

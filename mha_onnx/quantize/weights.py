@@ -108,9 +108,10 @@ def already_quantized(model: onnx.ModelProto) -> bool:
                for graph, _ in _graphs(model.graph) for n in graph.node)
 
 
-def targets(model: onnx.ModelProto, config: QuantizeConfig) -> list[Target]:
-    """The MatMuls with a constant 2-D weight (found in their graph or one above), with
-    the bits each gets."""
+def _matmuls(model: onnx.ModelProto) -> list[tuple[Target, tuple[str, ...]]]:
+    """The MatMuls with a constant 2-D weight (found in their graph or one above), each
+    with the names a pattern is matched against: the node's, the weight's and the module
+    it came from (torch.export names the first two ``node_MatMul_7``, ``val_82``)."""
     found = []
     for index, (graph, stack) in enumerate(_graphs(model.graph)):
         for node in graph.node:
@@ -119,15 +120,32 @@ def targets(model: onnx.ModelProto, config: QuantizeConfig) -> list[Target]:
             tensor, _ = _initializer(node.input[1], stack)
             if tensor is None or not _weight_2d(tensor):
                 continue
-            where = LAYER.search(f"{node.name}/{tensor.name}/") or LAYER.search(
-                "/".join(p.value for p in node.metadata_props if p.key in SCOPES) + "/")
-            found.append(Target(node.name, tensor.name, int(where.group(1)) if where else None,
-                                graph=index))
+            scope = "/".join(p.value for p in node.metadata_props if p.key in SCOPES)
+            where = LAYER.search(f"{node.name}/{tensor.name}/") or LAYER.search(scope + "/")
+            found.append((Target(node.name, tensor.name, int(where.group(1)) if where else None,
+                                 graph=index), (node.name, tensor.name, scope)))
+    return found
+
+
+def unmatched(model: onnx.ModelProto, config: QuantizeConfig) -> list[str]:
+    """The --exclude and --mixed patterns that name no MatMul of ``model``."""
+    names = [n for _, given in _matmuls(model) for n in given]
+    return [p for p in (*config.exclude, *config.int8)
+            if not any(fnmatch.fnmatch(n, p) for n in names)]
+
+
+def targets(model: onnx.ModelProto, config: QuantizeConfig) -> list[Target]:
+    """The MatMuls with a constant 2-D weight (found in their graph or one above), with
+    the bits each gets."""
+    matmuls = _matmuls(model)
+    found = [target for target, _ in matmuls]
+    given = {(t.graph, t.node): names for t, names in matmuls}
     layers = [t.layer for t in found if t.layer is not None]
     edges = {min(layers), max(layers)} if layers else set()
     wanted = {}
     for target in found:
-        names, key = (target.node, target.weight), (target.graph, target.node)
+        key = (target.graph, target.node)
+        names = given[key]
         if any(fnmatch.fnmatch(n, p) for p in config.exclude for n in names):
             wanted[key] = 0
         elif any(fnmatch.fnmatch(n, p) for p in config.int8 for n in names) \
@@ -263,6 +281,9 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
         raise ConfigError("the model has no MatMul with a constant weight to quantize"
                           + (" that --exclude leaves" if plan else ""),
                           hint="quantize a model whose projections are MatMuls")
+    for pattern in unmatched(model, config):
+        notes.append(f"{pattern!r} names no MatMul here (nor its weight or module): it "
+                     "changed nothing")
     if config.first_last and all(t.layer is None for t in plan):
         notes.append("--mixed first-last: no MatMul's name or metadata says its layer, so "
                      "none was put in int8 (name them with --mixed PATTERN)")

@@ -218,6 +218,39 @@ def test_export_model_with_int8_weights(hf_folder, tmp_path):
 
 
 @pytest.mark.slow
+def test_export_quantizes_as_quantize_does_gptq_blocks_and_mixed(hf_folder, tmp_path):
+    """export --model --weights takes quantize's --algorithm, --calibration, --block-size
+    and --mixed: the file records them and its LM head is the int8 one asked for."""
+    from mha_onnx.graph import metadata
+
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps([[3 + (i * 7 + j) % 50 for j in range(40)]
+                                       for i in range(4)]))
+    out = tmp_path / "model.onnx"
+    result = _cli("export", "--model", hf_folder("llama"), "-o", out, "--weights", "int4",
+                  "--algorithm", "gptq", "--calibration", calibration, "--block-size", "64",
+                  "--mixed", "*lm_head*")
+    assert result.exit_code == 0, result.output
+    model = onnx.load(out)
+    record = metadata.loaded(model, "quantization")
+    assert (record["algorithm"], record["block_size"], record["int8"]) == \
+        ("gptq", 64, ["*lm_head*"])
+    bits = {n.input[1]: next(a.i for a in n.attribute if a.name == "bits")
+            for n in _nodes(model) if n.op_type == "MatMulNBits"}  # (by weight)
+    assert sorted(bits.values()).count(8) == 1 and set(bits.values()) == {4, 8}, bits
+    assert not _float_matmuls_with_weights(model)
+
+
+def test_export_refuses_quantizing_options_before_it_exports(tmp_path):
+    folder = str(tmp_path)  # (never read: the options are refused first)
+    for args, said in ((("--block-size", "64"), "--block-size is for the weights quantized"),
+                       (("--weights", "int4", "--algorithm", "gptq"), "--calibration"),
+                       (("--weights", "int8", "--algorithm", "hqq"), "HQQ quantizes to 4")):
+        result = _cli("export", "--model", folder, "-o", tmp_path / "m.onnx", *args)
+        assert result.exit_code == 2 and said in result.output, result.output
+
+
+@pytest.mark.slow
 def test_an_export_whose_quantized_model_fails_the_gate_keeps_the_float_model(
         hf_folder, tmp_path, monkeypatch):
     """The gate refuses the int4 model (thresholds no model meets): exit 1, the int4 model
@@ -270,3 +303,25 @@ def test_matmuls_inside_if_branches_are_quantized_and_a_weight_they_share_stored
         want = OrtRunner(model.SerializeToString(), "cpu").infer(feeds)["out"]
         got = OrtRunner(quantized.SerializeToString(), "cpu").infer(feeds)["out"]
         assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+
+
+def test_a_pattern_that_names_no_matmul_is_said():
+    """--mixed and --exclude patterns match node, weight and module names; one that
+    matches none (a typo, or torch.export's val_82 names) is said, not silently dropped."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from mha_onnx.quantize.weights import QuantizeConfig, quantize_weights
+
+    weight = numpy_helper.from_array(np.ones((64, 32), np.float32), "val_82")
+    node = helper.make_node("MatMul", ["x", "val_82"], ["y"], name="node_MatMul_7")
+    node.metadata_props.add(key="pkg.torch.onnx.name_scopes", value="['', 'lm_head']")
+    graph = helper.make_graph([node], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])],
+                              [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    made = quantize_weights(model, QuantizeConfig(int8=("*lm_head*", "*lm_haed*")))
+    assert list(made.matmuls().values()) == [8]  # (its module named it)
+    said = [n for n in made.notes if "names no MatMul" in n]
+    assert len(said) == 1 and "'*lm_haed*'" in said[0]
