@@ -4,8 +4,10 @@ them, and reused by every quantization after it (``--mixed``'s trials)."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -38,6 +40,7 @@ class Quantizer:
         self._base = onnx.ModelProto()
         self._sums: dict[str, np.ndarray] | None = None
         self._rows = 0
+        self._folder = tempfile.TemporaryDirectory(prefix="mha_onnx_gptq_")  # (the Hessians)
 
     def __call__(self, config: QuantizeConfig) -> QuantizedWeights:
         made = quantize_weights(self.model, config)
@@ -59,13 +62,15 @@ class Quantizer:
 
     def _hessians(self, weights: list[str]) -> dict[str, np.ndarray]:
         """X^T X of ``weights`` (every weight the first model quantizes: --mixed's later
-        ones quantize no more of them in 4 bits), computed on the first call."""
+        ones quantize no more of them in 4 bits), computed on the first call, kept in files
+        mapped from a folder of the quantizer's own (gone with it)."""
         if self._sums is None:
             weights = list(dict.fromkeys(weights))
             base = read_apart(self.model)  # (the weights' names as quantize_weights gives them)
             batches = self.batches()
             self.progress(f"GPTQ: the activations of {len(weights)} weight(s) over "
                           f"{len(batches)} calibration run(s)")
-            self._base, self._sums = base, gptq.hessians(base, weights, batches)
+            self._base = base
+            self._sums = gptq.hessians(base, weights, batches, Path(self._folder.name))
             self._rows = sum(int(np.prod(b["input_ids"].shape)) for b in batches)
         return self._sums

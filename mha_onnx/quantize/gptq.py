@@ -18,6 +18,7 @@ that path reads keeps RTN's codes (said in the note).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -152,29 +153,44 @@ def activations(flat: ir.Model, weights: Sequence[str]) -> dict[str, list[str]]:
 
 
 def hessians(base: onnx.ModelProto, weights: Sequence[str],
-             batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+             batches: Sequence[dict[str, np.ndarray]], folder: Path | None = None
+             ) -> dict[str, np.ndarray]:
     """Each of ``weights`` read on the calibration path -> X^T X over every row of every
     batch (float32; one array for the weights that read the same inputs: Q/K/V, gate and
-    up), from ``base`` (float, weights named as the quantized model's)."""
+    up), from ``base`` (float, weights named as the quantized model's). ``folder``: the
+    arrays are files there, mapped (a 7B model's are ~20 GB: the kernel writes them out
+    where memory runs short), else in memory. The runs' sessions read the model from a
+    scratch file (its weights mapped, not copied from bytes)."""
+    from mha_onnx.graph.copies import scratch_file
     from mha_onnx.runtime.ort import OrtRunner
 
     def run(model: onnx.ModelProto, names: list[str]) -> dict:
-        with OrtRunner(model.SerializeToString(), prepacking=False) as runner:
+        with scratch_file(model) as path, OrtRunner(path, prepacking=False) as runner:
             out = runner.infer({k: v for k, v in batches[0].items() if k in runner.input_names})
         return {name: out[name] for name in names}
 
     flat = flattened(base, run)  # (the batches share one shape: the same branches)
     reads = {weight: tuple(names) for weight, names in activations(flat, weights).items()}
     sums: dict[tuple[str, ...], np.ndarray] = {}  # weights reading the same input share one
-    with OrtRunner(ir.to_proto(flat).SerializeToString(), prepacking=False) as runner:
+    with scratch_file(ir.to_proto(flat)) as path, OrtRunner(path, prepacking=False) as runner:
         for feeds in batches:
             out = runner.infer({k: v for k, v in feeds.items() if k in runner.input_names})
             for names in set(reads.values()):
                 for name in names:
                     x = out[name].reshape(-1, out[name].shape[-1]).astype(np.float32)
-                    sums[names] = sums.get(names, 0) + x.T @ x
+                    if names not in sums:
+                        sums[names] = _zeros(x.shape[-1], folder, len(sums))
+                    sums[names] += x.T @ x
             del out
     return {weight: sums[names] for weight, names in reads.items()}
+
+
+def _zeros(size: int, folder: Path | None, number: int) -> np.ndarray:
+    """A float32 [size, size] of zeros: a file in ``folder``, mapped, or in memory."""
+    if folder is None:
+        return np.zeros((size, size), np.float32)
+    return np.lib.format.open_memmap(folder / f"hessian{number}.npy", mode="w+",
+                                     dtype=np.float32, shape=(size, size))
 
 
 def rewrite(quant: onnx.ModelProto, base: onnx.ModelProto, sums: dict[str, np.ndarray],
