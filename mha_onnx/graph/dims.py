@@ -26,9 +26,8 @@ from dataclasses import replace
 import onnx
 
 from mha_onnx.errors import InputSpecError
-from mha_onnx.graph.copies import scratch_file
 from mha_onnx.graph.light import structure_key
-from mha_onnx.graph.trials import external, trial
+from mha_onnx.graph.trials import external, trial, trial_runner
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +38,6 @@ FLOOR_LIMIT = 4096  # wav2vec2-base needs 400 samples
 # convolutions and pooling; Einsum (LongT5's transient-global attention sums blocks of
 # global_block_size tokens and fails below one block)
 WINDOWED = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool", "Einsum"}
-
-
-def runs_trials(model: onnx.ModelProto, specs: Sequence) -> bool:
-    """Whether floor_dims or relate_dims would run ``model`` (given its weights) on
-    ``specs``."""
-    return bool(_floor_names(model, specs)) or _related(specs) != list(specs)
 
 
 def _floor_names(model: onnx.ModelProto, specs: Sequence) -> list[str]:
@@ -92,10 +85,7 @@ def _structure(model: onnx.ModelProto) -> str:
 
 
 def _find_floors(model: onnx.ModelProto, specs: Sequence, names: list[str]) -> dict[str, int]:
-    from mha_onnx.runtime.ort import OrtRunner
-
-    with scratch_file(model) as path, OrtRunner(path, "cpu", optimization="basic",
-                                                 prepacking=False) as runner:
+    with trial_runner(model) as runner:
         def runs(sizes: dict) -> bool:
             return not trial(runner, specs, sizes)
 
@@ -162,15 +152,12 @@ def _related(specs: Sequence) -> list:
 
 def _needs_relating(model: onnx.ModelProto, specs: Sequence, related: list) -> bool:
     """Does the model fail at distinct sizes for its dims but run with them related?"""
-    from mha_onnx.runtime.ort import OrtRunner
-
     names = sorted({d for s in specs for d in s.dims if isinstance(d, str) and "+" not in d})
     rising = {name: 2 + n for n, name in enumerate(names)}  # distinct small sizes, both ways
     falling = {name: 2 + len(names) - n for n, name in enumerate(names)}
     if external(model):
         return False  # no trial run: the dims as named
-    with scratch_file(model) as path, OrtRunner(path, "cpu", optimization="basic",
-                                                 prepacking=False) as runner:
+    with trial_runner(model) as runner:
         try:
             runner.session  # noqa: B018 - a graph ORT cannot load is not about its dims
         except Exception:  # noqa: BLE001

@@ -26,7 +26,7 @@ import onnx
 
 from mha_onnx.errors import InputSpecError
 from mha_onnx.graph.roles import consumers
-from mha_onnx.graph.trials import counted_trial
+from mha_onnx.graph.trials import counted_trial, trial_runner
 from mha_onnx.graph.walk import attr
 
 log = logging.getLogger(__name__)
@@ -174,14 +174,12 @@ def _try_sizes(model: onnx.ModelProto, specs: list, index: int, kernel: int,
                tables: list[int]) -> int:
     """A position table's size where the model runs at it; else the smallest candidate at
     which the first attention sees MIN_TOKENS tokens; else the one where it sees the most."""
-    from mha_onnx.runtime.ort import OrtRunner
-
     smallest = sorted({kernel * 2**k for k in range(8)} | set(COMMON_SIZES))[:MAX_TRIALS]
     candidates = tables + [s for s in smallest if s not in tables]
     spec = specs[index]
     reasons, seen = [], {}
     watched, axis = _attention_tokens(model)
-    with OrtRunner(watched.SerializeToString(), "cpu", optimization="basic") as runner:
+    with trial_runner(watched) as runner:
         for size in candidates:
             sizes = {d: size for d in spec.dims[2:] if not isinstance(d, int)}
             failed, tokens = counted_trial(runner, specs, sizes, axis)

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.errors import InputSpecError
-from mha_onnx.graph.dims import dim_floors, floor_dims, lifted, relate_dims, runs_trials
+from mha_onnx.graph.dims import dim_floors, floor_dims, lifted, relate_dims
 from mha_onnx.graph.expressions import evaluate, is_expression
 from mha_onnx.graph.images import pin_dims
 from mha_onnx.graph.roles import integer_roles
@@ -86,12 +86,6 @@ def is_batch_dim(name: str) -> bool:
 def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
     """The model's real inputs (initializers listed as inputs excluded), with their roles."""
     return floor_dims(model, relate_dims(model, pin_dims(model, _declared(model))))
-
-
-def specs_run_trials(model: onnx.ModelProto) -> bool:
-    """Whether :func:`input_specs` runs ``model`` to read its dims (their floors, or which
-    are related): then it needs the weights in memory; else the graph alone."""
-    return runs_trials(model, pin_dims(model, _declared(model)))
 
 
 def _declared(model: onnx.ModelProto) -> list[InputSpec]:

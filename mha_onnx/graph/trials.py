@@ -3,7 +3,11 @@ ORT runs it there, and what length a watched output comes out with."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -27,9 +31,47 @@ def counted_trial(runner, specs: Sequence, sizes: dict, axis: int | None
     return "", int(last.shape[axis])
 
 
-def external(model: onnx.ModelProto) -> bool:
-    """Weights in external files: not in memory here, so no trial run."""
+_WEIGHTS_AT: ContextVar[Path | None] = ContextVar("mha_onnx_weights_at", default=None)
+
+
+@contextlib.contextmanager
+def weights_at(folder: Path) -> Iterator[None]:
+    """Within it, a model whose weights are external data has them in ``folder`` (a model
+    read from a file there without them: validate's), so trial runs read them there."""
+    token = _WEIGHTS_AT.set(Path(folder))
+    try:
+        yield
+    finally:
+        _WEIGHTS_AT.reset(token)
+
+
+def _outside(model: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def external(model: onnx.ModelProto) -> bool:
+    """Weights in external files no trial run can read (no :func:`weights_at` says where):
+    then no trial run."""
+    return _outside(model) and _WEIGHTS_AT.get() is None
+
+
+@contextlib.contextmanager
+def trial_runner(model: onnx.ModelProto) -> Iterator[Any]:
+    """A CPU session of ``model`` for trial runs that packs no weight: its weights read in
+    place, from the folder :func:`weights_at` names, or from a scratch file (a session from
+    the model's bytes would hold them twice more)."""
+    from mha_onnx.graph.copies import scratch_file
+    from mha_onnx.runtime.ort import OrtRunner
+
+    folder = _WEIGHTS_AT.get()
+    if folder is not None and _outside(model):
+        with OrtRunner(model.SerializeToString(), "cpu", optimization="basic",
+                       prepacking=False, external_data_dir=folder) as runner:
+            yield runner
+        return
+    with scratch_file(model) as path, OrtRunner(path, "cpu", optimization="basic",
+                                                 prepacking=False) as runner:
+        yield runner
 
 
 def trial_size(dim: str, sizes: dict) -> int:

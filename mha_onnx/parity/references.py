@@ -20,7 +20,7 @@ from mha_onnx.graph.files import (
     load_external,
     read_model,
 )
-from mha_onnx.graph.inputs import input_specs, specs_run_trials
+from mha_onnx.graph.inputs import input_specs
 from mha_onnx.graph.metadata import CheckResult, session_options
 from mha_onnx.graph.preflight import preflight
 from mha_onnx.parity.config import ValidateConfig
@@ -173,14 +173,14 @@ def with_golden(model, path, config: ValidateConfig, golden):
 
 def model_to_validate(path: str | Path, config: ValidateConfig) -> onnx.ModelProto:
     """The model, its weights read in only where something here reads them (a reference
-    rebuilt from them, routers held, --ranges, the memory check, trial runs that read its
-    dims): an exported file's PyTorch reference loads its own weights, and ORT maps the
-    file's in place."""
+    rebuilt from them, routers held, --ranges, the memory check): an exported file's
+    PyTorch reference loads its own weights, and ORT maps the file's in place (the trial
+    runs that read its dims too: validate runs under graph.trials.weights_at)."""
     model = read_model(path, load_external_data=False)
     if not has_external_data(model):
         return read_model(path)
     check_structure(model, path)
     if "config" in metadata.read(model) or config.memory_check or config.ranges \
-            or router_indices(model) or specs_run_trials(model):
+            or router_indices(model):
         load_external(model, path)
     return model

@@ -30,6 +30,7 @@ from mha_onnx.graph.inputs import (
 from mha_onnx.graph.metadata import session_options
 from mha_onnx.graph.preflight import preflight
 from mha_onnx.graph.roles import length_limit
+from mha_onnx.graph.trials import weights_at
 from mha_onnx.parity.bisect import after_failure
 from mha_onnx.parity.config import ValidateConfig
 from mha_onnx.parity.decode import PROMPT, blank_padded, decode_chains, has_padding_mask
@@ -137,6 +138,12 @@ def validate_model(path: str | Path, config: ValidateConfig) -> ValidationReport
         from mha_onnx.parity.quantized import validate_quantized
         config.progress("a quantized model: its accuracy against its float original")
         return validate_quantized(path, config)
+    with weights_at(Path(path).resolve().parent):  # (trial runs of a model read without them)
+        return _validated(path, model, config, started)
+
+
+def _validated(path: str | Path, model, config: ValidateConfig, started: float
+               ) -> ValidationReport:
     shared = cache.is_shared(model)  # then fed and compared through the appended interface
     specs, pairs = cache.shared_view(model)
     runs, golden = _runs(specs, config, _position_table(model, config))

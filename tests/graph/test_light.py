@@ -134,8 +134,8 @@ def test_fuse_model_lets_go_of_the_model_it_fused(export_cache, monkeypatch):
         return made
 
     monkeypatch.setattr(fuse, "to_ir", to_ir)
-    fused, results, _ = fuse.fuse_model(onnx.load(export_cache(MhaConfig(d_model=32,
-                                                                          num_heads=4))))
+    fused, results, _ = fuse.fuse_model(onnx.load(export_cache(MhaConfig(
+        d_model=32, num_heads=4, name="ext"))))  # (test_graphio's: its export is recorded)
     assert results and fused.graph.node
     gc.collect()
     assert seen and seen[0]() is None
@@ -155,3 +155,22 @@ def test_validate_reads_an_exports_weights_only_where_it_needs_them(tmp_path):
     inline = write_model(model, tmp_path / "inline.onnx", force=True)
     assert model_to_validate(inline, ValidateConfig(memory_check=False)).graph.initializer[0] \
         .HasField("raw_data")
+
+
+def test_trial_runs_read_a_light_models_weights_where_weights_at_says(tmp_path):
+    """validate reads an export without its weights; the trial runs that read its dims run
+    it from its folder (graph.trials.weights_at), where before they were skipped."""
+    from mha_onnx.graph.inputs import input_specs
+    from mha_onnx.graph.trials import external, trial, trial_runner, weights_at
+
+    model = _model()
+    path = write_model(model, tmp_path / "m.onnx", force=True, external=True)
+    light = read_model(path, load_external_data=False)
+    assert external(light)  # (no folder said: no trial)
+    with weights_at(tmp_path):
+        assert not external(light)
+        with trial_runner(light) as runner:
+            assert trial(runner, input_specs(model), {"n": 3}) == ""
+            got = runner.infer(_feeds())
+    want = OrtRunner(model.SerializeToString()).infer(_feeds())
+    np.testing.assert_array_equal(got["y"], want["y"])
