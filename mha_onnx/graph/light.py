@@ -108,8 +108,8 @@ def _bytes(data_type: int, count: int) -> int:
     return (count * bits + 7) // 8
 
 
-_NIBBLES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, getattr(onnx.TensorProto, "FLOAT4E2M1",
-                                                                   -1)}
+_NIBBLES = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4,
+            getattr(onnx.TensorProto, "FLOAT4E2M1", -1)}
 
 
 def _raw_length(whole: int, rest: int) -> int:

@@ -51,11 +51,13 @@ from mha_onnx.rewrite.verify import (
 
 log = logging.getLogger(__name__)
 
-def fuse_model(model_proto: onnx.ModelProto, policy: FormPolicy | None = None,
-               ) -> tuple[onnx.ModelProto, list[BlockResult], list[str]]:
+def fuse_model(model_proto: onnx.ModelProto, policy: FormPolicy | None = None, *,
+               into: Path | None = None) -> tuple[onnx.ModelProto, list[BlockResult], list[str]]:
     """Rewrite a model in memory; returns (fused model, per-block results, notes).
     ``policy``: the target, execution provider and forms (policy.py; default: ONNX Runtime
-    on the CPU, its fastest measured forms, the cache appended)."""
+    on the CPU, its fastest measured forms, the cache appended). ``into``: a folder the
+    fused model is written to as it is made (``weights.onnx``, its weights beside it), and
+    given back without them (:func:`_set_down`): its weights are never held here."""
     policy = policy or FormPolicy()
     specs = input_specs(model_proto)
     light, weights = structure(model_proto)  # (shapes are read without copying weights)
@@ -65,7 +67,7 @@ def fuse_model(model_proto: onnx.ModelProto, policy: FormPolicy | None = None,
     facts, notes = run_pipeline(model, policy, floors=dim_floors(specs))
     forget_matches()  # (onnxscript's module-level rules would keep ``model`` alive)
     results = _results(facts.before, facts.blog, facts.chosen)
-    fused = ir.to_proto(model)
+    fused = ir.to_proto(model) if into is None else _set_down(model, into)
     if facts.packed:  # validate rebuilds PyTorch references from weights: where each went
         metadata.write(fused, {"packed": {k: list(v) for k, v in facts.packed.items()}})
     if facts.cache:  # which outputs are which past's present, by any names
@@ -160,12 +162,10 @@ def fuse_file(
     policy = policy or FormPolicy()
     target = policy.target
     original, notes = _logits(original, logits)
-    fused, results, more = fuse_model(original, policy)
     with tempfile.TemporaryDirectory(prefix="mha_onnx_fuse_") as scratch:
         held = Path(scratch) if target == "ort" else None  # (OpenVINO's check reads bytes)
-        if held is not None:  # its weights on disk from here: ORT's checks map them there
-            fused = _set_down(fused, held)
-        notes += more
+        fused, results, more = fuse_model(original, policy, into=held)  # (ORT's checks map
+        notes += more  # the fused weights from there)
         carry_metadata(original, fused, results, target, policy.ep)
         notes += policy.unmatched({r.mask for r in results if r.status == "fused"})
         unguarded = unguarded_norms(original)
@@ -182,15 +182,18 @@ def fuse_file(
     )
 
 
-def _set_down(fused: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
-    """``fused`` written in ``folder`` with its weights beside it, and read back without
-    them (the caller lets go of the copy in memory: what reads them next reads them there;
-    ``fused`` itself where a branch holds weights of its own)."""
-    path = write_model(fused, folder / "weights.onnx", force=True, external=True)
+def _set_down(model: ir.Model, folder: Path) -> onnx.ModelProto:
+    """``model`` written in ``folder`` tensor by tensor (``weights.onnx``, its weights
+    beside it) and read back without them: what reads them next reads them there. Read in
+    whole where a branch holds weights of its own (what writes it later copies the main
+    graph's external data only)."""
+    path = folder / "weights.onnx"
+    ir.save(model, path, external_data="weights.onnx.data", size_threshold_bytes=1024,
+            max_workers=1, max_in_flight_bytes=1 << 26)  # (a tensor at a time)
     light = read_model(path, load_external_data=False)
     outside = sum(map(uses_external_data, external_data_helper._get_all_tensors(light)))
     if outside > sum(map(uses_external_data, light.graph.initializer)):
-        return fused  # (a branch's own weights: what writes it later reads the main graph's)
+        return read_model(path)
     return light
 
 
