@@ -176,11 +176,9 @@ def model_to_validate(path: str | Path, config: ValidateConfig) -> onnx.ModelPro
     rebuilt from them, routers held, --ranges, the memory check): an exported file's
     PyTorch reference loads its own weights, and ORT maps the file's in place (the trial
     runs that read its dims too: validate runs under graph.trials.weights_at)."""
-    model = read_model(path, load_external_data=False)
-    if not has_external_data(model):
-        return read_model(path)
+    model = read_model(path, load_external_data=False)  # (read_model's load and check:)
+    if not has_external_data(model) or "config" in metadata.read(model) \
+            or config.memory_check or config.ranges or router_indices(model):
+        load_external(model, path)  # (nothing to load where the weights are inside)
     check_structure(model, path)
-    if "config" in metadata.read(model) or config.memory_check or config.ranges \
-            or router_indices(model):
-        load_external(model, path)
     return model
