@@ -254,9 +254,9 @@ def _each_quantized(made: dict[Path, Path], cfg: HfExportConfig, notes: list[str
 
 def _quantized(final: Path, cfg: HfExportConfig, notes: list[str],
                progress: Callable[[str], None]) -> Path:
-    """``final``'s weights in ``cfg.weights`` (int4/int8, `mha-onnx quantize`'s defaults;
-    its cache in int8 with ``cfg.kv_bits``), next to it; refused (nothing written) past
-    the accuracy thresholds."""
+    """``final``'s weights in ``cfg.weights`` (as `mha-onnx quantize` with ``cfg``'s block
+    size, algorithm, --mixed and calibration; its cache in int8 with ``cfg.kv_bits``), next
+    to it; refused (nothing written) past the accuracy thresholds."""
     from mha_onnx.errors import FusionError
     from mha_onnx.quantize.config import parse_mixed
     from mha_onnx.quantize.run import INT8_CACHE_NOTE, quantize_file

@@ -58,7 +58,6 @@ class HfExportConfig:
                               "--kv-cache shared and --weights int4|int8",
                               hint="--model FOLDER --kv-cache shared --weights int4 --kv-bits 8")
 
-
     def _check_quantizing(self) -> None:
         """quantize's options refused before the export, not after it (as quantize's
         QuantizeConfig refuses them)."""
