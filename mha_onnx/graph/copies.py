@@ -20,7 +20,7 @@ from mha_onnx.graph.files import (
     write_bytes,
     write_model,
 )
-from mha_onnx.graph.light import write_inline
+from mha_onnx.graph.light import outside_main, write_inline
 
 
 @contextlib.contextmanager
@@ -41,10 +41,7 @@ def copy_model(source: Path, target: Path) -> Path:
     if not found:
         shutil.copyfile(source, target)
         return target
-    outside = [t for t in onnx.external_data_helper._get_all_tensors(model)
-               if onnx.external_data_helper.uses_external_data(t)]
-    if len(outside) > sum(map(onnx.external_data_helper.uses_external_data,
-                              model.graph.initializer)):  # (a branch's: read in whole)
+    if outside_main(model):  # (a branch's weights outside: read in whole)
         return write_model(read_model(source), target, force=True)
     if len(found) > 1 or found[0].stat().st_size < files.EXTERNAL_DATA_THRESHOLD:
         with atomic_path(target, force=True) as tmp, tmp.open("wb") as handle:
@@ -52,7 +49,7 @@ def copy_model(source: Path, target: Path) -> Path:
         return target
     data = target.with_name(target.name + ".data")
     shutil.copyfile(found[0], data)
-    for tensor in outside:
+    for tensor in model.graph.initializer:
         for entry in tensor.external_data:
             if entry.key == "location":
                 entry.value = data.name

@@ -18,7 +18,6 @@ floor; generated cases lift their lengths above it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
@@ -54,7 +53,7 @@ def floor_dims(model: onnx.ModelProto, specs: Sequence) -> list:
     names = _floor_names(model, specs)
     if not names or external(model):
         return list(specs)
-    key = _structure(model)
+    key = structure_key(model)
     if key not in _FLOORS:
         _FLOORS[key] = _find_floors(model, specs, names)
     floors = _FLOORS[key]
@@ -74,14 +73,6 @@ def dim_floors(specs: Sequence) -> dict[str, int]:
 def lifted(size: int, least: int) -> int:
     """``size``, or past a dim's floor ``least`` by as much (distinct sizes stay distinct)."""
     return size if size >= least else size + least - 1
-
-
-def _structure(model: onnx.ModelProto) -> str:
-    """A key of the graph's structure (inputs, ops, weight shapes), not of its weights."""
-    digest = hashlib.sha1(model.graph.input.__repr__().encode())
-    digest.update(" ".join(n.op_type for n in model.graph.node).encode())
-    digest.update(repr([(t.name, list(t.dims)) for t in model.graph.initializer]).encode())
-    return digest.hexdigest()
 
 
 def _find_floors(model: onnx.ModelProto, specs: Sequence, names: list[str]) -> dict[str, int]:

@@ -126,6 +126,16 @@ def _varint(n: int) -> int:
     return max(1, (n.bit_length() + 6) // 7)
 
 
+def outside_main(model: onnx.ModelProto) -> bool:
+    """Whether a tensor other than a main-graph initializer (a branch's, a Constant's) has
+    its data in an external file: what copies tensor by tensor here reads the main graph's
+    only."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    every = sum(map(uses_external_data, _get_all_tensors(model)))
+    return every > sum(map(uses_external_data, model.graph.initializer))
+
+
 def structure_key(model: onnx.ModelProto) -> str:
     """A digest of ``model`` apart from its weights' values (their names, types and dims in
     it): what a trial run's outcome depends on, read without serializing every weight."""

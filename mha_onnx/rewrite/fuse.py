@@ -14,8 +14,6 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-from onnx import external_data_helper
-from onnx.external_data_helper import uses_external_data
 
 from mha_onnx import __version__
 from mha_onnx.errors import BlocksLeft, RuntimeCrash
@@ -23,7 +21,7 @@ from mha_onnx.graph import metadata
 from mha_onnx.graph.dims import dim_floors, with_related_dims
 from mha_onnx.graph.files import prepare_output, read_model, to_ir, write_model
 from mha_onnx.graph.inputs import input_specs, load_inputs
-from mha_onnx.graph.light import lend, structure
+from mha_onnx.graph.light import lend, outside_main, structure
 from mha_onnx.graph.original import record as record_original
 from mha_onnx.graph.preflight import Preflight, preflight
 from mha_onnx.rewrite.blocks import why_left
@@ -191,10 +189,7 @@ def _set_down(model: ir.Model, folder: Path) -> onnx.ModelProto:
     ir.save(model, path, external_data="weights.onnx.data", size_threshold_bytes=1024,
             max_workers=1, max_in_flight_bytes=1 << 26)  # (a tensor at a time)
     light = read_model(path, load_external_data=False)
-    outside = sum(map(uses_external_data, external_data_helper._get_all_tensors(light)))
-    if outside > sum(map(uses_external_data, light.graph.initializer)):
-        return read_model(path)
-    return light
+    return read_model(path) if outside_main(light) else light
 
 
 def _checked(original: onnx.ModelProto, fused: onnx.ModelProto, results, notes: list[str],
