@@ -11,14 +11,13 @@ from mha_onnx.profile.report import Point, ProfileReport
 
 
 def write_csv(report: ProfileReport, path: str | Path, *, force: bool = False) -> None:
+    rows = [{k: v for k, v in p.to_dict().items() if k != "top_ops"} for p in report.points]
     fields = [f for f in Point.__dataclass_fields__ if f != "top_ops"]
-    with atomic_path(path, force=force) as tmp, tmp.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
+    fields += list(dict.fromkeys(k for row in rows for k in row if k not in fields))  # (notes
+    with atomic_path(path, force=force) as tmp, tmp.open("w", newline="") as handle:  # a row
+        writer = csv.DictWriter(handle, fieldnames=fields)  # adds where a figure asks one)
         writer.writeheader()
-        for p in report.points:
-            row = p.to_dict()
-            row.pop("top_ops")
-            writer.writerow(row)
+        writer.writerows(rows)
 
 
 def log_axes(*axes_and_labels) -> None:
