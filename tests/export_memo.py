@@ -9,7 +9,8 @@ function runs (``FILES`` and, in ``export/hf.py``, the functions that make the e
 inputs and call torch.onnx.export; ``rewrite/faithful.py``, the clean-up each export runs;
 ``tests/models.py`` for the test library's);
 for every submodule, its class and the source file of that class where it lies in this
-repository, and its plain attributes (a Hugging Face config through its JSON); every
+repository, its plain attributes (a Hugging Face config through its JSON) and the forward
+hooks this package puts on it (export --keep-float32's casts); every
 parameter and buffer, bytes included; the example arguments, values included; and the
 other arguments. A model is remembered as the function returned it (the repository's path
 in its stack traces kept as a placeholder, so that another clone reads it as its own), first
@@ -168,6 +169,10 @@ def key(module, args: tuple, options: Any, code: bytes = b"") -> str | None:
         attributes = {k: v for k, v in vars(sub).items() if not k.startswith("_")
                       and k not in ("training", "name_or_path")}  # (not the folder it came from)
         h.update(_plain(attributes).encode())
+        ours = [_plain(f) for hooks in (sub._forward_pre_hooks, sub._forward_hooks)
+                for f in hooks.values() if getattr(f, "__module__", "").startswith("mha_onnx")]
+        if ours:  # (export --keep-float32's casts: a module without weights has no other sign)
+            h.update(f"hooks:{ours}".encode())
     for name, tensor in module.state_dict(keep_vars=True).items():
         h.update(name.encode())
         _tensor(h, tensor)

@@ -43,6 +43,10 @@ from mha_onnx.rewrite.policy import KV_CACHES
                    "(first-last, sensitive:N, auto, a name pattern; repeat).")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default 20; 18 with --model).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default=None)
+@click.option("--keep-float32", "keep_float32", multiple=True, metavar="MODULE",
+              help="With --model --dtype float16: a module kept in float32 (a PyTorch module "
+                   "name, globs allowed, e.g. 'model.layers.3.mlp'; repeat), where activations "
+                   "pass float16's range.")
 @click.option("--kv-cache", type=click.Choice(KV_CACHES), is_flag=False,
               flag_value="appended", default=None,
               help="Export with a KV cache (past_key/past_value in, present_* out); with --model, "
@@ -61,8 +65,8 @@ from mha_onnx.rewrite.policy import KV_CACHES
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weights, kv_bits,
-           embeddings, block_size, algorithm, calibration, mixed, opset, dtype, kv_cache,
-           cache_padding, logits, atol, rtol, seed, output, force, as_json):
+           embeddings, block_size, algorithm, calibration, mixed, opset, dtype, keep_float32,
+           kv_cache, cache_padding, logits, atol, rtol, seed, output, force, as_json):
     """Export the PyTorch reference (or, with --model, a Hugging Face model) to ONNX with
     dynamic batch and sequence axes."""
     from mha_onnx.config import load_config_file, load_preset
@@ -87,12 +91,13 @@ def export(model_dir, task, no_fuse, preset, config_file, attention, mask, weigh
                              logits=logits, weights=weights or "float", atol=atol, rtol=rtol,
                              kv_bits=kv_bits, embeddings=embeddings, block_size=block_size,
                              algorithm=algorithm, mixed=tuple(mixed),
-                             calibration=tuple(tuple(p) for p in read))
+                             calibration=tuple(tuple(p) for p in read),
+                             keep_float32=tuple(keep_float32))
         emit(export_hf(model_dir, output, cfg, progress=lambda line: click.echo(
             f"[export] {line}", err=True)), as_json)
         return
-    if logits != "all":
-        raise ConfigError("--logits is for decoders exported with --model")
+    if logits != "all" or keep_float32:
+        raise ConfigError("--logits and --keep-float32 are for a model exported with --model")
     if kv_bits or embeddings != "float" or block_size != 32 or algorithm != "rtn" \
             or calibration or mixed:
         raise ConfigError("--kv-bits, --embeddings, --block-size, --algorithm, --calibration "

@@ -22,6 +22,7 @@ from typing import Any
 
 from mha_onnx import __version__
 from mha_onnx.errors import ConfigError, ExportError, FusionError
+from mha_onnx.export.islands import cache_kept_float16, keep_float32
 from mha_onnx.export.options import HfExportConfig, HfExportReport
 from mha_onnx.export.overflow import finite_or_refused, overflow_refused
 from mha_onnx.graph import metadata
@@ -201,10 +202,13 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
     model = load_module(folder, task, cfg.dtype)
     if task == "text-generation-with-past":
         check_decoder(model, config)
+    kept = keep_float32(model, cfg.keep_float32, cached="with-past" in task)  # (refused
+    if kept:  # here where a pattern names no module or one holding the cache's attention)
+        progress(f"kept in float32: {', '.join(kept)}")
     notes, fused, validations = [], [], []
     with tempfile.TemporaryDirectory(prefix="mha_onnx_hf_") as tmp:
         exported = {part: _export_part(folder, config, model, task, part, cfg, Path(tmp),
-                                       progress) for part in targets}
+                                       progress, kept) for part in targets}
         del model  # fuse and validate hold no PyTorch weights (validate loads its own)
         give_back_memory()
         made = {}
@@ -314,13 +318,19 @@ def _learned_positions(model: Any) -> bool:
 
 
 def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | None,
-                 cfg: HfExportConfig, tmp: Path, progress: Callable[[str], None]) -> Path:
-    """One file's torch.export, written in ``tmp`` (its path); nothing of it is held after."""
+                 cfg: HfExportConfig, tmp: Path, progress: Callable[[str], None],
+                 kept: list[str]) -> Path:
+    """One file's torch.export, written in ``tmp`` (its path); nothing of it is held after.
+    ``kept``: the modules of a float16 model kept in float32 (recorded)."""
     name = part or "model"
     progress(f"torch.export{f' ({part})' if part else ''}")
     proto = _torch_export(task, config, model, cfg.dtype, cfg.opset, part)
+    cache_kept_float16([(o.name, o.type.tensor_type.elem_type) for o in proto.graph.output],
+                       kept)
     record = {"folder": str(folder), "task": task, "dtype": cfg.dtype,
               "files": fingerprint(folder), "config": describe(config)}
+    if kept:
+        record["float32_modules"] = kept
     if part:
         record["part"] = part
     table = getattr(config, "max_position_embeddings", None)  # vision: one per patch

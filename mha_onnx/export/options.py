@@ -30,6 +30,7 @@ class HfExportConfig:
     algorithm: str = "rtn"  # them) and --calibration (GPTQ's prompts, token ids)
     mixed: tuple[str, ...] = ()
     calibration: tuple[tuple[int, ...], ...] = ()
+    keep_float32: tuple[str, ...] = ()  # float16: modules kept in float32 (export/islands.py)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -44,6 +45,9 @@ class HfExportConfig:
         if self.weights not in ("float", "int4", "int8", "w8a8"):
             raise ConfigError(f"--weights {self.weights!r} with --model",
                               hint="int4, int8 or w8a8 (quantized after the export)")
+        if self.keep_float32 and self.dtype != "float16":
+            raise ConfigError("--keep-float32 keeps modules of a float16 export in float32",
+                              hint="--dtype float16 --keep-float32 MODULE")
         if self.weights == "w8a8" and self.dtype != "float32":
             raise ConfigError("--weights w8a8 quantizes a float32 export (ORT's integer GEMM "
                               "gives float32)", hint="--dtype float32, or --weights int4|int8")

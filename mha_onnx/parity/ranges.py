@@ -8,6 +8,12 @@ largest finite magnitude, the values within ``NEAR`` of float16's largest, and t
 that makes a non-finite value out of finite inputs (an overflow: a mask's -inf fill is not
 one, it comes in non-finite). A float32 model gets the same table: where its values would
 overflow if it were exported in float16.
+
+ORT's CPU provider runs many float16 operators in float32 (casts it inserts, and removes
+where two meet), so a float16 model can give finite outputs on the CPU where a GPU's float16
+kernels give inf: a value exposed here is cast back to float16, as a GPU keeps it. What
+``export --keep-float32`` keeps wide (float32 values of a float16 model) is not counted near
+the range.
 """
 
 from __future__ import annotations
@@ -34,14 +40,17 @@ class Peak:
     peak: float  # the largest finite magnitude over the runs
     finite: bool  # no inf or NaN in any run
     weight: str = ""  # (an overflow) the constant holding inf/NaN it reads, if that is why
-
+    module: str = ""  # the PyTorch module it came from, where torch.export recorded it
+    bits: int = 32  # its float type's width
 
     def said(self) -> str:
         if self.weight:
             return (f"{self.node} ({self.op}) reads {self.weight}, a constant holding inf/NaN "
                     "(its values do not fit float16's range) and gives inf/NaN")
+        keep = (f"export --dtype float16 --keep-float32 {self.module} keeps that module in "
+                "float32" if self.module else "keep that layer in float32 or scale it")
         return (f"{self.node} ({self.op}) makes inf/NaN from finite inputs (its output "
-                f"{self.value}); keep that layer in float32 or scale it")
+                f"{self.value}); {keep}")
 
 
 @dataclass(frozen=True)
@@ -49,10 +58,14 @@ class Ranges:
     peaks: tuple[Peak, ...]  # every float value of the main graph, largest first
     overflow: Peak | None  # the first node giving non-finite values from finite inputs
     runs: int
+    half: bool = False  # the model computes in float16 (some of its values are)
 
     @property
     def near(self) -> list[Peak]:
-        return [p for p in self.peaks if p.peak >= NEAR * FP16_MAX]
+        """Values near float16's largest: of a float16 model, its float16 ones (what it
+        keeps in float32 may pass it); of a float32 model, every one."""
+        return [p for p in self.peaks if p.peak >= NEAR * FP16_MAX
+                and not (self.half and p.bits == 32)]
 
     @property
     def passed(self) -> bool:
@@ -60,7 +73,8 @@ class Ranges:
 
     def to_dict(self) -> dict:
         row = lambda p: {"node": p.node, "op": p.op, "value": p.value,  # noqa: E731
-                         "peak": p.peak, "finite": p.finite, "weight": p.weight}
+                         "peak": p.peak, "finite": p.finite, "weight": p.weight,
+                         "module": p.module, "bits": p.bits}
         return {"runs": self.runs, "overflow": row(self.overflow) if self.overflow else None,
                 "near_float16_max": [row(p) for p in self.near],
                 "largest": [row(p) for p in self.peaks[:SHOWN]]}
@@ -83,6 +97,7 @@ def activation_ranges(path: str, model: onnx.ModelProto,
     """The ranges of ``model`` (at ``path``, for its external data) over ``runs``."""
     produced = [(node, name) for node, name in _produced(model.graph)]
     peaks: dict[str, float] = {}
+    bits: dict[str, int] = {}
     bad: set[str] = set()
     hard: set[str] = set()  # NaN or +inf: never a mask's fill (-inf, or finite sums to -inf)
     for start in range(0, len(produced), chunk):
@@ -93,6 +108,8 @@ def activation_ranges(path: str, model: onnx.ModelProto,
                 got = runner.infer({n: feeds[n] for n in runner.input_names if n in feeds})
                 for name in names:
                     _record(name, got.get(name), peaks, bad, hard)
+                    if name in peaks:
+                        bits[name] = got[name].dtype.itemsize * 8
     fills, constants = _non_finite_constants(model)
     unfinished = bad | fills | constants  # (inputs are finite: made so)
     found = []
@@ -103,13 +120,15 @@ def activation_ranges(path: str, model: onnx.ModelProto,
         if read or not any(i in unfinished for i in node.input if i):
             found.append((name not in hard, Peak(_label(node), node.op_type, name,
                                                  peaks.get(name, 0.0), False,
-                                                 read[0] if read else "")))
+                                                 read[0] if read else "", _module(node),
+                                                 bits.get(name, 32))))
     # the first giving NaN or +inf; only -inf (two mask fills added) where none does
     overflow = min(found, key=lambda f: f[0])[1] if found else None
-    ranked = sorted((Peak(n.name or n.op_type, n.op_type, name, peaks[name], name not in bad)
+    ranked = sorted((Peak(n.name or n.op_type, n.op_type, name, peaks[name], name not in bad,
+                          module=_module(n), bits=bits[name])
                      for n, name in produced if name in peaks),
                     key=lambda p: p.peak, reverse=True)
-    return Ranges(tuple(ranked), overflow, len(runs))
+    return Ranges(tuple(ranked), overflow, len(runs), any(b == 16 for b in bits.values()))
 
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -132,6 +151,13 @@ def _record(name: str, array: np.ndarray | None, peaks: dict[str, float], bad: s
 def _label(node: onnx.NodeProto) -> str:
     """The node's name, with the module it came from where torch.export recorded it
     (``node_linear_13 [model.layers.1.mlp.down_proj]``)."""
+    module = _module(node)
+    name = node.name or node.op_type
+    return f"{name} [{module}]" if module else name
+
+
+def _module(node: onnx.NodeProto) -> str:
+    """The PyTorch module a node came from, where torch.export recorded it; "" else."""
     import ast
 
     scopes = next((p.value for p in node.metadata_props
@@ -140,8 +166,7 @@ def _label(node: onnx.NodeProto) -> str:
         module = ast.literal_eval(scopes)[-2] if scopes else ""
     except (ValueError, SyntaxError, IndexError):
         module = ""
-    name = node.name or node.op_type
-    return f"{name} [{module.removeprefix('inner.')}]" if module else name
+    return module.removeprefix("inner.")
 
 
 def _constant_fill(node: onnx.NodeProto) -> bool:

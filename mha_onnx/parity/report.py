@@ -147,7 +147,9 @@ class ValidationReport:
         if self.ranges is not None:
             lines.extend(self.ranges.render())
         lines.extend(f"  warning: {n}" for n in self.notes)
-        verdict = {EXIT_OK: "PASSED", EXIT_MISMATCH: "FAILED: outputs differ",
+        differ = "outputs differ" if any(not c.stats.passed for c in self.comparisons) or any(
+            not c.passed for c in self.checks) else "an activation overflows float16 (ranges)"
+        verdict = {EXIT_OK: "PASSED", EXIT_MISMATCH: f"FAILED: {differ}",
                    EXIT_PROVIDER: "FAILED: a requested provider could not run"}[self.exit_code]
         lines.append(f"  result: {verdict} ({self.seconds:.1f} s)")
         return "\n".join(lines)

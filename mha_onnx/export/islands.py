@@ -1,0 +1,97 @@
+"""``export --dtype float16 --keep-float32 MODULE``: named modules of a float16 model kept in
+float32, the way a user keeps a layer whose activations pass float16's range (65504) out of
+it.
+
+Each kept module's parameters and buffers are float32; its float16 inputs are cast up on the
+way in and its float32 outputs back to float16 on the way out (forward hooks, so the module
+keeps its name and the export its name scopes). The values a kept module computes inside
+(a product of two large projections, a sum of squares) never meet float16; what leaves it
+must fit float16 again. A module that writes the cache (an attention block, a decoder
+layer) would hand the cache float32 keys: refused after the export, by the cache's type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from typing import Any
+
+from mha_onnx.errors import ConfigError
+
+SHOWN = 6
+
+
+def keep_float32(model: Any, patterns: Sequence[str], cached: bool = False) -> list[str]:
+    """Keep the modules of ``model`` whose names match ``patterns`` (globs on PyTorch's
+    module names, e.g. ``model.layers.3.mlp`` or ``model.layers.*.mlp.act_fn``) in float32;
+    the names kept, outermost only. A pattern that names no module is refused, and with a
+    cache (``cached``) one that holds an attention block."""
+    names = [name for name, _ in model.named_modules() if name]
+    matched: list[str] = []
+    for pattern in patterns:
+        hits = [n for n in names if fnmatchcase(n, pattern)]
+        if not hits:
+            near = [n for n in names if n.count(".") <= 3 and "layers.0." in f"{n}."][:SHOWN] \
+                or names[:SHOWN]
+            raise ConfigError(f"--keep-float32 {pattern!r} names no module of the model",
+                              hint="module names as PyTorch gives them, globs allowed; e.g. "
+                                   + ", ".join(near))
+        matched.extend(h for h in hits if h not in matched)
+    kept = [n for n in matched if not any(n.startswith(f"{o}.") for o in matched if o != n)]
+    attention = [f"{n} holds {type(m).__name__}" for n in kept
+                 for m in model.get_submodule(n).modules()
+                 if type(m).__name__.endswith("Attention")]
+    if cached and attention:
+        _cache_refused(kept, attention[0])
+    for name in kept:
+        module = model.get_submodule(name)
+        module.float()
+        module.register_forward_pre_hook(_up, with_kwargs=True)
+        module.register_forward_hook(_down)
+    return kept
+
+
+def _cast(value: Any, source: Any, target: Any) -> Any:
+    """``value`` with its ``source``-typed tensors (in tuples, lists, dicts) as ``target``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(target) if value.dtype == source else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_cast(v, source, target) for v in value))
+    if isinstance(value, list | tuple):
+        return type(value)(_cast(v, source, target) for v in value)
+    if isinstance(value, dict):  # (a ModelOutput is a dict that keeps its fields in order)
+        for key in list(value.keys()):
+            value[key] = _cast(value[key], source, target)
+        return value
+    return value
+
+
+def _up(_module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    import torch
+
+    return _cast(args, torch.float16, torch.float32), _cast(kwargs, torch.float16, torch.float32)
+
+
+def _down(_module: Any, _args: tuple, output: Any) -> Any:
+    import torch
+
+    return _cast(output, torch.float32, torch.float16)
+
+
+def cache_kept_float16(outputs: Sequence[tuple[str, int]], kept: Sequence[str]) -> None:
+    """Refuse an export whose cache outputs (``present*``: name, ONNX element type) came out
+    float32 because a kept module writes the cache (what keep_float32 did not see)."""
+    from onnx import TensorProto
+
+    wide = [name for name, kind in outputs if kind == TensorProto.FLOAT and "present" in name]
+    if kept and wide:
+        _cache_refused(kept, f"{wide[0]} is float32")
+
+
+def _cache_refused(kept: Sequence[str], why: str) -> None:
+    raise ConfigError(f"--keep-float32 {', '.join(kept)}: the cache would be float32 ({why}): "
+                      "a kept module writes it (an attention block or a whole layer)",
+                      hint="keep the parts that overflow instead: the MLP, a norm, a "
+                           "projection (e.g. model.layers.N.mlp)")

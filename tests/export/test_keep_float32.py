@@ -1,0 +1,107 @@
+"""`export --model --dtype float16`: an activation past float16's range is refused with the
+module it came from, and `--keep-float32 MODULE` keeps that module in float32 (its weights
+and what it computes), the rest in float16.
+
+The model: a small Llama whose first MLP's product (gate x up) passes 65504 while what the
+MLP gives back fits float16 (its norm's gain scaled up, its down projection down). ORT's CPU
+provider computes that product in float32 and hides it: the outputs are finite here, inf
+where float16 kernels run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from mha_onnx.cli import main
+
+MLP = "model.layers.0.mlp"
+
+
+@pytest.fixture(scope="module")
+def loud(tmp_path_factory):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=99, max_position_embeddings=128, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, num_key_value_heads=2))
+    with torch.no_grad():
+        model.model.layers[0].post_attention_layernorm.weight *= 1500
+        model.model.layers[0].mlp.down_proj.weight *= 1e-2
+    folder = tmp_path_factory.mktemp("loud")
+    model.save_pretrained(folder)
+    return folder
+
+
+def _export(folder, out, *extra):
+    return CliRunner().invoke(main, ["export", "--model", str(folder), "-o", str(out),
+                                     "--dtype", "float16", *extra])
+
+
+def test_an_overflow_hidden_by_the_cpu_is_refused_with_the_module_to_keep(loud, tmp_path):
+    out = tmp_path / "plain.onnx"
+    result = _export(loud, out, "--no-fuse")
+    assert result.exit_code == 1, result.output
+    assert "outputs finite on ORT's CPU provider" in result.output
+    assert f"[{MLP}] (Mul) makes inf/NaN" in result.output
+    assert f"--keep-float32 {MLP} keeps that module in float32" in result.output
+    assert not out.exists()
+
+
+def test_the_kept_module_computes_in_float32_and_passes(loud, tmp_path):
+    from mha_onnx.graph import metadata
+    from mha_onnx.parity import ValidateConfig, validate_model
+
+    out = tmp_path / "kept.onnx"
+    result = _export(loud, out, "--keep-float32", MLP, "--json")
+    assert result.exit_code == 0, result.output
+    assert "GroupQueryAttention" in json.loads(result.output[result.output.index("{"):])["fused"]
+    model = onnx.load(out)
+    assert metadata.decoded(model)["hf_model"]["float32_modules"] == [MLP]
+    matrices = [t.data_type for t in model.graph.initializer if len(t.dims) == 2]
+    # the kept MLP's gate, up and down; every other weight matrix in float16
+    assert matrices.count(onnx.TensorProto.FLOAT) == 3
+    assert matrices.count(onnx.TensorProto.FLOAT16) >= 8
+    assert [o.type.tensor_type.elem_type for o in model.graph.output] == [
+        onnx.TensorProto.FLOAT16] * len(model.graph.output)
+    report = validate_model(out, ValidateConfig(ranges=True))
+    assert report.exit_code == 0 and report.ranges.overflow is None
+    assert report.ranges.half and not report.ranges.near  # (the kept product is float32)
+    assert max(p.peak for p in report.ranges.peaks if p.bits == 32) > 65504
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    (("--keep-float32", "model.layer.0.mlp"), "names no module of the model"),
+    (("--keep-float32", "model.layers.0.self_attn"), "holds LlamaAttention"),
+    (("--keep-float32", "model.layers.0"), "the cache would be float32"),
+    (("--keep-float32", MLP, "--dtype", "float32"), "keeps modules of a float16 export"),
+])
+def test_what_cannot_be_kept_is_refused_before_the_export(loud, tmp_path, extra, said):
+    result = _export(loud, tmp_path / "x.onnx", *extra)
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert "torch.export" not in result.output and not (tmp_path / "x.onnx").exists()
+
+
+def test_the_casts_keep_pytorchs_values(loud):
+    """The kept module's hooks: float16 in, float32 inside, float16 out; the model's logits
+    finite where the all-float16 model's are not, and near float32's."""
+    import torch
+
+    from mha_onnx.export.islands import keep_float32
+    from mha_onnx.reference.hf import load_module
+
+    ids = torch.randint(0, 99, (2, 8), generator=torch.Generator().manual_seed(0))
+    task = "text-generation-with-past"
+    wide = load_module(loud, task, "float32")(ids).logits.detach().numpy()
+    half = load_module(loud, task, "float16")
+    assert not torch.isfinite(half(ids).logits).all()
+    assert keep_float32(half, ["model.layers.*.mlp", MLP + ".*"]) == [
+        MLP, "model.layers.1.mlp"]  # (the outermost of what the patterns name)
+    got = half(ids).logits
+    assert got.dtype == torch.float16
+    np.testing.assert_allclose(got.float().detach().numpy(), wide, atol=0.05)
