@@ -383,7 +383,7 @@ def _fused_and_validated(exported: Path, task: str, part: str | None, cfg: HfExp
     progress("validate against PyTorch" + (" (16 decode steps)" if cached else ""))
     given = {"*": Tolerance(cfg.atol, cfg.rtol)} if (cfg.atol, cfg.rtol) != (None, None) else {}
     validation = validate_model(final, ValidateConfig(memory_check=False, tolerances=given))
-    finite_or_refused(final, validation, cfg, progress)
+    finite_or_refused(exported, validation, cfg, progress)  # (the export: any cache form)
     if not validation:
         raise FusionError("the exported model differs from the PyTorch model: "
                           + "; ".join(f"{c.output} at {c.case}: {c.stats.max_abs:.3g} (would "

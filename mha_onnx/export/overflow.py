@@ -9,10 +9,11 @@ from pathlib import Path
 from mha_onnx.export.options import HfExportConfig
 
 
-def finite_or_refused(final: Path, validation, cfg: HfExportConfig,
+def finite_or_refused(exported: Path, validation, cfg: HfExportConfig,
                        progress: Callable[[str], None]) -> None:
     """A float16 export with an activation past float16's range is refused with the node
-    that overflows first. Where its outputs hold inf or NaN (where PyTorch in float16 gives
+    that overflows first in ``exported``, torch.export's file before fusion (its nodes are
+    the modules' own; its cache interface is the appended one whatever the fused form). Where its outputs hold inf or NaN (where PyTorch in float16 gives
     them alike, validation compared NaN with NaN; where not, it only says they differ), and
     where they do not: ORT's CPU provider computes many float16 operators in float32, so
     outputs finite here can be inf on a GPU (parity/ranges.py)."""
@@ -20,7 +21,7 @@ def finite_or_refused(final: Path, validation, cfg: HfExportConfig,
         return
     broken = sorted({c.output for c in validation.comparisons
                      if c.stats.nan_actual or c.stats.inf_actual})
-    overflow_refused(final, broken, progress)
+    overflow_refused(exported, broken, progress)
 
 
 def overflow_refused(path: Path, broken: list[str], progress: Callable[[str], None]) -> None:

@@ -58,7 +58,7 @@ def test_the_kept_module_computes_in_float32_and_passes(loud, tmp_path):
     from mha_onnx.parity import ValidateConfig, validate_model
 
     out = tmp_path / "kept.onnx"
-    result = _export(loud, out, "--keep-float32", MLP, "--json")
+    result = _export(loud, out, "--keep-float32", MLP, "--kv-cache", "shared", "--json")
     assert result.exit_code == 0, result.output
     assert "GroupQueryAttention" in json.loads(result.output[result.output.index("{"):])["fused"]
     model = onnx.load(out)
@@ -73,6 +73,23 @@ def test_the_kept_module_computes_in_float32_and_passes(loud, tmp_path):
     assert report.exit_code == 0 and report.ranges.overflow is None
     assert report.ranges.half and not report.ranges.near  # (the kept product is float32)
     assert max(p.peak for p in report.ranges.peaks if p.bits == 32) > 65504
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text("[[5, 6, 7, 8], [9, 10]]")
+    generated = CliRunner().invoke(main, ["generate", str(out), "--prompts", str(prompts),
+                                          "--max-new-tokens", "8", "--json"])
+    assert generated.exit_code == 0, generated.output
+    assert json.loads(generated.output)["sequences"] == _greedy(loud, [[5, 6, 7, 8], [9, 10]])
+
+
+def _greedy(folder, prompts, new=8):
+    """transformers' greedy tokens of the folder's model in float32, each prompt alone."""
+    import torch
+
+    from mha_onnx.reference.hf import load_module
+
+    model = load_module(folder, "text-generation-with-past", "float32")
+    return [model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False,
+                           min_new_tokens=new)[0, len(p):].tolist() for p in prompts]
 
 
 @pytest.mark.parametrize(("extra", "said"), [
