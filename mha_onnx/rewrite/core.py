@@ -228,10 +228,9 @@ def _sink(sliced: bool, column: ir.Value | None, heads: int, rank: int, block: s
     return values
 
 
-def check_sink(core: Core, target: str) -> None:
-    """Sinks have ORT's kernels only: GroupQueryAttention's head_sink, or MultiHeadAttention
-    with one more key of zeros whose bias is the sink (lower/common.dense_mha)."""
-    if core.sink is not None and target != "ort":
+def check_sink(core: Core, policy) -> None:
+    """Sinks have ORT's kernels only (policy.fuses_sinks; lower/common.dense_mha)."""
+    if core.sink is not None and not policy.fuses_sinks():
         raise Reject(core.block, "attention sinks are fused for --target ort only "
                      "(GroupQueryAttention's head_sink; the ONNX Attention op has none)")
 
@@ -283,15 +282,16 @@ def parse_onnx_attention(node: ir.Node, block: str, oracle: Oracle) -> Core:
     )
 
 
-def check_softcap(core: Core, target: str, gqa: bool) -> None:
-    """Soft-capped scores have one fused kernel: GroupQueryAttention (``--target ort``), for
+def check_softcap(core: Core, policy) -> None:
+    """Soft-capped scores have one fused kernel: GroupQueryAttention (``--target ort``,
+    policy.softcap_on_gqa), for
     causal self-attention whose head sizes it takes and no position bias, square or aligned
     to the end of the keys (a KV cache: GQA with past for a step). The runs GQA does not take
     (left-padded rows, a chunk after a past) write the capped scores out (lower/common.py)."""
     if not core.softcap:
         return
     causal = core.mask.causal
-    fits = (target == "ort" and gqa and causal is not None
+    fits = (policy.softcap_on_gqa() and causal is not None
             and causal.alignment in ("square", "bottom-right") and not core.mask.added
             and not core.mask.reason and core.query is not None and _head_sizes_fit(core))
     if not fits:
@@ -325,10 +325,9 @@ def _softmax_of(probs: ir.Value) -> ir.Node | None:
 class SoftmaxAttention(pattern.RewriteRuleClassBase):
     """MatMul(Softmax(...), V) -> Sdpa; see parse_softmax_attention for what is accepted."""
 
-    def __init__(self, log: BlockLog, opset: int, oracle: Oracle, target: str, forms) -> None:
+    def __init__(self, log: BlockLog, opset: int, oracle: Oracle, policy) -> None:
         super().__init__("SoftmaxAttention", remove_nodes=False)
-        self.log, self.opset, self.oracle = log, opset, oracle
-        self.target, self.softcap_gqa = target, forms.gqa_for(softcap=True)
+        self.log, self.opset, self.oracle, self.policy = log, opset, oracle, policy
         self._core: Core | None = None
 
     def pattern(self, op, probs, value):
@@ -341,8 +340,8 @@ class SoftmaxAttention(pattern.RewriteRuleClassBase):
             return result.fail("a form mha-onnx wrote (fused already)")
         try:
             self._core = parse_softmax_attention(attn.producer(), self.opset, self.oracle)
-            check_softcap(self._core, self.target, self.softcap_gqa)
-            check_sink(self._core, self.target)
+            check_softcap(self._core, self.policy)
+            check_sink(self._core, self.policy)
         except Reject as exc:
             if exc.candidate:
                 self.log.reject(exc.block, exc.reason)
@@ -363,10 +362,9 @@ class OnnxAttention(pattern.RewriteRuleClassBase):
     """The ONNX ``Attention`` op (opset 23+, e.g. from torch's SDPA export) -> Sdpa, so the
     same lowering picks ORT's fastest kernel and repairs mask shapes ORT refuses."""
 
-    def __init__(self, log: BlockLog, oracle: Oracle, target: str, forms) -> None:
+    def __init__(self, log: BlockLog, oracle: Oracle, policy) -> None:
         super().__init__("OnnxAttention", remove_nodes=True)
-        self.log, self.oracle = log, oracle
-        self.target, self.softcap_gqa = target, forms.gqa_for(softcap=True)
+        self.log, self.oracle, self.policy = log, oracle, policy
         self._core: Core | None = None
 
     def pattern(self, op, query, key, value):
@@ -379,8 +377,8 @@ class OnnxAttention(pattern.RewriteRuleClassBase):
         block = node.name or "Attention"
         try:
             self._core = parse_onnx_attention(node, block, self.oracle)
-            check_softcap(self._core, self.target, self.softcap_gqa)
-            check_sink(self._core, self.target)
+            check_softcap(self._core, self.policy)
+            check_sink(self._core, self.policy)
         except Reject as exc:
             self.log.reject(block, exc.reason)
             return result.fail(str(exc))

@@ -167,10 +167,9 @@ class Recognise(FusionPass):
     def apply(self, model: ir.Model) -> tuple[dict[str, int], dict[str, Any]]:
         before, blog = tuple(find_blocks(model.graph)), BlockLog()
         oracle = Oracle(model, floors=self.floors)
-        RewriteRuleSet([SoftmaxAttention.rule(blog, opset(model), oracle, self.target,
-                                              self.policy)]).apply_to_model(model)
-        RewriteRuleSet([OnnxAttention.rule(blog, oracle, self.target, self.policy)]
+        RewriteRuleSet([SoftmaxAttention.rule(blog, opset(model), oracle, self.policy)]
                        ).apply_to_model(model)
+        RewriteRuleSet([OnnxAttention.rule(blog, oracle, self.policy)]).apply_to_model(model)
         remove_unused_nodes(model)
         return ({"blocks": len(before), "recognised": len(blog.matched)},
                 {"before": before, "blog": blog})
@@ -357,7 +356,7 @@ def pipeline(policy: FormPolicy) -> list[type[FusionPass]]:
     """The passes of ``policy``'s target, in order; those for other execution providers left
     out (a GPU's list has no residual Sum, rotary fold or packed Q/K/V)."""
     kinds = ORT_PASSES if policy.lowering == "ort" else ONNX_PASSES
-    return [kind for kind in kinds if kind.EPS is None or policy.ep in kind.EPS]
+    return [kind for kind in kinds if policy.runs_pass(kind.EPS)]
 
 
 def run_pipeline(model: ir.Model, policy: FormPolicy | None = None, *,

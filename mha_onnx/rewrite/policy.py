@@ -130,6 +130,47 @@ class FormPolicy:
         only blocks no other kernel computes exactly in linear memory."""
         return self.causal == "gqa" or (self.ep != "cpu" and (softcap or window))
 
+    def fuses_sinks(self) -> bool:
+        """Attention sinks have ONNX Runtime's kernels only: GroupQueryAttention's head_sink,
+        or MultiHeadAttention with one more key of zeros whose bias is the sink (the ONNX
+        Attention op has none)."""
+        return self.lowering == "ort"
+
+    def softcap_on_gqa(self) -> bool:
+        """Soft-capped scores have one fused kernel, GroupQueryAttention: ONNX Runtime's
+        lowering, where causal blocks may go onto it."""
+        return self.lowering == "ort" and self.gqa_for(softcap=True)
+
+    def cached_on_kernel(self) -> bool:
+        """Whether a block with an appended cache that GroupQueryAttention does not take
+        runs on a kernel with past and present (lower/cached.py): the CPU's default forms
+        and every GPU's; a CPU policy that moved causal blocks off GQA leaves the cache's
+        Concats to the original's arithmetic around its kernel."""
+        return self.causal == "gqa" or self.ep != "cpu"
+
+    @staticmethod
+    def padded_rows_on_gqa(half: bool) -> bool:
+        """Whether GroupQueryAttention may take rows whose kept keys end before the total
+        (seqlens_k below it: right padding, a cache's per-row lengths); ``half``: the block
+        computes in float16/bfloat16. Never in half precision: ORT 1.31's CUDA GQA in
+        float16 disagreed with the original on the right-padded batches of three graphs
+        (0.22-0.60, docs/gpu/2026-11-30-h200.md), and its float16 CPU GQA with a window
+        departs on the padded query rows once S exceeds the window. A float16 model is the
+        kind deployed on a GPU, so the forms fused for the CPU must be exact there too:
+        such blocks take GQA only when no key is padded."""
+        return not half
+
+    def right_padded_prompt_on_gqa(self, half: bool) -> bool:
+        """Whether a causal block with padding takes GQA with seqlens_k behind a
+        right-padding check: on the CPU, where padded_rows_on_gqa (on CUDA the right-padded
+        form disagreed with the original; padded batches take the general kernel)."""
+        return self.ep == "cpu" and self.padded_rows_on_gqa(half)
+
+    def runs_pass(self, eps: tuple[str, ...] | None) -> bool:
+        """Whether a pass measured for ``eps`` (None: every provider) runs under this policy
+        (a GPU's list has no residual Sum, rotary fold or packed Q/K/V)."""
+        return eps is None or self.ep in eps
+
     def candidates(self, kinds: set[str]) -> dict[str, FormPolicy]:
         """What `fuse --tune` times besides this policy: ``{"causal=bias": policy, ...}``,
         each other form of each mask kind in ``kinds`` (the kinds of the model's blocks).

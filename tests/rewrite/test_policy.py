@@ -98,3 +98,22 @@ def test_every_lowering_takes_some_block_and_the_first_that_takes_it_lowers():
     assert list(cases) == [row.kernel for row in LOWERINGS]
     for kernel, (info, policy) in cases.items():
         assert lowering_for(info, policy).kernel == kernel
+
+
+def test_every_veto_of_a_kernel_is_the_policys():
+    """What the lowerings ask before they put a block on a kernel, answered by the policy
+    alone: sinks and soft-capping fuse for ONNX Runtime only; a cache goes onto a kernel
+    with past/present under the CPU's default forms and every GPU's; half precision never
+    runs GQA over rows padded short of the total, and a padded prompt takes GQA behind a
+    right-padding check on the CPU only; the GPU's pass list is shorter."""
+    cpu, cuda = FormPolicy(), FormPolicy.for_ep("cuda")
+    onnx, openvino = FormPolicy(target="onnx"), FormPolicy(target="openvino")
+    assert [p.fuses_sinks() for p in (cpu, cuda, onnx, openvino)] == [True, True, False, False]
+    assert [p.softcap_on_gqa() for p in (cpu, cuda, onnx, FormPolicy(causal="bias"))] == [
+        True, True, False, False]
+    assert [p.cached_on_kernel() for p in (cpu, cuda, FormPolicy(causal="bias"))] == [
+        True, True, False]
+    assert FormPolicy.padded_rows_on_gqa(half=False) and not FormPolicy.padded_rows_on_gqa(True)
+    assert [(p.right_padded_prompt_on_gqa(False), p.right_padded_prompt_on_gqa(True))
+            for p in (cpu, cuda)] == [(True, False), (False, False)]
+    assert cpu.runs_pass(("cpu",)) and not cuda.runs_pass(("cpu",)) and cuda.runs_pass(None)

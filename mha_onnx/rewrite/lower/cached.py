@@ -49,6 +49,7 @@ from mha_onnx.rewrite.lower.gqa import (
 )
 from mha_onnx.rewrite.lower.lowered import Appended, Caches, Lowered
 from mha_onnx.rewrite.lower.shared import lower_shared, shareable
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.sdpa import SdpaInfo, seq_dim, to_bsd
 
 
@@ -121,7 +122,9 @@ def _prefill(ops: TapeOps, info: SdpaInfo, q3: ir.Value,
     no_past = ops.Reshape(ops.Equal(seq_q, seq_kv), scalar_shape(ops))
     prompt = square if fresh is None else dataclasses.replace(square, key=fresh[0],
                                                               value=fresh[1])
-    return if_forms(ops, info, no_past, lambda o: lower_gqa(o, prompt, q3)[0],
+    right_padded = FormPolicy.padded_rows_on_gqa(half_precision(info))
+    return if_forms(ops, info, no_past,
+                    lambda o: lower_gqa(o, prompt, q3, right_padded=right_padded)[0],
                     lambda o: dense_mha(o, info, q3, lazy=True), "prompt")
 
 
@@ -133,13 +136,13 @@ def _prefill_appending(ops: TapeOps, info: SdpaInfo, q3, key: Appended, value: A
 
 
 def lower_cached(op, info: SdpaInfo, q3: ir.Value, cache: Caches | None,
-                 kv_cache: str = "appended") -> Lowered:
+                 policy: FormPolicy) -> Lowered:
     """``cache``: the layer's appended caches where the rule returns the presents (else the
-    form reads the keys as they are); ``kv_cache``: appended (the presents are the pasts
-    with the new keys appended) or shared (max-length buffers, see lower/shared.py; where a
+    form reads the keys as they are); ``policy.kv_cache``: appended (the presents are the
+    pasts with the new keys appended) or shared (max-length buffers, see lower/shared.py; where a
     layer's caches are not plain model inputs and outputs it stays appended, which fuse
     then refuses)."""
-    if kv_cache == "shared" and cache is not None and shareable(*cache) \
+    if policy.kv_cache == "shared" and cache is not None and shareable(*cache) \
             and info.bias is None and info.sink is None:  # (the shared forms add no position
         # bias; with sinks, GQA on a shared buffer read 0.13 off the original's logits for a
         # prompt past GPT-OSS's window, where the appended form is exact)
@@ -174,8 +177,8 @@ def _grouped_padded(op, info: SdpaInfo, q3, cache: Caches, decoding, rest: Form
     """Grouped K/V with a key padding mask: MHA with past takes no grouped K/V, so a step
     whose new token every row keeps runs GQA with past and the padding as an additive bias
     (no key padded: a zero bias); other runs take MHA over the cache's heads repeated.
-    Half precision: GQA only when no key is padded (gqa.half_precision)."""
-    half = half_precision(info)
+    Half precision: GQA only when no key is padded (FormPolicy.padded_rows_on_gqa)."""
+    half = not FormPolicy.padded_rows_on_gqa(half_precision(info))
     fast = op.And(decoding, none_padded(op, info) if half else new_key_kept(op, info))
 
     def padded(ops: TapeOps):

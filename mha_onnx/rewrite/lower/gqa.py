@@ -120,11 +120,11 @@ def gqa_with_past(op, info: SdpaInfo, q3, k3, v3, past_key, past_value, seqlens,
     return outs
 
 
-def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
+def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool
               ) -> tuple[ir.Value, Form]:
     """The causal block on GQA (behind a run-time check where GQA's exactness needs one).
-    ``right_padded=False``: padded batches never take GQA (with seqlens_k), only unpadded
-    ones (on CUDA, where the right-padded form disagreed with the original)."""
+    ``right_padded``: padded batches take GQA with seqlens_k where they are right-padded;
+    False: only unpadded ones (the policy's right_padded_prompt_on_gqa says which)."""
     k3, v3 = to_bsd(op, info.key, info.kv_heads), to_bsd(op, info.value, info.kv_heads)
     label = "GroupQueryAttention (causal"
     label += f", {info.kv_heads} kv heads" if info.kv_heads != info.heads else ""
@@ -134,7 +134,7 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
         out, form = _top_left(op, info, q3, k3, v3), either("S <= T", label, "MHA + causal bias")
     elif info.padded is None:
         out, form = gqa_call(op, info, q3, k3, v3), Form(label)
-    elif half_precision(info) or not right_padded:
+    elif not right_padded:
         out, form = _unpadded(op, info, q3, k3, v3), either(
             "no key padded", label, general, cases=(UNPADDED,))
     else:
@@ -143,12 +143,8 @@ def lower_gqa(op, info: SdpaInfo, q3: ir.Value, *, right_padded: bool = True
 
 
 def half_precision(info: SdpaInfo) -> bool:
-    """Half-precision blocks never take GQA with seqlens_k below the total (right-padded
-    rows). Measured: ORT 1.31's CUDA GQA in float16 disagreed with the original on the
-    right-padded batches of three graphs (0.22-0.60, docs/gpu/2026-11-30-h200.md), and its
-    float16 CPU GQA with a window departs on the padded query rows once S exceeds the window.
-    A float16 model is the kind deployed on a GPU, so the forms fused for the CPU must be
-    exact there too; such blocks take GQA only when no key is padded."""
+    """The block computes in float16 or bfloat16 (what the policy's padded_rows_on_gqa
+    vetoes, and why, is said there)."""
     return info.query.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 

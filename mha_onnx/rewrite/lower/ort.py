@@ -89,8 +89,7 @@ def _on_gqa(info: SdpaInfo, policy: FormPolicy) -> bool:
 def takes_presents(info: SdpaInfo, policy: FormPolicy) -> bool:
     """Whether the block runs on a kernel with past and present (lower/cached.py), so that
     given its appended caches it returns the presents."""
-    return not _on_gqa(info, policy) and (policy.causal == "gqa" or policy.ep != "cpu") \
-        and cached_ok(info)
+    return not _on_gqa(info, policy) and policy.cached_on_kernel() and cached_ok(info)
 
 
 def _plain_causal(info: SdpaInfo, policy: FormPolicy) -> bool:
@@ -99,11 +98,12 @@ def _plain_causal(info: SdpaInfo, policy: FormPolicy) -> bool:
 
 
 def _gqa(op, info: SdpaInfo, q3: ir.Value, policy: FormPolicy, cache) -> Lowered:
-    return Lowered(*lower_gqa(op, info, q3, right_padded=policy.ep == "cpu"))
+    return Lowered(*lower_gqa(op, info, q3, right_padded=policy.right_padded_prompt_on_gqa(
+        half_precision(info))))
 
 
 def _cached(op, info: SdpaInfo, q3: ir.Value, policy: FormPolicy, cache) -> Lowered:
-    return lower_cached(op, info, q3, cache, policy.kv_cache)
+    return lower_cached(op, info, q3, cache, policy)
 
 
 def _sinks(op, info: SdpaInfo, q3: ir.Value, policy: FormPolicy, cache) -> Lowered:
@@ -142,7 +142,7 @@ def _key_padding(op, info: SdpaInfo, q3: ir.Value, forms: FormPolicy, cache=None
     if form == "auto":
         general = either(f"T < {forms.LOOP_MIN_KEYS}", "MHA key_padding_mask",
                          "Loop(Compress keys)", switch_at=(forms.LOOP_MIN_KEYS,))
-        if gqa_able and not half_precision(info):
+        if gqa_able and forms.padded_rows_on_gqa(half_precision(info)):
             out = key_padding_gqa(op, info, q3, lambda ops: _by_length(ops, info, q3, forms),
                                   forms.GQA_MAX_KEYS)
             return Lowered(out, either(f"right padding, T <= {forms.GQA_MAX_KEYS}",

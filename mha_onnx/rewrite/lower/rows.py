@@ -47,6 +47,7 @@ from mha_onnx.rewrite.lower.common import (
 )
 from mha_onnx.rewrite.lower.gqa import gqa_with_past, half_precision, if_forms
 from mha_onnx.rewrite.masks import ABSORBING
+from mha_onnx.rewrite.policy import FormPolicy
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
 
@@ -93,6 +94,7 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
     """(out, present_key, present_value) and the form; ``past``: the cached positions (the
     model's int64 ``past_sequence_length``)."""
     assert info.padded is not None
+    narrow = not FormPolicy.padded_rows_on_gqa(half_precision(info))  # (prompts unpadded)
     keep = op.Cast(op.Not(info.padded), to=ir.DataType.INT32)  # [B, T], 1 = kept
     total = op.Cast(op.Reshape(seq_dim(op, info.padded, 1), scalar_shape(op)),
                     to=ir.DataType.INT32)
@@ -111,7 +113,7 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
     def prompt_or_general(ops: TapeOps):
         cond = ops.And(ops.Equal(ops.Reshape(past, scalar_shape(ops)), int_const(ops, 0)),
                        _one_run_per_row(ops, keep))
-        if half_precision(info):  # as gqa.py: no seqlens_k below the total in float16
+        if narrow:  # (FormPolicy.padded_rows_on_gqa: no seqlens_k below the total)
             cond = ops.And(cond, none_padded(ops, info))
         elif info.window and info.softcap:  # ORT 1.31's GQA with both gives a padded query
             # past the window other scores than the original's (without the cap it agrees)
@@ -124,12 +126,12 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
                         "rows_prompt", outputs=3)
 
     outs = if_forms(op, info, decoding, gqa, prompt_or_general, "rows", outputs=3)
-    guard = "no past, no key padded" if half_precision(info) else \
+    guard = "no past, no key padded" if narrow else \
         "no past, one run of kept keys per row" + (
             ", within the window or no key padded" if info.window and info.softcap else "")
     prompt = either(guard, "GroupQueryAttention on rows gathered kept-first",
                     f"{general_kernel(info)} over the cache's kept keys",
-                    cases=(NO_PAST, UNPADDED) if half_precision(info)
+                    cases=(NO_PAST, UNPADDED) if narrow
                     or (info.window and info.softcap) else (NO_PAST,))
     step = "one new token, kept in every row" + (
         ", no padding inside the window" if info.window else "")
