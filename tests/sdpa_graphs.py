@@ -17,8 +17,8 @@ from onnxscript.rewriter import RewriteRuleSet
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.irutil import MS_DOMAIN
 from mha_onnx.rewrite.lower.rules import Stage2, lower_to_ort
-from mha_onnx.rewrite.masks import ABSORBING
 from mha_onnx.rewrite.policy import FormPolicy
+from mha_onnx.rewrite.recognise.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
 
 

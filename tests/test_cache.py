@@ -19,7 +19,7 @@ from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError
 from mha_onnx.graph.inputs import ShapeCase, contract_specs, make_inputs
 from mha_onnx.reference.mha import build_reference, run_reference
-from mha_onnx.rewrite.verify import verification_cases
+from mha_onnx.rewrite.check.verify import verification_cases
 from tests.fusing import fused_and_checked, ops
 
 CFG = MhaConfig(d_model=32, num_heads=4, mask="causal", kv_cache=True, name="kv")
@@ -338,7 +338,7 @@ def test_grouped_heads_with_a_padding_mask_step_on_gqa_with_past(zoo):
     token every row keeps runs on GQA with past (no heads repeated) and the padding as a
     bias, left-padded rows included; other steps on MHA over the repeated cache;
     verification covers both, at one new token after a past."""
-    from mha_onnx.rewrite.verify import verification_cases
+    from mha_onnx.rewrite.check.verify import verification_cases
 
     original = zoo("hf_cached_llama")
     fused, results = fused_and_checked(original)
@@ -359,8 +359,8 @@ def test_verification_runs_past_a_sliding_window(zoo):
     more cached positions than it (optional: a position table may end first)."""
     from types import SimpleNamespace
 
+    from mha_onnx.rewrite.check.verify import verification_cases
     from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, either
-    from mha_onnx.rewrite.verify import verification_cases
 
     form = either("one new token", "GroupQueryAttention with past, window 5", "MHA + bias",
                   cases=(ONE_TOKEN, NO_PAST), reach=5)

@@ -28,7 +28,7 @@ from mha_onnx.config import MhaConfig
 from mha_onnx.errors import MhaOnnxError
 from mha_onnx.rewrite import fuse_model
 from mha_onnx.rewrite.blocks import find_blocks
-from mha_onnx.rewrite.verify import verify
+from mha_onnx.rewrite.check.verify import verify
 from tests.models import ZOO
 
 

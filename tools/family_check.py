@@ -117,7 +117,7 @@ def families() -> dict[str, Callable]:
         "marian": model("MarianMTModel", "MarianConfig", pad_token_id=0,
                         decoder_start_token_id=0, **SEQ2SEQ),
         "pegasus": model("PegasusForConditionalGeneration", "PegasusConfig", **SEQ2SEQ),
-        # local attention written with Einsums over blocks (rewrite/einsums.py)
+        # local attention written with Einsums over blocks (rewrite/prepare/einsums.py)
         "longt5": model("LongT5ForConditionalGeneration", "LongT5Config", vocab_size=99,
                         d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=1,
                         num_heads=4, encoder_attention_type="local", local_radius=8,

@@ -1,5 +1,5 @@
 """A mixture of experts validated against PyTorch with PyTorch's routes held to the ONNX
-model's (issue 42, class 1; rewrite/routes.py holds them the same way in fuse's check).
+model's (issue 42, class 1; rewrite/check/routes.py holds them the same way in fuse's check).
 
 A router's top-k over near-tied scores flips under any change of arithmetic (a float16
 model against the float32 PyTorch reference, one provider against another), the token then
@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from mha_onnx.graph.light import model_bytes
-from mha_onnx.rewrite.routes import chosen_values, indices_as_outputs
+from mha_onnx.rewrite.check.routes import chosen_values, indices_as_outputs
 
 
 def router_indices(model: onnx.ModelProto) -> list[str]:

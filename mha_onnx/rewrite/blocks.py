@@ -110,7 +110,7 @@ def scores_matmul(softmax: ir.Node) -> ir.Node | None:
             stack.extend(v for v in producer.inputs if v is not None)
         elif producer.op_type == "Concat" and producer.inputs[0] is not None and any(
                 value is v for v in (softmax.inputs[0], _shifted_input(softmax))):
-            stack.append(producer.inputs[0])  # (an attention sink's column: rewrite/sinks.py)
+            stack.append(producer.inputs[0])  # (an attention sink's column: rewrite/recognise/attention_sinks.py)
     return None
 
 
@@ -137,7 +137,7 @@ def why_left(softmax: ir.Node) -> str:
         return f"Q·K^T is computed by {mm.op_type}, which the fusion does not read"
     if _sink_column(softmax):
         return ("attention sinks (a column concatenated to the scores before the Softmax "
-                "and sliced off after it) in a form the fusion does not read (rewrite/sinks.py "
+                "and sliced off after it) in a form the fusion does not read (rewrite/recognise/attention_sinks.py "
                 "reads GPT-OSS's)")
     return "not recognised as attention by any rule"
 

@@ -21,7 +21,7 @@ ONE_TOKEN = "one new token"  # a decode step
 UNPADDED = "no key padded"  # a batch without padding
 LEFT_PADDED = "left-padded rows"  # rows padded before their first kept key (a batched prompt)
 SHARED = "shared cache buffer"  # a past that is a max-length buffer (lower/shared.py)
-COUNTED = "positions counted up"  # a prompt whose position ids count up (rotary.py)
+COUNTED = "positions counted up"  # a prompt whose position ids count up (rotary_fold.py)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def either(guard: str, kernel: str, otherwise: Form | str, *, switch_at: tuple[i
 
 
 def rotating_form(form: Form, positions: str, prompts: bool = True) -> Form:
-    """``form`` whose first kernel rotates Q and K itself (rotary.py) where ``positions``
+    """``form`` whose first kernel rotates Q and K itself (rotary_fold.py) where ``positions``
     are inside its tables and, for a kernel that also runs prompts, count up (or the run adds
     one token): ``If(guard, positions ...): kernel, rotary inside | If(guard): kernel | ...``,
     the same kernel reading the exporter's rotation next; for prompts, between the two,
@@ -89,7 +89,7 @@ def rotating_form(form: Form, positions: str, prompts: bool = True) -> Form:
 
 
 def rotating_kernels(form: Form, positions: str, *, step: bool, prompt: bool) -> Form:
-    """``form`` with the kernels rotary.py folded marked (rotating_form): the one-token step's
+    """``form`` with the kernels rotary_fold.py folded marked (rotating_form): the one-token step's
     (``step``: the form's first) and the prompt's (``prompt``: the form that runs without
     a past, NO_PAST among its cases, else the first: a model without a cache)."""
     chain = form.chain()

@@ -25,27 +25,27 @@ from mha_onnx.graph.light import lend, outside_main, structure
 from mha_onnx.graph.original import record as record_original
 from mha_onnx.graph.preflight import Preflight, preflight
 from mha_onnx.rewrite.blocks import why_left
-from mha_onnx.rewrite.core import (
-    BlockLog,
-    parse_onnx_attention,
-    parse_softmax_attention,
+from mha_onnx.rewrite.check.mismatch import refuse_mismatch
+from mha_onnx.rewrite.check.verify import (
+    verification_cases,
+    verify,
+    verify_on_openvino,
 )
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import forget_matches, opset
 from mha_onnx.rewrite.kv_interface import past_dim
-from mha_onnx.rewrite.mismatch import refuse_mismatch
-from mha_onnx.rewrite.norms import unguarded_norms
-from mha_onnx.rewrite.oracle import Oracle
 from mha_onnx.rewrite.passes import Prepare, run_pipeline
 from mha_onnx.rewrite.policy import FormPolicy
-from mha_onnx.rewrite.scores import Reject
-from mha_onnx.rewrite.shapes import with_symbolic_shapes
-from mha_onnx.rewrite.verify import (
-    verification_cases,
-    verify,
-    verify_on_openvino,
+from mha_onnx.rewrite.prepare.shapes import with_symbolic_shapes
+from mha_onnx.rewrite.recognise.core import (
+    BlockLog,
+    parse_onnx_attention,
+    parse_softmax_attention,
 )
+from mha_onnx.rewrite.recognise.oracle import Oracle
+from mha_onnx.rewrite.recognise.scores import Reject
+from mha_onnx.rewrite.tighten.norms import unguarded_norms
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mha_onnx.rewrite.check.verify import Verification
 from mha_onnx.rewrite.forms import Form
-from mha_onnx.rewrite.verify import Verification
 from mha_onnx.table import table
 
 

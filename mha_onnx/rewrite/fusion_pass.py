@@ -10,10 +10,10 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mha_onnx.rewrite.core import BlockLog
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.policy import FormPolicy
-from mha_onnx.rewrite.rotary import Folded
+from mha_onnx.rewrite.recognise.core import BlockLog
+from mha_onnx.rewrite.tighten.rotary_fold import Folded
 
 _KINDS: list[type] = []  # every FusionPass subclass, in the order defined (giver)
 

@@ -19,7 +19,7 @@ off the list. The ONNX target (and OpenVINO: the same ops) lowers onto ONNX's At
 Tightening the rest of the layer (a decode step's time once attention is fast), in order:
 RMS norms onto SimplifiedLayerNormalization, for the CPU residual Adds before a float32
 LayerNormalization as Sum (norms.py); the exporter's rotary folded into GQA, its Q/K/V
-projections packed into one MatMul (rotary.py, packing.py); the guards (Guards, below); any
+projections packed into one MatMul (rotary_fold.py, packing.py); the guards (Guards, below); any
 other GQA's projections packed (packing.py; after the sinking, a branch's own copies are
 what its kernel alone reads). The guards' cost: tools/experiments/guard_cost.py.
 """
@@ -37,8 +37,6 @@ from onnxscript.rewriter import RewriteRuleSet
 
 from mha_onnx.graph.cache import LENGTH_INPUT
 from mha_onnx.rewrite.blocks import find_blocks
-from mha_onnx.rewrite.core import BlockLog, OnnxAttention, SoftmaxAttention
-from mha_onnx.rewrite.einsums import BLOCKED_NOTE, blocked_einsums
 from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.forms import rotating_kernels
 from mha_onnx.rewrite.fusion_pass import Facts, FusionPass
@@ -47,20 +45,26 @@ from mha_onnx.rewrite.kv_interface import shared_note
 from mha_onnx.rewrite.lower.attention import ONNX_ATTENTION_OPSET, LowerToOnnxAttention
 from mha_onnx.rewrite.lower.rules import lower_to_ort
 from mha_onnx.rewrite.lower.shared import length_from_shapes, share_interface, shared_rows
-from mha_onnx.rewrite.norms import fuse_norms, omit_unread_outputs, residual_sums
-from mha_onnx.rewrite.opset_fit import fit_to_opset
-from mha_onnx.rewrite.oracle import Oracle
-from mha_onnx.rewrite.packing import pack_kernel_inputs
 from mha_onnx.rewrite.policy import FormPolicy
-from mha_onnx.rewrite.repairs import RotaryCachesOverBatch
-from mha_onnx.rewrite.rotary import fold_rotary
+from mha_onnx.rewrite.prepare.einsums import BLOCKED_NOTE, blocked_einsums
+from mha_onnx.rewrite.prepare.repairs import RotaryCachesOverBatch
+from mha_onnx.rewrite.prepare.shapes import fold_static_dims, probability_shapes
+from mha_onnx.rewrite.prepare.shared_probs import distribute_combinations, merge_value_matmuls
+from mha_onnx.rewrite.prepare.windows import window_mask_rules
+from mha_onnx.rewrite.recognise.attention_sinks import SCALED_NOTE, scaled_sink_rules
+from mha_onnx.rewrite.recognise.core import BlockLog, OnnxAttention, SoftmaxAttention
+from mha_onnx.rewrite.recognise.oracle import Oracle
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN
-from mha_onnx.rewrite.shapes import fold_static_dims, probability_shapes
-from mha_onnx.rewrite.shared_probs import distribute_combinations, merge_value_matmuls
-from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
-from mha_onnx.rewrite.sinks import SCALED_NOTE, scaled_sink_rules
-from mha_onnx.rewrite.tidy import share_guards
-from mha_onnx.rewrite.windows import window_mask_rules
+from mha_onnx.rewrite.tighten.into_branches import (
+    hoist_by_condition,
+    merge_nested_guards,
+    sink_into_branches,
+)
+from mha_onnx.rewrite.tighten.norms import fuse_norms, omit_unread_outputs, residual_sums
+from mha_onnx.rewrite.tighten.opset_fit import fit_to_opset
+from mha_onnx.rewrite.tighten.packing import pack_kernel_inputs
+from mha_onnx.rewrite.tighten.rotary_fold import fold_rotary
+from mha_onnx.rewrite.tighten.tidy import share_guards
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +131,7 @@ def unique_node_names(model: ir.Model) -> int:
 class Normalise(FusionPass):
     """Repairs ORT needs and attention spelt so that each Softmax is one block: RotaryEmbedding
     caches over the batch expanded, masks on a view of the scores made biases on them
-    (windows.py), a sink scaling the output a column of the scores (sinks.py), weights applied
+    (windows.py), a sink scaling the output a column of the scores (attention_sinks.py), weights applied
     to several values one attention each, Einsum attention over blocks 4-D MatMuls (einsums.py)."""
 
     NOTES = {
@@ -233,7 +237,7 @@ class ResidualSums(FusionPass):
 
 class FoldRotary(FusionPass):
     """The exporter's rotary folded into GroupQueryAttention (do_rotary) and its Q/K/V
-    projections packed into one MatMul the kernel reads whole (rotary.py); measured on the
+    projections packed into one MatMul the kernel reads whole (rotary_fold.py); measured on the
     CPU kernel only (how a GPU's kernel reads position_ids never was)."""
 
     TARGETS, EPS = ("ort",), ("cpu",)
@@ -263,7 +267,7 @@ class FoldRotary(FusionPass):
 
 
 class Guards(FusionPass):
-    """The guards tidied (sink.py, tidy.py): a shared cache's past length read from the shapes
+    """The guards tidied (into_branches.py, tidy.py): a shared cache's past length read from the shapes
     (GenAI's contract) first, a guard nested in a guard's fast branch merged into one, every
     layer's guard computed once, what only a guarded branch reads moved into it, what only the
     general branches read (that length too) behind one If."""

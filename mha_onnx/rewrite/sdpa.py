@@ -44,7 +44,7 @@ class SdpaInfo:
     nan_to_zero: bool
     self_attention: bool
     block: str
-    sink: ir.Value | None = None  # [H] logits in each row's denominator (rewrite/sinks.py)
+    sink: ir.Value | None = None  # [H] logits in each row's denominator (rewrite/recognise/attention_sinks.py)
     mask_terms: int = 1  # the mask terms ``dense`` sums (more: a key's fills may add up)
 
     @property
@@ -82,7 +82,7 @@ class SdpaInfo:
         form's kernel may compute something else there: "nan", "zero" (a NaN guard), "mean"
         (one equal score everywhere: uniform weights) or None (softmax(s + fill), which any
         additive form reproduces)."""
-        from mha_onnx.rewrite.masks import ABSORBING
+        from mha_onnx.rewrite.recognise.masks import ABSORBING
 
         if self.fill == -math.inf:
             return "zero" if self.nan_to_zero else "nan"
@@ -94,7 +94,7 @@ class SdpaInfo:
 # -- stage 1: writing an Sdpa node ------------------------------------------------------------
 
 def emit_sdpa(op, core) -> ir.Value:
-    """Build the Sdpa node for a :class:`~mha_onnx.rewrite.core.Core`; returns its
+    """Build the Sdpa node for a :class:`~mha_onnx.rewrite.recognise.core.Core`; returns its
     [B, H, S, Dv] (rank 3: [N, S, Dv]) output."""
     query, key, value = core.query, core.key, core.value
     if core.out_dtype is not None:  # float16 values under float32 scores: all in float32
@@ -167,7 +167,7 @@ def _padded_keys(op, padding) -> ir.Value:
 
 
 def _bias_term(leaf):
-    from mha_onnx.rewrite.masks import Term
+    from mha_onnx.rewrite.recognise.masks import Term
 
     return Term("add", leaf.value, leaf.post, lift=leaf.lift)
 

@@ -45,7 +45,7 @@ def candidates(original: onnx.ModelProto
     each mask kind the model's blocks have (FormPolicy.candidates), each verified against
     the original (a form that fails verification is left out, said in the notes)."""
     from mha_onnx.rewrite import FormPolicy, fuse_model
-    from mha_onnx.rewrite.verify import verification_cases, verify
+    from mha_onnx.rewrite.check.verify import verification_cases, verify
 
     fused, results, _ = fuse_model(original)
     kinds = {r.mask for r in results if r.status == "fused"}
@@ -77,7 +77,7 @@ def _dims(model: onnx.ModelProto) -> tuple[str, str]:
 def tune_model(source: str | Path, output: str | Path, cfg: TuneConfig, *, force: bool = False,
                progress: Callable[[str], None] = lambda _: None) -> TuneReport:
     """Fuse every candidate, time them here, write the dispatching model (verified)."""
-    from mha_onnx.rewrite.verify import verify
+    from mha_onnx.rewrite.check.verify import verify
     from mha_onnx.runtime.machine import machine_info
 
     started = time.perf_counter()

@@ -149,7 +149,7 @@ def test_a_fused_graph_ort_cannot_run_is_a_fuse_bug_not_bad_input():
     from onnx import TensorProto, helper
 
     from mha_onnx.errors import EXIT_INTERNAL, FuseBug
-    from mha_onnx.rewrite.verify import verify
+    from mha_onnx.rewrite.check.verify import verify
 
     f = TensorProto.FLOAT
     x = helper.make_tensor_value_info("x", f, ["B", 4])
@@ -169,7 +169,7 @@ def test_a_fused_graph_ort_cannot_run_is_a_fuse_bug_not_bad_input():
 
 def test_a_failure_while_reading_a_block_leaves_the_block_not_the_run(export_cache, tmp_path,
                                                                      monkeypatch):
-    import mha_onnx.rewrite.core as core
+    import mha_onnx.rewrite.recognise.core as core
 
     def broken(*_, **__):
         raise ValueError("negative dimensions are not allowed")

@@ -100,7 +100,7 @@ def test_float16_windows_take_gqa_when_no_key_is_padded(decoders):
     right-padded batch: such blocks take GQA when no key is padded (the common batch of one,
     or of equal lengths) and the general form otherwise. Verified with and without padding,
     S beyond the window."""
-    from mha_onnx.rewrite.verify import verification_cases
+    from mha_onnx.rewrite.check.verify import verification_cases
 
     model = decoders("mistral", "eager", 18, "float16")
     fused, results = fused_and_checked(model)
@@ -155,8 +155,8 @@ def test_causal_with_a_position_bias_in_both_forms(zoo, forms, form):
     """GQA with attention_bias, or (--form causal=bias) MHA with causal + bias summed: the
     terms have different ranks ([S, T] mask, [1, H, S, T] bias) and add up to rank 4."""
     from mha_onnx.rewrite import fuse_model
+    from mha_onnx.rewrite.check.verify import verify
     from mha_onnx.rewrite.policy import FormPolicy
-    from mha_onnx.rewrite.verify import verify
 
     model = zoo("relative_bias_causal")
     fused, results, _ = fuse_model(model, FormPolicy.parse([forms] if forms else []))

@@ -13,7 +13,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 from onnxscript.optimizer import remove_unused_nodes
 
-from mha_onnx.rewrite.einsums import blocked_einsums
+from mha_onnx.rewrite.prepare.einsums import blocked_einsums
 
 B, NB, BL, KL, H, D = 2, 3, 4, 12, 2, 8
 

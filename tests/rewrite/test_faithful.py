@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from mha_onnx.rewrite.faithful import optimize_faithfully
 from mha_onnx.rewrite.fuse import fuse_model
-from mha_onnx.rewrite.norms import unguarded_norms
+from mha_onnx.rewrite.tighten.norms import unguarded_norms
 
 F = TensorProto.FLOAT
 

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 
 from mha_onnx.graph.files import read_model, write_model
 from mha_onnx.rewrite import fuse_model
-from mha_onnx.rewrite.verify import verification_cases, verify
+from mha_onnx.rewrite.check.verify import verification_cases, verify
 
 pytestmark = pytest.mark.models
 

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from mha_onnx.rewrite.masks import Padding, ScoreDims, Term, take_apart
-from mha_onnx.rewrite.meaning import Unsupported, plan
-from mha_onnx.rewrite.oracle import Oracle
+from mha_onnx.rewrite.recognise.masks import Padding, ScoreDims, Term, take_apart
+from mha_onnx.rewrite.recognise.meaning import Unsupported, plan
+from mha_onnx.rewrite.recognise.oracle import Oracle
 from tests.irgraphs import BOOL, F, Graph, aranges, const, model, node, qkv_inputs, tensor
 
 SD = ScoreDims("B", 2, "S", "S", 4)
@@ -209,8 +209,8 @@ def test_a_b1t_mask_input_fuses_as_key_padding_with_its_fully_masked_rows():
     import numpy as np
     from onnx import TensorProto, helper
 
+    from mha_onnx.rewrite.check.verify import verify
     from mha_onnx.rewrite.fuse import fuse_model
-    from mha_onnx.rewrite.verify import verify
     from mha_onnx.runtime.ort import OrtRunner
 
     f, i = TensorProto.FLOAT, TensorProto.INT64

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxscript.optimizer import remove_unused_nodes
 
 from mha_onnx.graph.files import check_structure
-from mha_onnx.rewrite.norms import fuse_norms, omit_unread_outputs
+from mha_onnx.rewrite.tighten.norms import fuse_norms, omit_unread_outputs
 from mha_onnx.runtime.ort import OrtRunner
 
 F = TensorProto.FLOAT
@@ -117,7 +117,7 @@ def test_a_float32_residual_before_layer_norm_is_a_sum_ort_does_not_fuse(tmp_pat
     """ORT fuses Add -> LayerNormalization into SkipLayerNormalization (1.5-5.5x slower on the
     CPU in float32, tools/experiments/skip_norm.py); written as Sum it runs the two fast
     kernels, with the same outputs."""
-    from mha_onnx.rewrite.norms import residual_sums
+    from mha_onnx.rewrite.tighten.norms import residual_sums
 
     model = _layer_norm_model()
     assert "SkipLayerNormalization" in _ort_ops(model, tmp_path)  # what the change avoids
@@ -138,7 +138,7 @@ def test_residuals_left_as_they_are(case):
     """float16 (ORT's CPU runs it through Casts and fuses nothing; Sum is no faster), an Add
     whose sum is a graph output (its name is the interface), or is read by more than the
     norm (ORT does not fuse that one, and Add is faster than Sum)."""
-    from mha_onnx.rewrite.norms import residual_sums
+    from mha_onnx.rewrite.tighten.norms import residual_sums
 
     model = {"float16": lambda: _layer_norm_model(TensorProto.FLOAT16),
              "residual is an output": lambda: _layer_norm_model(residual_out=True),

@@ -16,9 +16,9 @@ import torch
 from onnx import TensorProto, helper
 
 from mha_onnx.errors import EXIT_INTERNAL, FuseBug
+from mha_onnx.rewrite.check.verify import verify
 from mha_onnx.rewrite.fuse import fuse_model
-from mha_onnx.rewrite.opset_fit import fit_to_opset
-from mha_onnx.rewrite.verify import verify
+from mha_onnx.rewrite.tighten.opset_fit import fit_to_opset
 from mha_onnx.runtime.ort import OrtRunner
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from onnx import helper
 
-from mha_onnx.rewrite.masks import ScoreDims, SizeLeaf
-from mha_onnx.rewrite.oracle import Oracle
+from mha_onnx.rewrite.recognise.masks import ScoreDims, SizeLeaf
+from mha_onnx.rewrite.recognise.oracle import Oracle
 from tests.irgraphs import BOOL, F, Graph, aranges, const, model, node, qkv_inputs, tensor
 
 SQUARE = ScoreDims("B", 2, "S", "S", 4)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx.reference import ReferenceEvaluator
 
-from mha_onnx.rewrite.masks import ScoreDims, SizeLeaf
-from mha_onnx.rewrite.oracle import Oracle
+from mha_onnx.rewrite.recognise.masks import ScoreDims, SizeLeaf
+from mha_onnx.rewrite.recognise.oracle import Oracle
 from tests.irgraphs import Graph, aranges, const, model, node, qkv_inputs
 
 CMP = ("LessOrEqual", "Less", "GreaterOrEqual", "Greater")

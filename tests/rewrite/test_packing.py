@@ -8,7 +8,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
-from mha_onnx.rewrite.packing import pack, projections
+from mha_onnx.rewrite.tighten.packing import pack, projections
 from mha_onnx.runtime.ort import OrtRunner
 
 
@@ -129,7 +129,7 @@ def _gqa_model(*, k_bias: bool = False, k_input: str = "x", spare_reader: bool =
 def _packed(model: onnx.ModelProto) -> tuple[int, dict, onnx.ModelProto]:
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-    from mha_onnx.rewrite.packing import pack_kernel_inputs
+    from mha_onnx.rewrite.tighten.packing import pack_kernel_inputs
 
     ir_model = ir.from_proto(model)
     kernels, where = pack_kernel_inputs(ir_model)

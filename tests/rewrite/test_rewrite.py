@@ -15,8 +15,8 @@ from mha_onnx.config import MhaConfig, load_preset
 from mha_onnx.errors import FusionError, ModelFileError
 from mha_onnx.graph.inputs import ShapeCase, input_specs, make_inputs
 from mha_onnx.rewrite import fuse_file, fuse_model
+from mha_onnx.rewrite.check.verify import verify
 from mha_onnx.rewrite.policy import FormPolicy
-from mha_onnx.rewrite.verify import verify
 from mha_onnx.runtime.ort import OrtRunner
 from tests.fusing import fused_and_checked, ops
 

@@ -13,9 +13,9 @@ from onnx import TensorProto, helper
 from mha_onnx.graph.walk import all_nodes
 from mha_onnx.rewrite.forms import COUNTED, NO_PAST, ONE_TOKEN, either, rotating_kernels
 from mha_onnx.rewrite.irutil import MS_DOMAIN
-from mha_onnx.rewrite.norms import fuse_norms
-from mha_onnx.rewrite.rotary import fold_rotary
-from mha_onnx.rewrite.sink import sink_into_branches
+from mha_onnx.rewrite.tighten.into_branches import sink_into_branches
+from mha_onnx.rewrite.tighten.norms import fuse_norms
+from mha_onnx.rewrite.tighten.rotary_fold import fold_rotary
 from mha_onnx.runtime.ort import OrtRunner
 
 N, G, D = 4, 2, 16  # query heads, K/V heads, head size
@@ -385,8 +385,8 @@ def test_fuse_for_a_gpu_does_not_fold():
 def test_equal_tables_are_one_pair_of_initializers():
     """An exporter that computes cos/sin once per layer gives each layer its own values; the
     tables they hold are compared by content, so the model gets one pair, not one per layer."""
-    from mha_onnx.rewrite.rotary import _tables
-    from mha_onnx.rewrite.rotation import rotated
+    from mha_onnx.rewrite.tighten.rotary_fold import _tables
+    from mha_onnx.rewrite.tighten.rotary_match import rotated
 
     model = ir.from_proto(_model())
     gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
@@ -509,7 +509,7 @@ def test_a_looked_up_table_is_cut_where_it_ends(rows, kept):
     tables hold the rows the exporter's table has (at most as many as asked for, 128 here),
     and a table under MIN_POSITIONS rows is not folded; outputs stay, inside the tables and
     past the kernel's (a step at a position the exporter's table has, ours not)."""
-    from mha_onnx.rewrite.rotary import MIN_POSITIONS
+    from mha_onnx.rewrite.tighten.rotary_fold import MIN_POSITIONS
 
     assert MIN_POSITIONS > 20
     original = _model(lookup=rows, before=True, interleaved=True)

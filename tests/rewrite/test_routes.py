@@ -1,4 +1,4 @@
-"""Verification holds a mixture of experts' routes to the original's (rewrite/routes.py): a
+"""Verification holds a mixture of experts' routes to the original's (rewrite/check/routes.py): a
 near-tied router that the fused graph's rounding flips is not a mismatch, a wrong expert
 path still is, and both protos come back as they were."""
 
@@ -11,8 +11,8 @@ from onnx import TensorProto as TP
 from onnx import helper
 from onnx import numpy_helper as nh
 
-from mha_onnx.rewrite.routes import chosen_as_inputs, chosen_as_outputs, routes
-from mha_onnx.rewrite.verify import verify
+from mha_onnx.rewrite.check.routes import chosen_as_inputs, chosen_as_outputs, routes
+from mha_onnx.rewrite.check.verify import verify
 
 D = 8
 
@@ -53,7 +53,7 @@ def test_a_flipped_near_tie_is_not_a_mismatch(monkeypatch: pytest.MonkeyPatch) -
     original, fused = _moe(), _moe(score_shift=3e-6)
     held = verify(original, fused)
     assert held.passed and held.routes_held == ("router_topk",)
-    monkeypatch.setattr("mha_onnx.rewrite.verify.routes", lambda *_: [])
+    monkeypatch.setattr("mha_onnx.rewrite.check.verify.routes", lambda *_: [])
     unheld = verify(original, fused)  # the same graphs, routes not held: tokens flip
     assert not unheld.passed and unheld.worst.stats.max_abs > 0.1
 

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxscript.optimizer import remove_unused_nodes
 from onnxscript.rewriter import RewriteRuleSet
 
-from mha_onnx.rewrite.sinks import scaled_sink_rules
+from mha_onnx.rewrite.recognise.attention_sinks import scaled_sink_rules
 
 H = 4
 SINK = np.array([0.5, -1.0, 2.0, 0.0], np.float32)

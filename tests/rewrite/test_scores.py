@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_onnx.rewrite.keys import broadcast_heads, key_from_transposed, repeated_heads
-from mha_onnx.rewrite.scores import Reject, probs_tail, score_chain
+from mha_onnx.rewrite.recognise.keys import broadcast_heads, key_from_transposed, repeated_heads
+from mha_onnx.rewrite.recognise.scores import Reject, probs_tail, score_chain
 from tests.irgraphs import F, Graph, const, model, node, qkv_inputs, tensor
 
 

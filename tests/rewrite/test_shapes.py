@@ -1,4 +1,4 @@
-"""rewrite/shapes.py: dims read by Shape chains folded where they are static, left where
+"""rewrite/prepare/shapes.py: dims read by Shape chains folded where they are static, left where
 they are not (a symbolic dim never becomes a number)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from mha_onnx.rewrite.irutil import const_array
-from mha_onnx.rewrite.shapes import fold_static_dims, with_symbolic_shapes
+from mha_onnx.rewrite.prepare.shapes import fold_static_dims, with_symbolic_shapes
 from tests.irgraphs import F, const, model, node, tensor
 
 
@@ -138,7 +138,7 @@ def test_probabilities_viewed_by_their_own_sizes_are_fused(whole, tmp_path):
 def test_a_dim_no_input_has_is_not_read_elsewhere():
     """probability_shapes moves a read only where every dim it reads has a source: a dim
     the inputs do not carry (``X``) leaves the read as it is."""
-    from mha_onnx.rewrite.shapes import probability_shapes
+    from mha_onnx.rewrite.prepare.shapes import probability_shapes
 
     proto = model([node("Softmax", ["x"], "probs", axis=-1), node("Shape", ["probs"], "s"),
                    const("i", [1]), node("Gather", ["s", "i"], "d"),
@@ -183,7 +183,7 @@ def test_a_reduce_max_with_axes_as_input_keeps_the_inference_going():
     the whole graph without shapes (its attention blocks unreadable)."""
     from onnx import TensorProto, helper
 
-    from mha_onnx.rewrite.shapes import with_symbolic_shapes
+    from mha_onnx.rewrite.prepare.shapes import with_symbolic_shapes
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4, "s", "t"])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)

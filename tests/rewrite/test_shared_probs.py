@@ -8,7 +8,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from mha_onnx.rewrite.shared_probs import merge_value_matmuls
+from mha_onnx.rewrite.prepare.shared_probs import merge_value_matmuls
 from tests.irgraphs import F, model, node, tensor
 
 
@@ -48,7 +48,7 @@ def test_near_misses_are_left(second_shape, swapped):
 
 def test_weights_combined_before_v_become_one_attention_per_softmax():
     """(P1 - lambda P2) @ V == P1 @ V - (P2 @ V) lambda, lambda per head [H, 1, 1]."""
-    from mha_onnx.rewrite.shared_probs import distribute_combinations
+    from mha_onnx.rewrite.prepare.shared_probs import distribute_combinations
     from tests.irgraphs import const
 
     nodes = [node("Softmax", ["s1"], "p1", axis=-1), node("Softmax", ["s2"], "p2", axis=-1),

@@ -1,4 +1,4 @@
-"""Attention sinks (rewrite/sinks.py): GPT-OSS's learned logit per head, concatenated to the
+"""Attention sinks (rewrite/recognise/attention_sinks.py): GPT-OSS's learned logit per head, concatenated to the
 scores and sliced off the probabilities, fused onto GroupQueryAttention's head_sink, with
 MultiHeadAttention and one key of zeros where GQA does not apply (left-padded rows); Optimum's
 GPT-OSS export end to end."""

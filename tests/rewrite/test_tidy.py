@@ -8,7 +8,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper
 
-from mha_onnx.rewrite.tidy import share_guards
+from mha_onnx.rewrite.tighten.tidy import share_guards
 from mha_onnx.runtime.ort import OrtRunner
 
 

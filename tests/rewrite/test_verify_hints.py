@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from mha_onnx.errors import FusionError
-from mha_onnx.rewrite.mismatch import refuse_mismatch
-from mha_onnx.rewrite.verify import CaseResult, Verification
+from mha_onnx.rewrite.check.mismatch import refuse_mismatch
+from mha_onnx.rewrite.check.verify import CaseResult, Verification
 from mha_onnx.stats import compare
 
 

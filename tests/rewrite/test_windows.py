@@ -1,4 +1,4 @@
-"""rewrite/windows.py: a window mask added on a [B, nW, H, N, N] view of the scores (or a mask on
+"""rewrite/prepare/windows.py: a window mask added on a [B, nW, H, N, N] view of the scores (or a mask on
 DETR's [B, H, T, S] view of [B*H, T, S] scores) becomes a
 bias on the scores themselves (Swin's shifted blocks), exactly; views that do not give the
 scores' layout back are left."""
@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnxscript.rewriter import RewriteRuleSet
 
-from mha_onnx.rewrite.windows import window_mask_rules
+from mha_onnx.rewrite.prepare.windows import window_mask_rules
 from tests.irgraphs import F, const, model, node, tensor
 
 H, N, WINDOWS = 2, 4, 3
@@ -109,8 +109,8 @@ def test_a_shifted_window_block_as_torch_export_writes_it_fuses():
     """torchvision's shifted_window_attention as torch.export folds it: scores [b*nW, H, N, N]
     (b symbolic), the window mask [nW, N, N] (constant, -100 across windows' regions) added
     on a ``[-1, nW, H, N, N]`` view; the whole block fused, verified at several batches."""
+    from mha_onnx.rewrite.check.verify import verify
     from mha_onnx.rewrite.fuse import fuse_model
-    from mha_onnx.rewrite.verify import verify
 
     rng = np.random.default_rng(2)
     mask = np.where(rng.random((WINDOWS, N, N)) < 0.4, -100.0, 0.0).astype(np.float32)

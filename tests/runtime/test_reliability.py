@@ -218,7 +218,7 @@ def test_an_original_ort_refuses_is_the_inputs_fault_not_fuses():
     from onnx import TensorProto, helper
 
     from mha_onnx.errors import ModelFileError
-    from mha_onnx.rewrite.verify import verify
+    from mha_onnx.rewrite.check.verify import verify
 
     graph = helper.make_graph(
         [helper.make_node("LayerNormalization", ["x", "scale"], ["y"], axis=-1)], "g",
@@ -236,8 +236,8 @@ def test_a_mismatch_where_the_original_gives_nan_says_so():
     import numpy as np
 
     from mha_onnx.errors import FusionError
-    from mha_onnx.rewrite.mismatch import refuse_mismatch
-    from mha_onnx.rewrite.verify import CaseResult, Verification
+    from mha_onnx.rewrite.check.mismatch import refuse_mismatch
+    from mha_onnx.rewrite.check.verify import CaseResult, Verification
     from mha_onnx.stats import compare
 
     expected = np.array([[np.nan, 1.0], [2.0, 3.0]], np.float32)

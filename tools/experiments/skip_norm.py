@@ -30,7 +30,7 @@ TYPES = {"float32": (TensorProto.FLOAT, np.float32), "float16": (TensorProto.FLO
 def model(residual: str, norm: str, hidden: int, dtype: str) -> onnx.ModelProto:
     """y = norm(residual(x, s)); ``norm`` LayerNormalization or (com.microsoft)
     SimplifiedLayerNormalization, ``residual`` Add or Sum; or, ``residual`` "Skip", the
-    SkipSimplifiedLayerNormalization kernel written out (as rewrite/norms.py does)."""
+    SkipSimplifiedLayerNormalization kernel written out (as rewrite/tighten/norms.py does)."""
     elem, np_type = TYPES[dtype]
     inputs = [h.make_tensor_value_info(n, elem, ["B", "S", hidden]) for n in ("x", "s")]
     weights = [nh.from_array(np.ones(hidden, np_type), "g"),

@@ -14,7 +14,7 @@ from onnxscript.rewriter import pattern
 
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.lower.common import absorbed_mean, causal_bias, mean_over_keys
-from mha_onnx.rewrite.masks import ABSORBING
+from mha_onnx.rewrite.recognise.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import FUSION_DOMAIN, SdpaInfo, repeat_heads, seq_dim
 
 ONNX_ATTENTION_OPSET = 23

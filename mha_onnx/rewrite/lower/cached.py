@@ -114,7 +114,7 @@ def _prefill(ops: TapeOps, info: SdpaInfo, q3: ir.Value,
     """S > 1: without past the causal mask is square (GQA); with past, the original mask.
     ``fresh``: the new keys and values alone, which are the whole of an appended cache
     where there is no past: the prompt's kernel reads them, not Concat(empty past, new)
-    (so that nothing lies between it and the exporter's rotation: rotary.py folds it)."""
+    (so that nothing lies between it and the exporter's rotation: rotary_fold.py folds it)."""
     square = dataclasses.replace(info, alignment="square")
     if not gqa_ok(square):
         return dense_mha(ops, info, q3, lazy=True)

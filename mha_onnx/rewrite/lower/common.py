@@ -310,7 +310,7 @@ def _sink_key(op, info: SdpaInfo, q3: ir.Value, k: ir.Value, v: ir.Value, bias: 
               axis: int) -> tuple[ir.Value, ir.Value, ir.Value]:
     """K and V with one more key of zeros (its score q·0 = 0) and the bias with the sink in
     its column: the softmax over it is the original's over the scores and the sink, and the
-    zero value adds nothing (rewrite/sinks.py)."""
+    zero value adds nothing (rewrite/recognise/attention_sinks.py)."""
     one = op.Constant(value_ints=[1])
 
     def zero_key(x: ir.Value) -> ir.Value:  # x's first key, times 0: exactly 0 (finite x)

@@ -105,10 +105,10 @@ def gqa_with_past(op, info: SdpaInfo, q3, k3, v3, past_key, past_value, seqlens,
     """One GroupQueryAttention node with a past (appended, or a shared buffer): (out,
     present_key, present_value); the block's window and soft-cap, ``bias`` [B, 1, 1, T]
     the padded keys' additive mask. ``step``: only one-token runs reach it (its guard says
-    so; rotary.py then needs no check of a prompt's positions)."""
+    so; rotary_fold.py then needs no check of a prompt's positions)."""
     assert info.dk == info.dv, info.block  # (the cache's head size is V's: no padding here)
     inputs = [q3, k3, v3, past_key, past_value, seqlens, total, None, None, None, bias,
-              info.sink]  # (head_sink: rewrite/sinks.py)
+              info.sink]  # (head_sink: rewrite/recognise/attention_sinks.py)
     while inputs[-1] is None:
         inputs.pop()
     outs = tuple(op.GroupQueryAttention(

@@ -16,7 +16,7 @@ import onnx_ir as ir
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.irutil import ints_attr, onehot_dim, replace_shape
 from mha_onnx.rewrite.lower.rows import RowSource
-from mha_onnx.rewrite.scores import heads_merged, heads_split
+from mha_onnx.rewrite.recognise.scores import heads_merged, heads_split
 
 
 @dataclasses.dataclass(frozen=True)

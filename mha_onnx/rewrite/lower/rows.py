@@ -46,8 +46,8 @@ from mha_onnx.rewrite.lower.common import (
     scalar_shape,
 )
 from mha_onnx.rewrite.lower.gqa import gqa_with_past, half_precision, if_forms
-from mha_onnx.rewrite.masks import ABSORBING
 from mha_onnx.rewrite.policy import FormPolicy
+from mha_onnx.rewrite.recognise.masks import ABSORBING
 from mha_onnx.rewrite.sdpa import SdpaInfo, repeat_heads, seq_dim, to_bsd
 
 

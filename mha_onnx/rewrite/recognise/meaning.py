@@ -1,13 +1,13 @@
 """The meaning of one block's mask: causal (with its window and alignment), key padding,
 position biases, or a dense bias that only the general form reproduces. Built from the
-pieces of :mod:`mha_onnx.rewrite.masks` and the oracle's verdict on the size-only ones."""
+pieces of :mod:`mha_onnx.rewrite.recognise.masks` and the oracle's verdict on the size-only ones."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 
-from mha_onnx.rewrite.masks import (
+from mha_onnx.rewrite.recognise.masks import (
     ABSORBING,
     REMOVES_KEY,
     Padding,
@@ -16,7 +16,7 @@ from mha_onnx.rewrite.masks import (
     Term,
     take_apart,
 )
-from mha_onnx.rewrite.oracle import Oracle
+from mha_onnx.rewrite.recognise.oracle import Oracle
 
 
 class Unsupported(Exception):

@@ -5,7 +5,7 @@ is reading the weights, plus the cost of starting the kernel (waking the thread 
 MatMuls that read one input with constant weights are one MatMul over the weights side by
 side: the same products (each output column is the same dot product), one kernel start
 instead of three, as ORT GenAI's graphs pack QKV. A GroupQueryAttention that rotates Q and K
-itself reads the packed tensor whole (rotary.py packs where that is so); a Split gives the
+itself reads the packed tensor whole (rotary_fold.py packs where that is so); a Split gives the
 parts to what still reads them separately (a fallback branch: where that Split would run on
 every run, as for an MLP's gate and up, packing would only add its copy, so nothing else is
 packed).

@@ -1,4 +1,4 @@
-"""sink.py on small graphs: nodes moved (or copied) into the If branches that read them,
+"""into_branches.py on small graphs: nodes moved (or copied) into the If branches that read them,
 hoisted behind one If where several Ifs share a condition, nested guards merged; every
 change checked on ORT against the graph before it, for each value of the conditions."""
 
@@ -12,7 +12,11 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from mha_onnx.rewrite.sink import hoist_by_condition, merge_nested_guards, sink_into_branches
+from mha_onnx.rewrite.tighten.into_branches import (
+    hoist_by_condition,
+    merge_nested_guards,
+    sink_into_branches,
+)
 from mha_onnx.runtime.ort import OrtRunner
 
 X = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
@@ -122,7 +126,7 @@ def test_a_guard_nested_in_a_fast_branch_merges_with_it():
 
 
 def test_element_types_of_what_is_hoisted_come_from_the_ops():
-    from mha_onnx.rewrite.sink import _dtype
+    from mha_onnx.rewrite.tighten.into_branches import _dtype
 
     graph = ir.Graph([], [], nodes=[], opset_imports={"": 18})
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT16))

@@ -10,7 +10,7 @@ pieces, one recogniser per spelling:
   ``Cast(c) * fill``, sums of those;
 - leaves that depend on tensor sizes only (``triu``/``tril``, arange comparisons, cached
   lower-triangular buffers, position biases): :class:`SizeLeaf`, whose values the oracle
-  evaluates at several sizes (:mod:`mha_onnx.rewrite.oracle`);
+  evaluates at several sizes (:mod:`mha_onnx.rewrite.recognise.oracle`);
 - leaves that depend on input values: a ``[B, T]`` tensor broadcast over queries is key
   padding (:class:`Padding`); anything else is not understood (``reason``).
 """

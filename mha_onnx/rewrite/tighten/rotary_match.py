@@ -1,5 +1,5 @@
 """The exporter's rotary embedding recognised around a GroupQueryAttention's inputs
-(for rotary.py): Hugging Face's ``x * cos + rotate_half(x) * sin`` on heads split from a
+(for rotary_fold.py): Hugging Face's ``x * cos + rotate_half(x) * sin`` on heads split from a
 ``[B, S, heads*D]`` projection and joined again by our lowering, possibly with the rows
 gathered kept-first (lower/rows.py), or only each head's first dims rotated and the rest
 concatenated as they are (a partial rotary: Phi, StableLM; GroupQueryAttention rotates as many
@@ -9,7 +9,7 @@ before the heads' transpose, on ``[B, S, heads, D]`` with cos/sin ``[B, S, 1, D]
 CodeGen), and the heads need not be a plain split of one ``[B, S, heads*D]`` tensor (CodeGen's
 and GPT-NeoX's heads come out of a fused QKV projection): then the kernel reads the unrotated
 heads joined again (``joined``). Structure only: what cos and sin hold is proven by
-evaluation in rotary.py.
+evaluation in rotary_fold.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.blocks import PROBS_OPS
-from mha_onnx.rewrite.factors import head_factor, scalar_factor
 from mha_onnx.rewrite.irutil import (
     WALK_LIMIT,
     const_fill,
@@ -26,8 +25,9 @@ from mha_onnx.rewrite.irutil import (
     producer,
     same_dim,
 )
-from mha_onnx.rewrite.masks import Term
-from mha_onnx.rewrite.sinks import drops_last_column, max_shifted, sink_concat
+from mha_onnx.rewrite.recognise.attention_sinks import drops_last_column, max_shifted, sink_concat
+from mha_onnx.rewrite.recognise.factors import head_factor, scalar_factor
+from mha_onnx.rewrite.recognise.masks import Term
 
 
 class Reject(Exception):
@@ -50,7 +50,7 @@ class ProbsTail:
     nodes: tuple[ir.Node, ...]  # from the MatMul with V up to the Softmax
     nan_to_zero: bool
     merged: int = 0
-    sliced: bool = False  # the last column (an attention sink's) dropped (rewrite/sinks.py)
+    sliced: bool = False  # the last column (an attention sink's) dropped (rewrite/recognise/attention_sinks.py)
     # [B, H, S, T] scores the Softmax saw merged to [B*H, S, T], its output split back and
     # merged again on the way to V (XGLM): the block reads as a Softmax over them
     unmerged: ir.Value | None = None
@@ -170,7 +170,7 @@ class ScoreChain:
     scale: float
     softcap: float = 0.0
     split: int = 0  # heads a Reshape [B*H, S, T] -> [B, H, S, T] split out on the way
-    sink: ir.Value | None = None  # the sink column concatenated to the scores (sinks.py)
+    sink: ir.Value | None = None  # the sink column concatenated to the scores (attention_sinks.py)
     head_scale: np.ndarray | None = None  # [H] factors of Q·K^T, one per head (Swin-v2)
     floor: float | None = None  # Max(scores, floor): masked scores clamped (XGLM)
 

@@ -25,10 +25,16 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.graph.inputs import ShapeCase, padding_pattern
-from mha_onnx.rewrite import value_masks
 from mha_onnx.rewrite.irutil import subgraphs
-from mha_onnx.rewrite.masks import REMOVES_KEY, Padding, ScoreDims, SizeLeaf, Term
-from mha_onnx.rewrite.slices import Refused, SliceRunner, assignments, input_symbols, resolve
+from mha_onnx.rewrite.recognise import value_masks
+from mha_onnx.rewrite.recognise.masks import REMOVES_KEY, Padding, ScoreDims, SizeLeaf, Term
+from mha_onnx.rewrite.recognise.slices import (
+    Refused,
+    SliceRunner,
+    assignments,
+    input_symbols,
+    resolve,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +149,7 @@ class Oracle:
     def value_mask(self, terms: Sequence[Term], sd: ScoreDims
                    ) -> tuple[SizePattern, Padding, float] | str:
         """A mask computed from one [B, T] input's values, judged as a whole by evaluation
-        (:mod:`mha_onnx.rewrite.value_masks`): its size-dependent part, the key padding and
+        (:mod:`mha_onnx.rewrite.recognise.value_masks`): its size-dependent part, the key padding and
         the weakest masked score; or why it is not that."""
         try:
             found = value_masks.evaluate(self.model, self._symbols, self._lengths, terms, sd,

@@ -3,8 +3,8 @@
 ``MatMul(Softmax(mask(softcap(scale(Q·K^T)))), V)`` in its many spellings and the ONNX
 ``Attention`` op become ``mha_onnx.fusion.Sdpa`` (see :mod:`mha_onnx.rewrite.sdpa`), whose
 attributes say everything the lowering needs: scale, heads and K/V heads, soft-cap, and the
-mask's meaning. The recognisers live in :mod:`~mha_onnx.rewrite.scores` (everything but the
-mask), :mod:`~mha_onnx.rewrite.masks` and :mod:`~mha_onnx.rewrite.oracle` (the mask); a
+mask's meaning. The recognisers live in :mod:`~mha_onnx.rewrite.recognise.scores` (everything but the
+mask), :mod:`~mha_onnx.rewrite.recognise.masks` and :mod:`~mha_onnx.rewrite.recognise.oracle` (the mask); a
 candidate that is not fused is logged with the reason.
 """
 
@@ -17,15 +17,20 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
-from mha_onnx.rewrite.factors import strip_scale
 from mha_onnx.rewrite.irutil import FORM, dims, float_attr, int_attr, same_dim
-from mha_onnx.rewrite.keys import broadcast_heads, key_dims, key_from_transposed, repeated_heads
-from mha_onnx.rewrite.masks import ABSORBING, ScoreDims, Term
-from mha_onnx.rewrite.meaning import Causal, MaskMeaning, Unsupported, plan
-from mha_onnx.rewrite.oracle import Oracle
-from mha_onnx.rewrite.scores import Reject, probs_tail, score_chain
+from mha_onnx.rewrite.recognise.attention_sinks import sink_values
+from mha_onnx.rewrite.recognise.factors import strip_scale
+from mha_onnx.rewrite.recognise.keys import (
+    broadcast_heads,
+    key_dims,
+    key_from_transposed,
+    repeated_heads,
+)
+from mha_onnx.rewrite.recognise.masks import ABSORBING, ScoreDims, Term
+from mha_onnx.rewrite.recognise.meaning import Causal, MaskMeaning, Unsupported, plan
+from mha_onnx.rewrite.recognise.oracle import Oracle
+from mha_onnx.rewrite.recognise.scores import Reject, probs_tail, score_chain
 from mha_onnx.rewrite.sdpa import emit_sdpa
-from mha_onnx.rewrite.sinks import sink_values
 
 SUPPORTED_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 
@@ -67,7 +72,7 @@ class Core:
     # in float32 on V cast up, its output cast back: the original's float16 probabilities are
     # only rounded less.
     out_dtype: ir.DataType | None = None
-    sink: np.ndarray | None = None  # [H] logits in each row's denominator (rewrite/sinks.py)
+    sink: np.ndarray | None = None  # [H] logits in each row's denominator (rewrite/recognise/attention_sinks.py)
     head_scale: np.ndarray | None = None  # [H] factors of Q·K^T, folded into Q (Swin-v2)
 
     def describe(self) -> str:

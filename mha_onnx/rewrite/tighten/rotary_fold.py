@@ -17,7 +17,7 @@ step, but a prompt's positions as the first row's first position counted up. So 
 kernel runs behind ``If`` (one new token, or every row counted up from the first position;
 every position inside the tables, and the total length too: ORT refuses a cos_cache shorter
 than total_sequence_length), else the block's GroupQueryAttention as lowered, reading the
-exporter's rotation; the nodes only that branch reads can then move into it (sink.py).
+exporter's rotation; the nodes only that branch reads can then move into it (into_branches.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import numpy as np
 import onnx_ir as ir
 
 from mha_onnx.rewrite.irutil import BLOCK, MS_DOMAIN, STEP, insert_first, int_attr, opset
-from mha_onnx.rewrite.packing import pack, projections, split_source
-from mha_onnx.rewrite.rotation import Rotated, joined, rotated, unsplit
-from mha_onnx.rewrite.slices import Refused, SliceRunner, input_symbols
+from mha_onnx.rewrite.recognise.slices import Refused, SliceRunner, input_symbols
+from mha_onnx.rewrite.tighten.packing import pack, projections, split_source
+from mha_onnx.rewrite.tighten.rotary_match import Rotated, joined, rotated, unsplit
 
 MAX_POSITIONS = 8192  # rows of the cos/sin tables; later positions take the exporter's rotation
 MIN_POSITIONS = 64  # a table shorter than this is not worth a kernel of its own

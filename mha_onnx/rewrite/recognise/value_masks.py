@@ -23,8 +23,8 @@ import onnx_ir as ir
 
 from mha_onnx.graph.inputs import ShapeCase, padding_pattern
 from mha_onnx.rewrite.irutil import dims
-from mha_onnx.rewrite.masks import REMOVES_KEY, Padding, ScoreDims, Term
-from mha_onnx.rewrite.slices import Refused, SliceRunner, assignments, resolve
+from mha_onnx.rewrite.recognise.masks import REMOVES_KEY, Padding, ScoreDims, Term
+from mha_onnx.rewrite.recognise.slices import Refused, SliceRunner, assignments, resolve
 
 PATTERNS_PER_SIZE = 2
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_onnx.errors import FusionError
-from mha_onnx.rewrite.verify import CaseResult, Verification
+from mha_onnx.rewrite.check.verify import CaseResult, Verification
 
 
 def refuse_mismatch(verification: Verification, unguarded: list[str]) -> None:

@@ -27,8 +27,8 @@ from mha_onnx.graph.inputs import (
     split_dims,
 )
 from mha_onnx.graph.roles import length_limit
+from mha_onnx.rewrite.check.routes import chosen_as_inputs, chosen_as_outputs, routes
 from mha_onnx.rewrite.forms import COUNTED, LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED
-from mha_onnx.rewrite.routes import chosen_as_inputs, chosen_as_outputs, routes
 from mha_onnx.runtime.ort import OrtRunner
 from mha_onnx.stats import ErrorStats, compare
 
@@ -350,7 +350,7 @@ def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> lis
             axes = new if case is prompt else cache
             cases.append(replace(case, label=f"{case.label}, {label}", optional=True,
                                  dims={**case.dims, **dict.fromkeys(axes, longer)}))
-    if COUNTED in kinds:  # position ids a generation loop counts up (rotary.py)
+    if COUNTED in kinds:  # position ids a generation loop counts up (rotary_fold.py)
         counted = tuple(sorted({f.positions for form in forms for f in form.chain()
                                 if f.positions}))
         cases += [replace(c, label=f"{c.label}, positions counted{how}", counted=counted,
