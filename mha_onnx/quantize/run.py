@@ -26,6 +26,7 @@ import onnx
 
 from mha_onnx.errors import ConfigError
 from mha_onnx.graph import metadata
+from mha_onnx.profile.memory import give_back_memory
 from mha_onnx.quantize import accuracy, kv_cache
 from mha_onnx.quantize.calibrated import Quantizer
 from mha_onnx.quantize.feeds import (
@@ -112,6 +113,7 @@ def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProt
                                      figures.get("kl_mean"), figures.get("kl_max"),
                                      figures.get("top1"), thresholds=thresholds)
     if decoder and prompts:
+        give_back_memory()  # (the two sessions', before greedy opens two more)
         report = replace(report, **_greedy(float_path, quant,
                                            [p[:accuracy.GREEDY_FROM] for p in prompts]))
     if sensitive and "logits" in want and config is not None:
@@ -141,7 +143,9 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
                  config: QuantizeConfig, feeds, want: np.ndarray, by_weight: bool = False):
     """Each weight quantized alone (sensitivity.py: in one session, fed as the quantized
     model reads it back; a weight that is not the main graph's, in a model of its own with
-    every MatMul reading it quantized as ``config`` says); by the first MatMul reading it."""
+    every MatMul reading it quantized as ``config`` says); by the first MatMul reading it.
+    The session's model is written a tensor at a time and read in place: one from the
+    model's bytes held the float model three more times (the copy, its bytes, ORT's)."""
     import onnx_ir as ir
 
     from mha_onnx.quantize import sensitivity
@@ -156,19 +160,25 @@ def _sensitivity(float_model, float_path: str, quant: onnx.ModelProto, weights: 
     values = sensitivity.read_back(quant, weights)
     overriding = ir.from_proto(base)
     fed = sensitivity.overridable(overriding, [w for w in weights if w in values])
-    with OrtRunner(ir.to_proto(overriding).SerializeToString()) as runner:
-        plain = {k: v for k, v in feeds.items() if k in runner.input_names}
+    with tempfile.TemporaryDirectory(prefix="mha_onnx_sensitivity_") as tmp:
+        path = Path(tmp) / "model.onnx"
+        ir.save(overriding, path, external_data="model.onnx.data", size_threshold_bytes=1024,
+                max_workers=1, max_in_flight_bytes=1 << 26)
+        del overriding, base
+        give_back_memory()
+        with OrtRunner(str(path)) as runner:
+            plain = {k: v for k, v in feeds.items() if k in runner.input_names}
 
-        def logits_of(weight: str) -> np.ndarray:
-            if weight in fed:
-                return runner.infer({**plain, weight: values[weight]})["logits"]
-            config_alone = replace(config, exclude=tuple(n for n in every
-                                                         if n not in readers[weight]),
-                                   int8=(), first_last=False)
-            return session_outputs(quantize_weights(float_model, config_alone).model,
-                                    feeds)["logits"]
+            def logits_of(weight: str) -> np.ndarray:
+                if weight in fed:
+                    return runner.infer({**plain, weight: values[weight]})["logits"]
+                alone = replace(config, exclude=tuple(n for n in every
+                                                      if n not in readers[weight]),
+                                int8=(), first_last=False)
+                return session_outputs(quantize_weights(float_model, alone).model,
+                                       feeds)["logits"]
 
-        ranked = accuracy.sensitivity(weights, logits_of, want)
+            ranked = accuracy.sensitivity(weights, logits_of, want)
     return tuple((w if by_weight else readers[w][0], kl) for w, kl in ranked)
 
 
@@ -186,11 +196,11 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     an int8 cache's scales (``config.kv_bits``); ``prompts``: what the accuracy is measured
     on (a decoder's; random ids where None); ``weight_calibration``: token-id prompts
     GPTQ's activations come from (``config.algorithm`` gptq)."""
-    from mha_onnx.graph.files import prepare_output, read_model, write_model
+    from mha_onnx.graph.files import prepare_output, write_model
 
     started = time.perf_counter()
     output = prepare_output(output, force=force)
-    model = read_model(source)
+    model, source_bytes = _read_with_bytes(source)
     if config.kv_bits:
         kv_cache.require_shared(model)
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
@@ -207,6 +217,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
         notes = [*first.notes, note]  # (the notes of the model written)
     if config.kv_bits:
         notes.append(_int8_cache(model, str(source), first.model, calibration))
+    give_back_memory()  # (the copies quantizing made and dropped, before sessions open)
     report = measure(model, str(source), first.model, thresholds,
                      sensitive=names if sensitivity else None, config=config, prompts=prompts)
     if prompts:
@@ -214,6 +225,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
                      f"{report.positions // len(prompts)} tokens")
     write = not check or bool(report)
     size = 0
+    give_back_memory()  # (the measuring sessions', before the model is written)
     if write:
         _record(first, config, report, source, prompts)
         size = _bytes(write_model(first.model, output, force=force))
@@ -224,7 +236,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
                      "--algorithm gptq --calibration TEXT, a smaller --block-size, or loosen "
                      "the thresholds; --no-check writes it anyway)")
     return QuantizeReport(str(source), str(output), config, report, first.matmuls(),
-                          (_bytes(Path(source)), size or first.model.ByteSize()),
+                          (source_bytes, size or first.model.ByteSize()),
                           write, time.perf_counter() - started, tuple(notes),
                           search.trials if search else ())
 
@@ -285,6 +297,20 @@ def _int8_cache(model: onnx.ModelProto, path: str, quant: onnx.ModelProto,
             "GroupQueryAttention reads and writes them")
 
 
+def _read_with_bytes(path: str | Path) -> tuple[onnx.ModelProto, int]:
+    """The model at ``path`` (as read_model reads it) and its bytes with its external data
+    files, counted before the weights are read in (parsing the file again to count them
+    held two more copies of an inline model at the end of the run)."""
+    from mha_onnx.graph.files import check_structure, external_files, load_external, read_model
+
+    model = read_model(path, load_external_data=False)
+    size = Path(path).stat().st_size + sum(f.stat().st_size for f in external_files(model, path)
+                                           if f.is_file())
+    load_external(model, path)
+    check_structure(model, path)
+    return model, size
+
+
 def _bytes(path: Path) -> int:
     """A model file's bytes with its external data files."""
     from mha_onnx.graph.files import external_files, read_model
@@ -298,13 +324,19 @@ def _record(made: QuantizedWeights, config: QuantizeConfig, report: accuracy.Acc
     """What was quantized how, its accuracy, the prompts it was measured on (where given:
     ``validate`` measures on them again) and the float model it came from (so that
     ``validate`` finds it again, and knows when it changed)."""
-    import hashlib
-
     source = Path(source).resolve()
     given = {"eval_prompts": [p[:EVAL_LENGTH] for p in prompts]} if prompts else {}
     metadata.write(made.model, {"quantization": {
         **made.record(config), "accuracy": report.to_dict(), "source": str(source),
-        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(), **given}})
+        "source_sha256": _sha256(source), **given}})
+
+
+def _sha256(path: Path) -> str:
+    """The file's SHA-256, read a block at a time (not the whole file at once)."""
+    import hashlib
+
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _genai(source: str | Path, output: Path) -> list[str]:

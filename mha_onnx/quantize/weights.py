@@ -274,7 +274,7 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
         raise ConfigError("the model is already quantized (it has MatMulNBits, "
                           "GatherBlockQuantized or DequantizeLinear nodes)",
                           hint="quantize its float original")
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    model = _compact(model)  # (a copy: no serialized bytes beside it)
     notes = _read_apart(model)
     plan = targets(model, config)
     if not any(t.bits for t in plan):
@@ -299,6 +299,7 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
         notes = [n.replace("stays float for its Gather", "has its own for its Gather")
                  if swap else n for n in notes] + said
     before = _drop_unread(model)
+    model = _compact(model)
     after = sum(len(t.raw_data) or t.ByteSize() for graph, _ in _graphs(model.graph)
                 for t in graph.initializer if any(t.name.startswith(f"{w}_") for w, _ in done)
                 or embeddings.SUFFIX in t.name)
@@ -316,7 +317,7 @@ def quantize_weights(model: onnx.ModelProto, config: QuantizeConfig) -> Quantize
 def read_apart(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of the float ``model`` with its weights named as quantize_weights names
     them: those read through a Slice or a Transpose of a constant cut out and untied."""
-    copy = onnx.ModelProto.FromString(model.SerializeToString())
+    copy = _compact(model)
     _read_apart(copy)
     return copy
 
@@ -366,6 +367,16 @@ def _replace_matmuls(model: onnx.ModelProto, plan: list[Target], config: Quantiz
         del graph.node[:]
         graph.node.extend(nodes)
     return done
+
+
+def _compact(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` copied into a message of its own, field by field (no serialized bytes
+    beside it). After the float weights are dropped: a message keeps what it parsed until
+    the whole of it goes, one more float model's worth through the measuring and writing
+    that follow."""
+    compact = onnx.ModelProto()
+    compact.CopyFrom(model)
+    return compact
 
 
 def _drop_unread(model: onnx.ModelProto) -> int:
