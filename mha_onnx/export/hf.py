@@ -202,8 +202,8 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
     model = load_module(folder, task, cfg.dtype)
     if task == "text-generation-with-past":
         check_decoder(model, config)
-    kept = keep_float32(model, cfg.keep_float32, cached="with-past" in task)  # (refused
-    if kept:  # here where a pattern names no module or one holding the cache's attention)
+    kept = keep_float32(model, cfg.keep_float32, cached=task == "text-generation-with-past")
+    if kept:  # (refused there: a pattern naming no module, a decoder's attention, tied weights)
         progress(f"kept in float32: {', '.join(kept)}")
     notes, fused, validations = [], [], []
     with tempfile.TemporaryDirectory(prefix="mha_onnx_hf_") as tmp:

@@ -43,12 +43,28 @@ def keep_float32(model: Any, patterns: Sequence[str], cached: bool = False) -> l
                  if type(m).__name__.endswith("Attention")]
     if cached and attention:
         _cache_refused(kept, attention[0])
+    _tied_refused(model, kept)
     for name in kept:
         module = model.get_submodule(name)
         module.float()
         module.register_forward_pre_hook(_up, with_kwargs=True)
         module.register_forward_hook(_down)
     return kept
+
+
+def _tied_refused(model: Any, kept: Sequence[str]) -> None:
+    """A kept module whose weights another module shares (a tied LM head and embedding)
+    would turn the other's weights float32 too: refused, naming both."""
+    inside = {id(p): name for name in kept
+              for p in model.get_submodule(name).parameters()}
+    for name, module in model.named_modules():
+        if any(name == k or name.startswith(f"{k}.") for k in kept):
+            continue
+        shared = [inside[id(p)] for p in module.parameters(recurse=False) if id(p) in inside]
+        if shared:
+            raise ConfigError(f"--keep-float32 {shared[0]}: its weights are {name}'s too "
+                              "(tied), which would turn float32 with them",
+                              hint=f"keep both ({shared[0]} and {name}) or neither")
 
 
 def _cast(value: Any, source: Any, target: Any) -> Any:

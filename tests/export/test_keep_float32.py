@@ -104,6 +104,22 @@ def test_what_cannot_be_kept_is_refused_before_the_export(loud, tmp_path, extra,
     assert "torch.export" not in result.output and not (tmp_path / "x.onnx").exists()
 
 
+def test_a_module_whose_weights_another_shares_is_refused(tmp_path):
+    """A tied LM head kept in float32 would turn the embedding float32 with it."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=99, max_position_embeddings=64, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32, tie_word_embeddings=True)
+    ).save_pretrained(tmp_path / "tied")
+    result = _export(tmp_path / "tied", tmp_path / "x.onnx", "--keep-float32", "lm_head")
+    assert result.exit_code == 2, result.output
+    assert "lm_head: its weights are model.embed_tokens's too (tied)" in result.output
+    assert "torch.export" not in result.output
+
+
 def test_the_casts_keep_pytorchs_values(loud):
     """The kept module's hooks: float16 in, float32 inside, float16 out; the model's logits
     finite where the all-float16 model's are not, and near float32's."""
