@@ -7,7 +7,9 @@ way in and its float32 outputs back to float16 on the way out (forward hooks, so
 keeps its name and the export its name scopes). The values a kept module computes inside
 (a product of two large projections, a sum of squares) never meet float16; what leaves it
 must fit float16 again. A module that writes the cache (an attention block, a decoder
-layer) would hand the cache float32 keys: refused after the export, by the cache's type.
+layer) would hand the cache float32 keys: refused before the export where a decoder's kept
+module holds an attention block, and after it by the cache's type (an encoder-decoder's);
+a module whose weights another shares (a tied LM head) is refused too.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ def keep_float32(model: Any, patterns: Sequence[str], cached: bool = False) -> l
                                    + ", ".join(near))
         matched.extend(h for h in hits if h not in matched)
     kept = [n for n in matched if not any(n.startswith(f"{o}.") for o in matched if o != n)]
-    attention = [f"{n} holds {type(m).__name__}" for n in kept
+    attention = [f"{n} holds {type(m).__name__}" for n in kept if cached
                  for m in model.get_submodule(n).modules()
                  if type(m).__name__.endswith("Attention")]
-    if cached and attention:
+    if attention:
         _cache_refused(kept, attention[0])
     _tied_refused(model, kept)
     for name in kept:
