@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from mha_onnx.cli.options import emit
+from mha_onnx.quantize.config import ALGORITHMS, EMBEDDINGS
 from mha_onnx.rewrite.policy import KV_CACHES
 
 
@@ -27,12 +28,12 @@ from mha_onnx.rewrite.policy import KV_CACHES
 @click.option("--kv-bits", type=int, default=0, show_default=True,
               help="With --model --kv-cache shared --weights int4|int8: 8 puts the cache in "
                    "int8 too (as `mha-onnx quantize --kv-bits 8`).")
-@click.option("--embeddings", type=click.Choice(["float", "int4", "int8"]), default="float",
+@click.option("--embeddings", type=click.Choice(EMBEDDINGS), default="float",
               show_default=True, help="With --model --weights: the token embedding table "
               "too (as `mha-onnx quantize --embeddings`).")
 @click.option("--block-size", type=int, default=32, show_default=True,
               help="With --model --weights: weights per quantization block (as quantize's).")
-@click.option("--algorithm", type=click.Choice(["rtn", "hqq", "gptq"]), default="rtn",
+@click.option("--algorithm", type=click.Choice(ALGORITHMS), default="rtn",
               show_default=True, help="With --model --weights: as quantize's (gptq takes "
               "--calibration).")
 @click.option("--calibration", default=None, metavar="PROMPTS.json",

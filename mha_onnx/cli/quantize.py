@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from mha_onnx.cli.options import emit
+from mha_onnx.quantize.config import ALGORITHMS, EMBEDDINGS, WEIGHTS
 
 
 def prompts(path: str | None, folder: Path, option: str) -> list[list[int]] | None:
@@ -26,12 +27,12 @@ def prompts(path: str | None, folder: Path, option: str) -> list[list[int]] | No
 @click.command("quantize")
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Where to write the quantized model.")
-@click.option("--weights", type=click.Choice(["int4", "int8", "w8a8"]), default="int4",
+@click.option("--weights", type=click.Choice(WEIGHTS), default="int4",
               show_default=True,
               help="int4 | int8: MatMulNBits (weights only; one user at a time); w8a8: int8 "
                    "weights per column and activations per row through ORT's integer GEMM "
                    "(many rows at once: a server's batches, long prompts).")
-@click.option("--embeddings", type=click.Choice(["float", "int4", "int8"]), default="float",
+@click.option("--embeddings", type=click.Choice(EMBEDDINGS), default="float",
               show_default=True, help="The token embedding table: float, or int4/int8 per "
               "--block-size block through ORT's GatherBlockQuantized (its tied LM head is "
               "a MatMul of its own either way).")
@@ -42,7 +43,7 @@ def prompts(path: str | None, folder: Path, option: str) -> list[list[int]] | No
 @click.option("--accuracy-level", type=int, default=4, show_default=True,
               help="MatMulNBits' accuracy_level: 4 computes in int8 on the CPU (GenAI's "
                    "default), 0 in float.")
-@click.option("--algorithm", type=click.Choice(["rtn", "hqq", "gptq"]), default="rtn",
+@click.option("--algorithm", type=click.Choice(ALGORITHMS), default="rtn",
               show_default=True, help="RTN or HQQ (ONNX Runtime's quantizer), or GPTQ (int4 "
               "whose rounding errors make up for each other on --calibration's activations).")
 @click.option("--calibration", "weight_calibration", default=None, metavar="PROMPTS.json",

@@ -301,21 +301,22 @@ def _read_with_bytes(path: str | Path) -> tuple[onnx.ModelProto, int]:
     """The model at ``path`` (as read_model reads it) and its bytes with its external data
     files, counted before the weights are read in (parsing the file again to count them
     held two more copies of an inline model at the end of the run)."""
-    from mha_onnx.graph.files import check_structure, external_files, load_external, read_model
+    from mha_onnx.graph.files import check_structure, load_external, read_model
 
     model = read_model(path, load_external_data=False)
-    size = Path(path).stat().st_size + sum(f.stat().st_size for f in external_files(model, path)
-                                           if f.is_file())
+    size = _bytes(Path(path), model)
     load_external(model, path)
     check_structure(model, path)
     return model, size
 
 
-def _bytes(path: Path) -> int:
-    """A model file's bytes with its external data files."""
+def _bytes(path: Path, model: onnx.ModelProto | None = None) -> int:
+    """A model file's bytes with its external data files (``model``: the file read without
+    its external data, where at hand)."""
     from mha_onnx.graph.files import external_files, read_model
 
-    files = external_files(read_model(path, load_external_data=False), path)
+    files = external_files(model if model is not None
+                           else read_model(path, load_external_data=False), path)
     return path.stat().st_size + sum(f.stat().st_size for f in files if f.is_file())
 
 
