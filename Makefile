@@ -12,13 +12,16 @@ GENAI_RT := .venv-genai-rt
 
 .PHONY: run test test-fast lint clean fixtures genai-fixtures bench-envs genai-env test-exports
 
-# pip byte-compiles what it installs one file at a time (40 s of the set-up here); compileall
-# does it on every core (its exit status is 1 for a file written for a newer Python, torch's
-# testing/_internal/py312_intrinsics.py, which nothing here imports)
+# Byte-code: pip would compile all 2.2 GB it installs (40 s of the set-up here, 29 s on both
+# cores with compileall), most of it never imported (transformers' hundreds of model
+# families). Instead Python writes the .pyc of what is imported, when it is first imported:
+# PYTHONDONTWRITEBYTECODE, set on some machines, would have every process (the test
+# workers, their child processes, each CLI run) compile torch's and transformers' modules again.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile -e '.[dev]'
-	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	touch $@
 
 run: $(VENV)/.installed
