@@ -101,8 +101,7 @@ def _calibration(folder) -> str:
 
 def test_mixed_auto_keeps_the_fewest_sensitive_weights_wider(tmp_path):
     """--mixed auto on a quantization the gate refuses (block 128: KL past 0.05) writes
-    one that passes, with N weights in int8 where N - 1 was measured failing; with the
-    weights in int8 already it keeps some float; refused beside --no-check."""
+    one that passes, with N weights in int8 where N - 1 was measured failing."""
     from mha_onnx.graph.walk import all_nodes
 
     exported = TRAINED.parent / "llama-onnx" / "model.onnx"
@@ -119,6 +118,12 @@ def test_mixed_auto_keeps_the_fewest_sensitive_weights_wider(tmp_path):
             for a in n.attribute if a.name == "bits"]
     assert bits.count(8) == kept == sum(b == 8 for b in report["matmuls"].values())
     assert any(f"the {kept} most sensitive weight(s) in int8" in n for n in report["notes"])
+
+
+def test_mixed_auto_beside_gptq_keeps_weights_in_int8(tmp_path):
+    """GPTQ's int4 with --mixed auto: the weights kept wider are int8, none float, and the
+    written model's GPTQ note is said once."""
+    exported = TRAINED.parent / "llama-onnx" / "model.onnx"
     gptq = _cli("quantize", exported, "-o", tmp_path / "gptq.onnx", "--block-size", "128",
                 "--max-kl", "0.03", "--algorithm", "gptq", "--calibration", _calibration(tmp_path),
                 "--mixed", "auto", "--no-sensitivity", "--json")  # (int8 beside GPTQ's int4)
@@ -128,6 +133,12 @@ def test_mixed_auto_keeps_the_fewest_sensitive_weights_wider(tmp_path):
     assert {t["form"] for t in report["mixed_auto"] if t["kept"]} == {"int8"}
     said = [n for n in report["notes"] if n.startswith("GPTQ: ")]  # (the written model's)
     assert len(said) == 1 and "keep RTN" not in said[0], said
+
+
+def test_mixed_auto_keeps_float_beside_int8_weights_and_needs_the_check(tmp_path):
+    """With the weights in int8 already, --mixed auto keeps some in float; beside --no-check
+    it is refused."""
+    exported = TRAINED.parent / "llama-onnx" / "model.onnx"
     int8 = _cli("quantize", exported, "-o", tmp_path / "int8.onnx", "--weights", "int8",
                 "--max-kl", "0.0002", "--mixed", "auto", "--no-sensitivity", "--json")
     assert int8.exit_code == 0, int8.output

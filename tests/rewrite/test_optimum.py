@@ -33,6 +33,21 @@ def _id(path: Path) -> str:
     return f"{path.parent.name}/{path.stem}"
 
 
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+    """fused(path) -> (fuse's report, the fused file) with the default policy, fused once per
+    worker: the decoders' decode test reads the file the fuse test checked."""
+    made: dict[Path, tuple] = {}
+
+    def get(path: Path):
+        if path not in made:
+            out = tmp_path_factory.mktemp(path.parent.name) / "fused.onnx"
+            made[path] = fuse_file(path, out), out
+        return made[path]
+
+    return get
+
+
 def test_fixtures_say_what_made_them():
     assert len(FILES) >= 20
     for folder in {p.parent for p in FILES}:
@@ -45,8 +60,8 @@ def test_fixtures_say_what_made_them():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", FILES, ids=_id)
-def test_optimum_exports_fuse_every_block(path, tmp_path):
-    report = fuse_file(path, tmp_path / "fused.onnx")
+def test_optimum_exports_fuse_every_block(path, fused):
+    report, _ = fused(path)
     left = [(b.block, b.reason) for b in report.blocks if b.status != "fused"]
     if path.parent.name == "bloom":  # ALiBi from attention_mask's cumsum, added on merged
         # heads; its 4-D mask added after the heads split: causal + padding all the same
@@ -121,11 +136,10 @@ def test_optimum_decoders_share_their_cache_with_per_row_lengths(path, tmp_path)
 @pytest.mark.parametrize("path", [p for p in DECODERS if p.parent.name in
                                   ("llama", "gpt2", "qwen2", "phi3", "mpt", "gptj")],
                          ids=_id)
-def test_optimum_decoders_decode_like_the_export(path, tmp_path):
+def test_optimum_decoders_decode_like_the_export(path, fused):
     """validate decodes a prompt and 16 steps through Optimum's names, fused against the
     original, on the fused model's own chain (MPT: its ALiBi added on the kernels)."""
-    fuse_file(path, tmp_path / "fused.onnx")
-    report = validate_model(tmp_path / "fused.onnx", ValidateConfig(reference=str(path)))
+    report = validate_model(fused(path)[1], ValidateConfig(reference=str(path)))
     assert report, report.render()
     assert sum(c.case.startswith("decode step") for c in report.comparisons) >= 16
     # which kernels ran: prompt, first and last step of both chains, each on a fused kernel
