@@ -202,8 +202,10 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
     model = load_module(folder, task, cfg.dtype)
     if task == "text-generation-with-past":
         check_decoder(model, config)
-    kept = keep_float32(model, cfg.keep_float32, cached=task == "text-generation-with-past")
-    if kept:  # (refused there: a pattern naming no module, a decoder's attention, tied weights)
+    writer = model if task == "text-generation-with-past" else \
+        model.get_decoder() if seq2seq else None  # (whose attention writes the cache)
+    kept = keep_float32(model, cfg.keep_float32, cache_writer=writer)
+    if kept:  # (refused there: a pattern naming no module, a cache's attention, tied weights)
         progress(f"kept in float32: {', '.join(kept)}")
     notes, fused, validations = [], [], []
     with tempfile.TemporaryDirectory(prefix="mha_onnx_hf_") as tmp:

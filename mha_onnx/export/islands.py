@@ -7,9 +7,11 @@ way in and its float32 outputs back to float16 on the way out (forward hooks, so
 keeps its name and the export its name scopes). The values a kept module computes inside
 (a product of two large projections, a sum of squares) never meet float16; what leaves it
 must fit float16 again. A module that writes the cache (an attention block, a decoder
-layer) would hand the cache float32 keys: refused before the export where a decoder's kept
-module holds an attention block, and after it by the cache's type (an encoder-decoder's);
-a module whose weights another shares (a tied LM head) is refused too.
+layer) would hand the cache float32 keys: refused before the export where a kept module
+holds an attention block of the part that writes the cache (a decoder; an encoder-decoder's
+decoder, whose self- and cross-attention both cache: its encoder may be kept), and after it
+by the cache's type (what the names did not show); a module whose weights another shares (a
+tied LM head) is refused too.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from mha_onnx.errors import ConfigError
 SHOWN = 6
 
 
-def keep_float32(model: Any, patterns: Sequence[str], cached: bool = False) -> list[str]:
+def keep_float32(model: Any, patterns: Sequence[str], cache_writer: Any = None) -> list[str]:
     """Keep the modules of ``model`` whose names match ``patterns`` (globs on PyTorch's
     module names, e.g. ``model.layers.3.mlp`` or ``model.layers.*.mlp.act_fn``) in float32;
-    the names kept, outermost only. A pattern that names no module is refused, and with a
-    cache (``cached``) one that holds an attention block."""
+    the names kept, outermost only. A pattern that names no module is refused, and one that
+    holds an attention block of ``cache_writer`` (the module whose attention writes the
+    cache: the model for a decoder, its decoder for an encoder-decoder; None: no cache)."""
     names = [name for name, _ in model.named_modules() if name]
     matched: list[str] = []
     for pattern in patterns:
@@ -40,9 +43,10 @@ def keep_float32(model: Any, patterns: Sequence[str], cached: bool = False) -> l
                                    + ", ".join(near))
         matched.extend(h for h in hits if h not in matched)
     kept = [n for n in matched if not any(n.startswith(f"{o}.") for o in matched if o != n)]
-    attention = [f"{n} holds {type(m).__name__}" for n in kept if cached
-                 for m in model.get_submodule(n).modules()
-                 if type(m).__name__.endswith("Attention")]
+    writers = set() if cache_writer is None else {
+        id(m) for m in cache_writer.modules() if type(m).__name__.endswith("Attention")}
+    attention = [f"{n} holds {type(m).__name__}" for n in kept
+                 for m in model.get_submodule(n).modules() if id(m) in writers]
     if attention:
         _cache_refused(kept, attention[0])
     _tied_refused(model, kept)

@@ -138,3 +138,31 @@ def test_the_casts_keep_pytorchs_values(loud):
     got = half(ids).logits
     assert got.dtype == torch.float16
     np.testing.assert_allclose(got.float().detach().numpy(), wide, atol=0.05)
+
+
+@pytest.mark.parametrize(("name", "module", "holds"), [
+    ("t5", "decoder.block.0.layer.1.EncDecAttention", "T5Attention"),  # (cross-attention)
+    ("bart", "model.decoder.layers.0", "BartAttention")])
+def test_an_encoder_decoders_cache_writers_are_refused_before_the_export(
+        hf_folder, tmp_path, name, module, holds):
+    """An encoder-decoder's decoder attention (self- or cross-: both cache) kept in float32
+    is refused before torch.export, as a decoder's is; its encoder's attention is not."""
+    result = _export(hf_folder(name), tmp_path / "x.onnx", "--keep-float32", module)
+    assert result.exit_code == 2, result.output
+    assert f"holds {holds}" in result.output and "the cache would be float32" in result.output
+    assert "torch.export" not in result.output and not (tmp_path / "x.onnx").exists()
+
+
+def test_an_encoder_decoders_encoder_attention_may_be_kept(hf_folder):
+    import torch
+
+    from mha_onnx.export.islands import keep_float32
+    from mha_onnx.reference.hf import load_module
+
+    model = load_module(hf_folder("t5"), "text2text-generation-with-past", "float16")
+    kept = keep_float32(model, ["encoder.block.*.layer.0.SelfAttention"],
+                        cache_writer=model.get_decoder())
+    assert kept == ["encoder.block.0.layer.0.SelfAttention"]
+    assert model.get_submodule(kept[0]).q.weight.dtype == torch.float32
+    assert model.get_submodule("decoder.block.0.layer.0.SelfAttention").q.weight.dtype \
+        == torch.float16
