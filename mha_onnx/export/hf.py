@@ -207,6 +207,8 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
     kept = keep_float32(model, cfg.keep_float32, cache_writer=writer)
     if kept:  # (refused there: a pattern naming no module, a cache's attention, tied weights)
         progress(f"kept in float32: {', '.join(kept)}")
+    scopes = {"encoder": next(n for n, m in model.named_modules() if m is model.get_encoder())
+              } if seq2seq else {}  # (its names in torch.export's file start there)
     notes, fused, validations = [], [], []
     with tempfile.TemporaryDirectory(prefix="mha_onnx_hf_") as tmp:
         exported = {part: _export_part(folder, config, model, task, part, cfg, Path(tmp),
@@ -216,7 +218,8 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
         made = {}
         for part, target in targets.items():
             final, what, validation = _fused_and_validated(exported[part], task, part, cfg,
-                                                           Path(tmp), progress)
+                                                           Path(tmp), progress,
+                                                           scopes.get(part, ""))
             made[final] = target
             fused.append(f"{part}: {what}" if part else what)
             validations.append(validation)
@@ -357,9 +360,10 @@ def _export_part(folder: Path, config: Any, model: Any, task: str, part: str | N
 
 
 def _fused_and_validated(exported: Path, task: str, part: str | None, cfg: HfExportConfig,
-                         tmp: Path, progress: Callable[[str], None]):
+                         tmp: Path, progress: Callable[[str], None], scope: str = ""):
     """``exported`` fused and validated against PyTorch; (path in ``tmp``, what fuse made of
-    its blocks, the validation report)."""
+    its blocks, the validation report). ``scope``: the part's module in the whole model,
+    where its recorded module names start (overflow.py)."""
     from mha_onnx.parity import Tolerance, ValidateConfig, validate_model
     from mha_onnx.rewrite import fuse_file
 
@@ -375,7 +379,7 @@ def _fused_and_validated(exported: Path, task: str, part: str | None, cfg: HfExp
                                external=True)  # (validate's sessions map the weights)
         except FusionError as exc:  # (fuse's hint names fuse's options)
             if cfg.dtype == "float16" and "inf" in exc.message:
-                overflow_refused(exported, ["the export's outputs"], progress)
+                overflow_refused(exported, ["the export's outputs"], progress, scope)
             exc.hint = (exc.hint or "").replace("--no-verify writes it anyway", "--no-fuse "
                                                 "writes the export unfused")
             raise
@@ -385,7 +389,7 @@ def _fused_and_validated(exported: Path, task: str, part: str | None, cfg: HfExp
     progress("validate against PyTorch" + (" (16 decode steps)" if cached else ""))
     given = {"*": Tolerance(cfg.atol, cfg.rtol)} if (cfg.atol, cfg.rtol) != (None, None) else {}
     validation = validate_model(final, ValidateConfig(memory_check=False, tolerances=given))
-    finite_or_refused(exported, validation, cfg, progress)  # (the export: any cache form)
+    finite_or_refused(exported, validation, cfg, progress, scope)  # (any cache form)
     if not validation:
         raise FusionError("the exported model differs from the PyTorch model: "
                           + "; ".join(f"{c.output} at {c.case}: {c.stats.max_abs:.3g} (would "

@@ -6,7 +6,7 @@ comparison with it can pass NaN against NaN. Every value the main graph computes
 as an output, ``chunk`` at a time (bisect.py's way), on the run's inputs: each float value's
 largest finite magnitude, the values within ``NEAR`` of float16's largest, and the first node
 that makes a non-finite value out of finite inputs (an overflow: a mask's -inf fill is not
-one, it comes in non-finite). A float32 model gets the same table: where its values would
+one, it comes in non-finite; nor is a log of 0, DOMAIN_EDGES). A float32 model gets the same table: where its values would
 overflow if it were exported in float16.
 
 ORT's CPU provider runs many float16 operators in float32 (casts it inserts, and removes
@@ -30,6 +30,11 @@ from mha_onnx.runtime import make_runner
 FP16_MAX = 65504.0
 NEAR = 0.25  # a value past a quarter of float16's range is an Add or a square from inf
 SHOWN = 5
+# Operators whose finite inputs give finite outputs of modest size in any float type (log of
+# float16's largest is 11): an inf or NaN from them is their domain's edge (log 0, sqrt of a
+# negative), the same in float32, never an overflow. T5's relative position buckets take
+# the log of 0 on purpose and a Where drops it.
+DOMAIN_EDGES = frozenset({"Log", "Sqrt", "Acos", "Asin", "Acosh", "Atanh"})
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,7 @@ def activation_ranges(path: str, model: onnx.ModelProto,
     unfinished = bad | fills | constants  # (inputs are finite: made so)
     found = []
     for node, name in produced:
-        if name not in bad or _constant_fill(node):
+        if name not in bad or _constant_fill(node) or node.op_type in DOMAIN_EDGES:
             continue
         read = [i for i in node.input if i in constants]
         if read or not any(i in unfinished for i in node.input if i):

@@ -166,3 +166,27 @@ def test_an_encoder_decoders_encoder_attention_may_be_kept(hf_folder):
     assert model.get_submodule(kept[0]).q.weight.dtype == torch.float32
     assert model.get_submodule("decoder.block.0.layer.0.SelfAttention").q.weight.dtype \
         == torch.float16
+
+
+def test_an_encoders_overflow_names_the_module_as_keep_float32_takes_it(tmp_path):
+    """T5 in float16: the log of 0 its relative position buckets take on purpose (a Where
+    drops it) is no overflow; what passes 65504 in its encoder's gated MLP is, named by the
+    module's name in the whole model (the encoder part's recorded names start below
+    ``encoder``), and keeping the MLP exports."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+        feed_forward_proj="gated-gelu"))
+    with torch.no_grad():
+        model.encoder.block[0].layer[1].layer_norm.weight *= 1500
+        model.encoder.block[0].layer[1].DenseReluDense.wo.weight *= 1e-3
+    model.save_pretrained(tmp_path / "loud_t5")
+    mlp = "encoder.block.0.layer.1.DenseReluDense"
+    refused = _export(tmp_path / "loud_t5", tmp_path / "x.onnx")
+    assert refused.exit_code != 0, refused.output  # (its tanh GELU's cube, first)
+    assert f"--keep-float32 {mlp}.act keeps" in refused.output, refused.output
+    kept = _export(tmp_path / "loud_t5", tmp_path / "kept.onnx", "--keep-float32", mlp)
+    assert kept.exit_code == 0, kept.output
