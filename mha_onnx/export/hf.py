@@ -22,7 +22,7 @@ from typing import Any
 
 from mha_onnx import __version__
 from mha_onnx.errors import ConfigError, ExportError, FusionError
-from mha_onnx.export.islands import cache_kept_float16, keep_float32
+from mha_onnx.export.islands import cache_kept_float16, kept_for_task
 from mha_onnx.export.options import HfExportConfig, HfExportReport
 from mha_onnx.export.overflow import finite_or_refused, overflow_refused
 from mha_onnx.graph import metadata
@@ -202,13 +202,7 @@ def export_hf(folder: str | Path, output: str | Path, cfg: HfExportConfig,
     model = load_module(folder, task, cfg.dtype)
     if task == "text-generation-with-past":
         check_decoder(model, config)
-    writer = model if task == "text-generation-with-past" else \
-        model.get_decoder() if seq2seq else None  # (whose attention writes the cache)
-    kept = keep_float32(model, cfg.keep_float32, cache_writer=writer)
-    if kept:  # (refused there: a pattern naming no module, a cache's attention, tied weights)
-        progress(f"kept in float32: {', '.join(kept)}")
-    scopes = {"encoder": next(n for n, m in model.named_modules() if m is model.get_encoder())
-              } if seq2seq else {}  # (its names in torch.export's file start there)
+    kept, scopes = kept_for_task(model, task, cfg.keep_float32, progress)
     notes, fused, validations = [], [], []
     with tempfile.TemporaryDirectory(prefix="mha_onnx_hf_") as tmp:
         exported = {part: _export_part(folder, config, model, task, part, cfg, Path(tmp),

@@ -16,7 +16,7 @@ tied LM head) is refused too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -56,6 +56,24 @@ def keep_float32(model: Any, patterns: Sequence[str], cache_writer: Any = None) 
         module.register_forward_pre_hook(_up, with_kwargs=True)
         module.register_forward_hook(_down)
     return kept
+
+
+def kept_for_task(model: Any, task: str, patterns: Sequence[str],
+                  progress: Callable[[str], None]) -> tuple[list[str], dict[str, str]]:
+    """``export --model``'s kept modules (:func:`keep_float32`, the cache's writer by the
+    task); and each exported part's module name in the whole model where the names its
+    export records start below it (an encoder-decoder's encoder part: ``block.0...`` for
+    T5's ``encoder.block.0...``), so that a refusal names a module as this takes it."""
+    seq2seq = task == "text2text-generation-with-past"
+    writer = model if task == "text-generation-with-past" else \
+        model.get_decoder() if seq2seq else None  # (whose attention writes the cache)
+    kept = keep_float32(model, patterns, cache_writer=writer)
+    if kept:
+        progress(f"kept in float32: {', '.join(kept)}")
+    if not seq2seq:
+        return kept, {}
+    encoder = model.get_encoder()
+    return kept, {"encoder": next(n for n, m in model.named_modules() if m is encoder)}
 
 
 def _tied_refused(model: Any, kept: Sequence[str]) -> None:

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from mha_onnx.cli import main
 
 MLP = "model.layers.0.mlp"
+pytestmark = pytest.mark.transformers  # (exports through torch.export: not the fast suite)
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,7 @@ def _encoder(opset: int) -> tuple[onnx.ModelProto, dict | None]:
     return model, {"x": x.numpy(), "padded": padded.numpy()}
 
 
+@pytest.mark.slow  # (TorchScript's torch.onnx.export: not in the fast suite)
 @pytest.mark.parametrize(("make", "opset"), [(_bert, 14), (_bert, 16), (_bert, 17),
                                               (_encoder, 14), (_encoder, 17)],
                          ids=["bert-14", "bert-16", "bert-17", "encoder-14", "encoder-17"])
