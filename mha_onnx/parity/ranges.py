@@ -6,8 +6,8 @@ comparison with it can pass NaN against NaN. Every value the main graph computes
 as an output, ``chunk`` at a time (bisect.py's way), on the run's inputs: each float value's
 largest finite magnitude, the values within ``NEAR`` of float16's largest, and the first node
 that makes a non-finite value out of finite inputs (an overflow: a mask's -inf fill is not
-one, it comes in non-finite; nor is a log of 0, DOMAIN_EDGES). A float32 model gets the same table: where its values would
-overflow if it were exported in float16.
+one, it comes in non-finite; nor is a log of 0, DOMAIN_EDGES). A float32 model gets the
+same table: where its values would overflow if it were exported in float16.
 
 ORT's CPU provider runs many float16 operators in float32 (casts it inserts, and removes
 where two meet), so a float16 model can give finite outputs on the CPU where a GPU's float16
