@@ -88,14 +88,27 @@ class QuantizeReport:
         return "\n".join(lines)
 
 
+@dataclass
+class FloatRuns:
+    """What the float model gave on the report's inputs (its outputs, its greedy tokens),
+    kept by one quantize_file call: --mixed auto and --int8-most-sensitive measure one
+    candidate after another against the same float runs (the same inputs: seeded, or the
+    same prompts), and each measure would otherwise open the float model's sessions again."""
+
+    outputs: dict[str, np.ndarray] | None = None
+    greedy: list | None = None
+
+
 def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProto,
             thresholds: accuracy.Thresholds, *, sensitive: list[str] | None = None,
             config: QuantizeConfig | None = None, prompts: list[list[int]] | None = None,
-            by_weight: bool = False) -> accuracy.AccuracyReport:
+            by_weight: bool = False, runs: FloatRuns | None = None) -> accuracy.AccuracyReport:
     """The accuracy report of ``quant`` against ``float_model`` (see the module's
     docstring); ``sensitive``: the weights to quantize alone (with ``config``), named in
     the report by their first MatMul (by themselves with ``by_weight``); ``prompts``: a
-    decoder's prompts (token ids) instead of random ones."""
+    decoder's prompts (token ids) instead of random ones; ``runs``: the float model's runs
+    of an earlier measure on the same inputs, filled where empty."""
+    runs = FloatRuns() if runs is None else runs
     decoder = is_decoder(float_model, float_path)
     if prompts and not decoder:
         raise ConfigError("--eval-prompts are for decoders", hint="leave it out: the model "
@@ -106,7 +119,9 @@ def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProt
                            seed=0)
     else:
         feeds, prompts = generic_feeds(float_model, seed=0), None
-    want = session_outputs(float_path, feeds)
+    if runs.outputs is None:
+        runs.outputs = session_outputs(float_path, feeds)
+    want = runs.outputs
     got = kv_cache.dequantized(quant, session_outputs(quant, kv_cache.cache_feeds(quant, feeds)))
     errors, figures = accuracy.compare(want, got)
     report = accuracy.AccuracyReport(tuple(errors), figures.get("positions", 0),
@@ -115,7 +130,7 @@ def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProt
     if decoder and prompts:
         give_back_memory()  # (the two sessions', before greedy opens two more)
         report = replace(report, **_greedy(float_path, quant,
-                                           [p[:accuracy.GREEDY_FROM] for p in prompts]))
+                                           [p[:accuracy.GREEDY_FROM] for p in prompts], runs))
     if sensitive and "logits" in want and config is not None:
         report = replace(report, sensitivity=_sensitivity(float_model, float_path, quant,
                                                           sensitive, config, feeds,
@@ -123,18 +138,20 @@ def measure(float_model: onnx.ModelProto, float_path: str, quant: onnx.ModelProt
     return report
 
 
-def _greedy(float_path: str, quant: onnx.ModelProto, prompts) -> dict[str, Any]:
+def _greedy(float_path: str, quant: onnx.ModelProto, prompts, runs: FloatRuns
+            ) -> dict[str, Any]:
     from mha_onnx.generate import GenerationConfig, Generator
 
     settings = GenerationConfig(accuracy.NEW_TOKENS, eos=())
+    if runs.greedy is None:
+        with Generator(float_path) as generator:
+            runs.greedy = generator.generate(prompts, settings).sequences
     with tempfile.TemporaryDirectory(prefix="mha_onnx_q_") as tmp:
         path = Path(tmp) / "quantized.onnx"
         onnx.save(quant, path)
-        runs = []
-        for model in (float_path, path):
-            with Generator(model) as generator:
-                runs.append(generator.generate(prompts, settings).sequences)
-    share, same = accuracy.greedy_agreement(*runs)
+        with Generator(path) as generator:
+            got = generator.generate(prompts, settings).sequences
+    share, same = accuracy.greedy_agreement(runs.greedy, got)
     return {"greedy": share, "greedy_rows": (same, len(prompts)),
             "greedy_tokens": accuracy.NEW_TOKENS}
 
@@ -209,17 +226,18 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
     first = make(config)  # (refuses a quantized model, one without MatMul)
     names = list(dict.fromkeys(t.weight for t in first.targets if t.bits))  # (weights)
     notes = list(first.notes)
-    search = None
+    search, runs = None, FloatRuns()
     if int8_most_sensitive or mixed_auto:
         config, search, note = _widened(model, str(source), first, make, config, thresholds,
-                                        int8_most_sensitive, prompts, progress)
+                                        int8_most_sensitive, prompts, progress, runs)
         first = make(config)
         notes = [*first.notes, note]  # (the notes of the model written)
     if config.kv_bits:
         notes.append(_int8_cache(model, str(source), first.model, calibration))
     give_back_memory()  # (the copies quantizing made and dropped, before sessions open)
     report = measure(model, str(source), first.model, thresholds,
-                     sensitive=names if sensitivity else None, config=config, prompts=prompts)
+                     sensitive=names if sensitivity else None, config=config, prompts=prompts,
+                     runs=runs)
     if prompts:
         notes.append(f"accuracy measured on {len(prompts)} --eval-prompts prompt(s) of "
                      f"{report.positions // len(prompts)} tokens")
@@ -243,7 +261,7 @@ def quantize_file(source: str | Path, output: str | Path, config: QuantizeConfig
 
 def _widened(model: onnx.ModelProto, source: str, first: QuantizedWeights, make: Quantizer,
              config: QuantizeConfig, thresholds: accuracy.Thresholds, count: int, prompts,
-             progress: Callable[[str], None]):
+             progress: Callable[[str], None], runs: FloatRuns):
     """(config, search, note): ``config`` with the ``count`` most sensitive weights in int8,
     or (``count`` 0) with the fewest kept wider for ``thresholds`` to pass (auto.py's
     search; None for a count). The note names each weight by its first MatMul."""
@@ -255,7 +273,7 @@ def _widened(model: onnx.ModelProto, source: str, first: QuantizedWeights, make:
             reader.setdefault(target.weight, target.node)
     progress(f"ranking {len(reader)} weight(s) by their accuracy, each quantized alone")
     report = measure(model, source, first.model, thresholds, sensitive=list(reader),
-                     config=config, prompts=prompts, by_weight=True)
+                     config=config, prompts=prompts, by_weight=True, runs=runs)
     ranked = [name for name, _ in report.sensitivity]
     if count:
         chosen = ranked[:count]
@@ -264,8 +282,8 @@ def _widened(model: onnx.ModelProto, source: str, first: QuantizedWeights, make:
                 + ", ".join(reader[w] for w in chosen))
 
     def trial(wider: QuantizeConfig) -> accuracy.AccuracyReport:
-        return measure(model, source, make(wider).model, thresholds,
-                       prompts=prompts)
+        return measure(model, source, make(wider).model, thresholds, prompts=prompts,
+                       runs=runs)
 
     search = auto.least(config, ranked, report, trial, progress)
     return search.config, search, search.note(reader.__getitem__)
