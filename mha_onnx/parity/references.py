@@ -162,8 +162,8 @@ def _reference_runner(ref_model: onnx.ModelProto, config: ValidateConfig):
 
 def with_golden(model, path, config: ValidateConfig, golden):
     """references_for's, with a golden file's outputs as one more reference."""
-    references, labels, checks, ref_specs = references_for(model, str(path), config,
-                                                           needed=golden is None)
+    references, labels, checks, ref_specs = references_for(  # (--ranges needs none)
+        model, str(path), config, needed=golden is None and not config.ranges)
     if golden is not None:
         references["golden"] = golden
         labels.append(golden.label)

@@ -188,7 +188,8 @@ def _validated(path: str | Path, model, config: ValidateConfig, started: float
         model=str(path), references=tuple(labels), providers=tuple(statuses),
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
-        notes=tuple([*placement_notes(model, statuses), *held_note(held, runners)]),
+        notes=tuple([*placement_notes(model, statuses), *held_note(held, runners),
+                     *([] if labels else [NO_REFERENCE])]),
         bisect=bisected, decode_kernels=tuple(kernels), ranges=ranges,
     )
 
@@ -217,6 +218,8 @@ def _save_outputs(path, config: ValidateConfig, saved, provider: str) -> None:
         "machine": machine_info()}, force=config.force)
 
 
+NO_REFERENCE = ("no reference (no export metadata to rebuild PyTorch's from, no --reference): "
+                "the activation ranges only")
 ATTENTION_KERNELS = ("(MultiHeadAttention)", "(GroupQueryAttention)", "(Attention)")
 
 

@@ -54,6 +54,31 @@ def test_a_float32_model_gets_its_peaks_and_passes(tmp_path):
     assert "ranges: " in report.render()
 
 
+def test_a_log_of_0_is_no_overflow_and_ranges_need_no_reference(tmp_path):
+    """T5's relative position buckets: the log of 0, its -inf dropped by a Where, is the same
+    in float32 (a domain's edge, not a value past the range); a file without export metadata
+    and without --reference gets its ranges alone, said so."""
+    from mha_onnx.parity.run import NO_REFERENCE
+
+    nodes = [helper.make_node("Sub", ["x", "x"], ["zero"]),
+             helper.make_node("Log", ["zero"], ["log"], name="log_of_0"),
+             helper.make_node("Less", ["log", "low"], ["edge"]),
+             helper.make_node("Where", ["edge", "x", "log"], ["y"], name="dropped")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["B", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["B", 8])],
+        [numpy_helper.from_array(np.array(-60000, np.float16), "low")])
+    path = tmp_path / "t5_buckets.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                                ir_version=9), path)
+    report = validate_model(path, ValidateConfig(ranges=True))
+    assert report.exit_code == EXIT_OK, report.render()
+    assert report.ranges.overflow is None and not report.references
+    assert NO_REFERENCE in report.notes
+    with pytest.raises(Exception, match="no mha-onnx metadata"):  # (a comparison needs one)
+        validate_model(path, ValidateConfig())
+
+
 def _mlp(path, weight: np.ndarray) -> None:
     """x [B, 8] float16 -> MatMul(w) -> Add(x) = y; the MatMul carries the module scope
     torch.export records."""
