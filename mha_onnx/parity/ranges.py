@@ -18,13 +18,16 @@ the range.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
 
 from mha_onnx.parity.bisect import _produced, _with_outputs
+from mha_onnx.parity.report import ValidationReport
 from mha_onnx.runtime import make_runner
 
 FP16_MAX = 65504.0
@@ -134,6 +137,23 @@ def activation_ranges(path: str, model: onnx.ModelProto,
                      for n, name in produced if name in peaks),
                     key=lambda p: p.peak, reverse=True)
     return Ranges(tuple(ranked), overflow, len(runs), any(b == 16 for b in bits.values()))
+
+
+NO_REFERENCE = ("no reference (no export metadata to rebuild PyTorch's from, no --reference): "
+                "the activation ranges only")
+
+
+def ranges_alone(path: str, model: onnx.ModelProto, config: Any, runs: Sequence[Mapping],
+                 started: float) -> ValidationReport:
+    """validate's report of --ranges on a file with nothing to compare it with (no export
+    metadata, no --reference): its ranges over ``runs`` (ORT CPU), said to be all it holds."""
+    config.progress("activation ranges (every value of the graph exposed; no reference)")
+    ranges = activation_ranges(str(path), model, runs, chunk=config.bisect_chunk,
+                               threads=config.threads)
+    return ValidationReport(model=str(path), references=(), providers=(), comparisons=(),
+                            masked_rows=(), checks=(), allow_missing=config.allow_missing,
+                            seconds=time.perf_counter() - started, notes=(NO_REFERENCE,),
+                            ranges=ranges)
 
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)

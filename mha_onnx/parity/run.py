@@ -151,6 +151,10 @@ def _validated(path: str | Path, model, config: ValidateConfig, started: float
         ensure_fits(model, [c for c, _ in runs], copies=3,
                     hint="use smaller --shapes or pass --no-memory-check")
     references, labels, checks, ref_specs = with_golden(model, path, config, golden)
+    if not references:  # --ranges alone (references.py): nothing to compare, no run to make
+        from mha_onnx.parity.ranges import ranges_alone
+
+        return ranges_alone(path, model, config, [f for _, f in runs[:3]], started)
     config.progress(f"{len(runs)} input shapes on {', '.join(config.providers)} against "
                     f"{', '.join(labels) or 'nothing'}")
     level = session_options(model).get("optimization", "all")
@@ -188,8 +192,7 @@ def _validated(path: str | Path, model, config: ValidateConfig, started: float
         model=str(path), references=tuple(labels), providers=tuple(statuses),
         comparisons=tuple(comparisons), masked_rows=tuple(masked), checks=tuple(checks),
         allow_missing=config.allow_missing, seconds=time.perf_counter() - started,
-        notes=tuple([*placement_notes(model, statuses), *held_note(held, runners),
-                     *([] if labels else [NO_REFERENCE])]),
+        notes=tuple([*placement_notes(model, statuses), *held_note(held, runners)]),
         bisect=bisected, decode_kernels=tuple(kernels), ranges=ranges,
     )
 
@@ -218,8 +221,6 @@ def _save_outputs(path, config: ValidateConfig, saved, provider: str) -> None:
         "machine": machine_info()}, force=config.force)
 
 
-NO_REFERENCE = ("no reference (no export metadata to rebuild PyTorch's from, no --reference): "
-                "the activation ranges only")
 ATTENTION_KERNELS = ("(MultiHeadAttention)", "(GroupQueryAttention)", "(Attention)")
 
 

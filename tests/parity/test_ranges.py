@@ -58,7 +58,7 @@ def test_a_log_of_0_is_no_overflow_and_ranges_need_no_reference(tmp_path):
     """T5's relative position buckets: the log of 0, its -inf dropped by a Where, is the same
     in float32 (a domain's edge, not a value past the range); a file without export metadata
     and without --reference gets its ranges alone, said so."""
-    from mha_onnx.parity.run import NO_REFERENCE
+    from mha_onnx.parity.ranges import NO_REFERENCE
 
     nodes = [helper.make_node("Sub", ["x", "x"], ["zero"]),
              helper.make_node("Log", ["zero"], ["log"], name="log_of_0"),
