@@ -143,13 +143,9 @@ NO_REFERENCE = ("no reference (no export metadata to rebuild PyTorch's from, no 
                 "the activation ranges only")
 
 
-def ranges_alone(path: str, model: onnx.ModelProto, config: Any, runs: Sequence[Mapping],
-                 started: float) -> ValidationReport:
+def ranges_alone(path: str, config: Any, ranges: Ranges, started: float) -> ValidationReport:
     """validate's report of --ranges on a file with nothing to compare it with (no export
-    metadata, no --reference): its ranges over ``runs`` (ORT CPU), said to be all it holds."""
-    config.progress("activation ranges (every value of the graph exposed; no reference)")
-    ranges = activation_ranges(str(path), model, runs, chunk=config.bisect_chunk,
-                               threads=config.threads)
+    metadata, no --reference): its ``ranges``, said to be all it holds."""
     return ValidationReport(model=str(path), references=(), providers=(), comparisons=(),
                             masked_rows=(), checks=(), allow_missing=config.allow_missing,
                             seconds=time.perf_counter() - started, notes=(NO_REFERENCE,),

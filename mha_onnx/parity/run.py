@@ -154,7 +154,8 @@ def _validated(path: str | Path, model, config: ValidateConfig, started: float
     if not references:  # --ranges alone (references.py): nothing to compare, no run to make
         from mha_onnx.parity.ranges import ranges_alone
 
-        return ranges_alone(path, model, config, [f for _, f in runs[:3]], started)
+        return ranges_alone(path, config, _looked_into(path, model, config, [], runs, [], {})[1],
+                            started)
     config.progress(f"{len(runs)} input shapes on {', '.join(config.providers)} against "
                     f"{', '.join(labels) or 'nothing'}")
     level = session_options(model).get("optimization", "all")
