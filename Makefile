@@ -56,7 +56,7 @@ OPT_VENV := .venv-optimum
 $(OPT_VENV)/.installed:
 	test -x $(OPT_VENV)/bin/python || $(PYTHON) -m venv $(OPT_VENV)
 	$(OPT_VENV)/bin/python -m pip install -q torch==2.13.0 optimum-onnx==0.1.0 \
-		'transformers<4.58' onnx==1.23.2 onnxruntime==1.31.1
+		'transformers<4.58' onnx==1.23.2 onnxruntime==1.31.1 sentencepiece
 	touch $@
 
 fixtures: $(OPT_VENV)/.installed
@@ -72,11 +72,19 @@ $(GENAI_VENV)/.installed:
 	touch $@
 
 # llama.cpp's OpenAI server (llama-cpp-python, built from its sdist on this CPU: 10-20 min), the
-# anchor of tools/bench_serve.py; never a dependency of the package.
+# anchor of tools/bench_serve.py; never a dependency of the package. On a CPU with AMX, a native
+# build (0.3.36) repacks Q4_0 weights for its AMX kernels and dies in the first inference
+# (SIGSEGV in ggml_backend_amx_mul_mat: ggml-org/llama.cpp#20824, here on an Intel Xeon with
+# AMX, 2026-12-07); there it is built for every other extension the CPU has, AMX left out (its
+# AVX-512 repacking kept).
 LLAMA_VENV := .venv-llama
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 $(LLAMA_VENV)/.installed:
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
-	$(LLAMA_VENV)/bin/python -m pip install -q 'llama-cpp-python[server]'
+	if grep -qw amx_int8 /proc/cpuinfo; then export CMAKE_ARGS='$(LLAMA_CMAKE)'; fi; \
+		$(LLAMA_VENV)/bin/python -m pip install -q --no-cache-dir 'llama-cpp-python[server]'
 	touch $@
 
 bench-envs: $(OPT_VENV)/.installed $(GENAI_VENV)/.installed $(GENAI_RT)/.installed \
