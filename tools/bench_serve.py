@@ -44,11 +44,15 @@ def servers(folder: Path, threads: int) -> dict[str, tuple[list[str], str]]:
     return {"mha-onnx serve (continuous, --max-batch 16)": (ours + ["--max-batch", "16"], "ours"),
             "mha-onnx serve (continuous, --prefill-chunk 64)": (
                 ours + ["--max-batch", "16", "--prefill-chunk", "64"], "ours"),
+            "mha-onnx serve (continuous, --prefill-chunk 16)": (
+                ours + ["--max-batch", "16", "--prefill-chunk", "16"], "ours"),
             "mha-onnx serve --max-batch 1": (ours + ["--max-batch", "1"], "ours"),
             "mha-onnx serve, w8a8 (continuous, --max-batch 16)": (w8a8 + ["--max-batch", "16"],
                                                                   "ours"),
             "mha-onnx serve, w8a8 (continuous, --prefill-chunk 64)": (
                 w8a8 + ["--max-batch", "16", "--prefill-chunk", "64"], "ours"),
+            "mha-onnx serve, w8a8 (continuous, --prefill-chunk 16)": (
+                w8a8 + ["--max-batch", "16", "--prefill-chunk", "16"], "ours"),
             "mha-onnx serve, w8a8 --max-batch 1": (w8a8 + ["--max-batch", "1"], "ours"),
             "ORT GenAI generator (one at a time)": (genai + ["--mode", "generator"], "ours"),
             "ORT GenAI engine (static batching, 16)": (genai + ["--mode", "engine",
@@ -58,9 +62,11 @@ def servers(folder: Path, threads: int) -> dict[str, tuple[list[str], str]]:
 
 SHORT = {"ours": "mha-onnx serve (continuous, --max-batch 16)",
          "ours-c64": "mha-onnx serve (continuous, --prefill-chunk 64)",
+         "ours-c16": "mha-onnx serve (continuous, --prefill-chunk 16)",
          "ours-b1": "mha-onnx serve --max-batch 1",
          "ours-w8a8": "mha-onnx serve, w8a8 (continuous, --max-batch 16)",
          "ours-w8a8-c64": "mha-onnx serve, w8a8 (continuous, --prefill-chunk 64)",
+         "ours-w8a8-c16": "mha-onnx serve, w8a8 (continuous, --prefill-chunk 16)",
          "ours-w8a8-b1": "mha-onnx serve, w8a8 --max-batch 1",
          "genai": "ORT GenAI generator (one at a time)",
          "genai-engine": "ORT GenAI engine (static batching, 16)",
