@@ -4,7 +4,6 @@ overflows first and the module to keep in float32 (export --model --dtype float1
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from mha_onnx.export.options import HfExportConfig
@@ -43,13 +42,9 @@ def overflow_refused(path: Path, broken: list[str], progress: Callable[[str], No
     specs = input_specs(model)
     ranges = activation_ranges(str(path), model, [make_inputs(specs, case_for(
         specs, "ranges", 2, [16, 16, 16], "none"))])
-    overflow = ranges.overflow
-    if overflow is None:
+    if ranges.overflow is None:
         return
-    if overflow.module and scope:
-        whole = f"{scope}.{overflow.module}"
-        overflow = replace(overflow, module=whole, node=overflow.node.replace(
-            f"[{overflow.module}]", f"[{whole}]"))
+    overflow = ranges.overflow.under(scope)
     where = (f"{', '.join(broken)} hold inf/NaN" if broken else
              "outputs finite on ORT's CPU provider (it computes float16 operators in float32), "
              "inf where float16 kernels run (a GPU)")

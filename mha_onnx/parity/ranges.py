@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,16 @@ class Peak:
     weight: str = ""  # (an overflow) the constant holding inf/NaN it reads, if that is why
     module: str = ""  # the PyTorch module it came from, where torch.export recorded it
     bits: int = 32  # its float type's width
+
+    def under(self, scope: str) -> Peak:
+        """This peak with its module named below ``scope`` (the exported part's module in
+        the whole model, where torch.export recorded names relative to the part), in its
+        node's label too."""
+        if not (scope and self.module):
+            return self
+        name = self.node.removesuffix(f" [{self.module}]")
+        whole = f"{scope}.{self.module}"
+        return replace(self, module=whole, node=_labelled(name, whole))
 
     def said(self) -> str:
         if self.weight:
@@ -172,8 +182,10 @@ def _record(name: str, array: np.ndarray | None, peaks: dict[str, float], bad: s
 def _label(node: onnx.NodeProto) -> str:
     """The node's name, with the module it came from where torch.export recorded it
     (``node_linear_13 [model.layers.1.mlp.down_proj]``)."""
-    module = _module(node)
-    name = node.name or node.op_type
+    return _labelled(node.name or node.op_type, _module(node))
+
+
+def _labelled(name: str, module: str) -> str:
     return f"{name} [{module}]" if module else name
 
 
