@@ -5,12 +5,12 @@ Two stores, by the decoder's cache form (the file's ``kv_cache`` record):
 
 - :class:`SharedRows`, for ``--kv-cache shared`` fusions with per-row lengths (each buffer
   row holds its row's kept keys first, rewrite/lower/rows.py): one buffer per past of
-  ``[slots, kv_heads, max_length, head]`` allocated once. The running rows sit in the first
-  slots; a step binds a view of the first ``rows`` slots as both past and present (ORT
-  writes each row's new position in place, at its own length). A prompt runs alone at batch
-  1 on a view of the next free slot, so that a joining row's cache is written where it
-  stays; a row that leaves gives its slot to the last row (its cached positions copied),
-  so that the running rows stay in one block.
+  ``[slots, kv_heads, max_length, head]`` allocated (and written through) once. The running
+  rows sit in the first slots; a step binds a view of the first ``rows`` slots as both past
+  and present (ORT writes each row's new position in place, at its own length). A prompt
+  runs alone at batch 1 on a view of the next free slot, so that a joining row's cache is
+  written where it stays; a row that leaves gives its slot to the last row (its cached
+  positions copied), so that the running rows stay in one block.
 - :class:`AppendedRows`, for appended caches: the rows' caches left-padded to one length
   (the mask 0 on padding, as ``generate`` pads a batch); a joining row's cache is padded in
   (one copy of the batch's cache), a leaving row's removed and the columns no row keeps any
@@ -110,8 +110,11 @@ class SharedRows(_Rows):
         super().__init__(generator, slots)
         iface = self.iface
         self.max_length = max_length
-        self.buffers = {past: np.zeros((slots, iface.kv_heads_of(past), max_length,
-                                        iface.head_of(past)), iface.kv_dtype)
+        # written through once here (np.full, not np.zeros' untouched pages): a slot's first
+        # prompt run would otherwise take its page faults, 40-110 ms a slot on the 16-layer
+        # bench model, in the gap every running stream waits through
+        self.buffers = {past: np.full((slots, iface.kv_heads_of(past), max_length,
+                                       iface.head_of(past)), 0, iface.kv_dtype)
                         for past, _ in iface.pasts}
         self.presents = dict(iface.pasts)
         self.step_logits: dict[int, np.ndarray] = {}
