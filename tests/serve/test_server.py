@@ -41,6 +41,7 @@ async def _stream(client, url: str, body: dict, stop_after: int | None = None) -
     async with client.stream("POST", url, json=body | {"stream": True}) as response:
         out["status"] = response.status_code
         if response.status_code != 200:
+            out["retry_after"] = float(response.headers.get("Retry-After", 0))
             out["error"] = json.loads(await response.aread())["error"]["message"]
             return out
         async for line in response.aiter_lines():
@@ -62,12 +63,22 @@ async def _stream(client, url: str, body: dict, stop_after: int | None = None) -
     return out
 
 
-def _clients(url: str, bodies: list[dict], stagger: float = 0.01, **kw) -> list[dict]:
+def _clients(url: str, bodies: list[dict], stagger: float = 0.01, retries: int = 0,
+             **kw) -> list[dict]:
+    """Each body streamed by its own client, ``stagger`` seconds apart; ``retries``: a
+    client answered 429 (the queue full: a slow machine) asks again after its Retry-After,
+    up to that many times, as a well-behaved client does."""
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             async def one(n, body):
                 await asyncio.sleep(n * stagger)
-                return await _stream(client, body.pop("_route", "/v1/completions"), body, **kw)
+                route = body.pop("_route", "/v1/completions")
+                for _ in range(retries):
+                    out = await _stream(client, route, body, **kw)
+                    if out["status"] != 429:
+                        return out
+                    await asyncio.sleep(out["retry_after"])
+                return await _stream(client, route, body, **kw)
             return await asyncio.gather(*(one(n, dict(b)) for n, b in enumerate(bodies)))
     return asyncio.run(main())
 
@@ -80,8 +91,8 @@ def test_sixteen_streaming_clients_get_the_tokens_each_gets_alone(llama, server)
     want = alone(llama, prompts, news)
     got = _clients(server.url, [{"prompt": p, "max_tokens": n, "temperature": 0,
                                  "stream_options": {"include_usage": True}}
-                                for p, n in zip(prompts, news, strict=True)])
-    assert [g["ids"] for g in got] == want, server.log()
+                                for p, n in zip(prompts, news, strict=True)], retries=20)
+    assert [g["ids"] for g in got] == want, ([g["error"] for g in got], server.log())
     for g, w, p in zip(got, want, prompts, strict=True):
         assert g["finish"] == ("stop" if w[-1] == 2 else "length")
         assert g["usage"] == {"prompt_tokens": len(p), "completion_tokens": len(w),
