@@ -8,7 +8,8 @@ import onnx_ir as ir
 
 from mha_onnx.graph.files import for_checker
 from mha_onnx.rewrite import fuse_model
-from mha_onnx.rewrite.check.verify import verification_cases, verify
+from mha_onnx.rewrite.check.cases import verification_cases
+from mha_onnx.rewrite.check.verify import verify
 from mha_onnx.rewrite.inspect import summarize
 from mha_onnx.rewrite.irutil import FORM, all_graphs
 from mha_onnx.rewrite.policy import FormPolicy

@@ -19,7 +19,7 @@ from mha_onnx.config import MhaConfig
 from mha_onnx.errors import ConfigError
 from mha_onnx.graph.inputs import ShapeCase, contract_specs, make_inputs
 from mha_onnx.reference.mha import build_reference, run_reference
-from mha_onnx.rewrite.check.verify import verification_cases
+from mha_onnx.rewrite.check.cases import verification_cases
 from tests.fusing import fused_and_checked, ops
 
 CFG = MhaConfig(d_model=32, num_heads=4, mask="causal", kv_cache=True, name="kv")
@@ -338,7 +338,7 @@ def test_grouped_heads_with_a_padding_mask_step_on_gqa_with_past(zoo):
     token every row keeps runs on GQA with past (no heads repeated) and the padding as a
     bias, left-padded rows included; other steps on MHA over the repeated cache;
     verification covers both, at one new token after a past."""
-    from mha_onnx.rewrite.check.verify import verification_cases
+    from mha_onnx.rewrite.check.cases import verification_cases
 
     original = zoo("hf_cached_llama")
     fused, results = fused_and_checked(original)
@@ -359,7 +359,7 @@ def test_verification_runs_past_a_sliding_window(zoo):
     more cached positions than it (optional: a position table may end first)."""
     from types import SimpleNamespace
 
-    from mha_onnx.rewrite.check.verify import verification_cases
+    from mha_onnx.rewrite.check.cases import verification_cases
     from mha_onnx.rewrite.forms import NO_PAST, ONE_TOKEN, either
 
     form = either("one new token", "GroupQueryAttention with past, window 5", "MHA + bias",
@@ -370,3 +370,31 @@ def test_verification_runs_past_a_sliding_window(zoo):
     step = cases["one new token (decode), past the window (5)"]
     assert prompt.dims["seq"] == 8 and prompt.dims["past"] == 0 and prompt.optional
     assert step.dims["seq"] == 1 and step.dims["past"] == 8 and step.optional
+
+
+def test_verification_runs_a_prompts_later_chunk_in_one_row(zoo):
+    """A form with a branch for a chunk after a past in one row (CHUNK) is verified there:
+    one row, no key padded and its past's first keys padded, and past a window with more
+    cached positions than it."""
+    from types import SimpleNamespace
+
+    from mha_onnx.graph.inputs import input_specs, make_inputs
+    from mha_onnx.rewrite.check.cases import verification_cases
+    from mha_onnx.rewrite.forms import CHUNK, NO_PAST, ONE_TOKEN, either
+
+    chunk = either("one row", "GroupQueryAttention after the row's kept keys", "MHA + bias",
+                   cases=(CHUNK,))
+    form = either("one new token", "GroupQueryAttention", chunk, cases=(ONE_TOKEN, NO_PAST),
+                  reach=5)
+    original = zoo("hf_cached_llama")
+    cases = {c.label: c for c in verification_cases(original, [SimpleNamespace(chosen=form)])}
+    plain = cases["a chunk after a past (one row, no key padded)"]
+    padded = cases["a chunk after a past (one row, its past padded)"]
+    windowed = cases["a chunk after a past (one row, no key padded), past the window (5)"]
+    for case in (plain, padded, windowed):
+        assert case.dims["batch"] == 1 and case.dims["seq"] > 1 and case.dims["past"] > 1
+    assert windowed.dims["past"] == 8 and plain.padding == "none"
+    mask = make_inputs(input_specs(original), padded)["attention_mask"]
+    kept = np.flatnonzero(mask[0])  # the first keys padded, all of them in the past
+    assert 0 < kept[0] < padded.dims["past"] and kept.tolist() == list(range(kept[0],
+                                                                           mask.shape[1]))

@@ -80,7 +80,7 @@ def test_float16_window_with_padding_stays_exact():
     query rows of right-padded batches longer than the window, so that case takes GQA only
     when no key is padded and the dense form otherwise; verification over both branches
     (padded rows, no padding, S beyond the window) passes."""
-    from mha_onnx.rewrite.check.verify import verification_cases
+    from mha_onnx.rewrite.check.cases import verification_cases
 
     model = _decoder("mistral", 4, 64, 1, "eager", "float16")
     fused, results, _ = fuse_model(model)

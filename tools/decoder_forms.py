@@ -22,8 +22,8 @@ import warnings
 from pathlib import Path
 
 from mha_onnx.rewrite import fuse_model
+from mha_onnx.rewrite.check.cases import verification_cases
 from mha_onnx.rewrite.check.verify import verify
-from mha_onnx.rewrite.fuse import verification_cases
 
 VARIANTS = [("eager", 18, "float32"), ("sdpa", 18, "float32"), ("eager", 23, "float32"),
             ("sdpa", 23, "float32"), ("eager", 18, "float16")]

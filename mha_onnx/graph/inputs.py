@@ -61,7 +61,8 @@ class ShapeCase:
     """Values for the symbolic dims and the padding to use in mask inputs: "none", "some"
     (every row keeps >= 1 key; right padding, holes, all but one), "left" (row b's first
     (b % 4) quarters padded, >= 1 key kept), "full" (the last batch
-    entry fully padded), "tail" (the last ``pad_fraction`` of keys of every row).
+    entry fully padded), "tail" (the last ``pad_fraction`` of keys of every row), "front"
+    (the first ``pad_fraction`` of keys of every row).
     ``optional``: sizes the model itself may refuse (past a length threshold, where a position
     table may end): skipped, and said so, when the original cannot run them."""
 
@@ -206,6 +207,9 @@ def padding_pattern(batch: int, length: int, case: ShapeCase, rng: np.random.Gen
     padded = np.zeros((batch, length), dtype=bool)
     if case.padding == "tail":
         padded[:, length - int(round(length * case.pad_fraction)):] = True
+        return padded
+    if case.padding == "front":  # a prompt left-padded, run on in later chunks
+        padded[:, :int(round(length * case.pad_fraction))] = True
         return padded
     if case.padding == "none":
         return padded

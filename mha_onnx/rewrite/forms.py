@@ -22,6 +22,7 @@ UNPADDED = "no key padded"  # a batch without padding
 LEFT_PADDED = "left-padded rows"  # rows padded before their first kept key (a batched prompt)
 SHARED = "shared cache buffer"  # a past that is a max-length buffer (lower/shared.py)
 COUNTED = "positions counted up"  # a prompt whose position ids count up (rotary_fold.py)
+CHUNK = "a chunk after a past, one row"  # a prompt run in chunks (serve --prefill-chunk)
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,18 @@ def rotating_form(form: Form, positions: str, prompts: bool = True) -> Form:
 
 def rotating_kernels(form: Form, positions: str, *, step: bool, prompt: bool) -> Form:
     """``form`` with the kernels rotary_fold.py folded marked (rotating_form): the one-token step's
-    (``step``: the form's first) and the prompt's (``prompt``: the form that runs without
-    a past, NO_PAST among its cases, else the first: a model without a cache)."""
+    (``step``: the form's first) and those that run prompts (``prompt``: each form that runs
+    without a past or a chunk after one, NO_PAST or CHUNK among its cases, else the first: a
+    model without a cache)."""
     chain = form.chain()
-    at = next((i for i, f in enumerate(chain) if NO_PAST in f.cases), 0) if prompt else -1
-    if at > 0:
-        out = rotating_form(chain[at], positions, prompts=True)
-        for earlier in reversed(chain[:at]):
-            out = replace(earlier, otherwise=out)
-        form = out
-    if at == 0:
-        return rotating_form(form, positions, prompts=True)
-    return rotating_form(form, positions, prompts=False) if step else form
+    prompts = {i for i, f in enumerate(chain) if f.cases & {NO_PAST, CHUNK}} or {0} \
+        if prompt else set()
+    out = None
+    for i in reversed(range(len(chain))):
+        current = chain[i] if out is None else replace(chain[i], otherwise=out)
+        if i in prompts:
+            current = rotating_form(current, positions, prompts=True)
+        elif i == 0 and step:
+            current = rotating_form(current, positions, prompts=False)
+        out = current
+    return out

@@ -25,12 +25,9 @@ from mha_onnx.graph.light import lend, outside_main, structure
 from mha_onnx.graph.original import record as record_original
 from mha_onnx.graph.preflight import Preflight, preflight
 from mha_onnx.rewrite.blocks import why_left
+from mha_onnx.rewrite.check.cases import verification_cases
 from mha_onnx.rewrite.check.mismatch import refuse_mismatch
-from mha_onnx.rewrite.check.verify import (
-    verification_cases,
-    verify,
-    verify_on_openvino,
-)
+from mha_onnx.rewrite.check.verify import verify, verify_on_openvino
 from mha_onnx.rewrite.forms import Form
 from mha_onnx.rewrite.fuse_report import BlockResult, FuseReport
 from mha_onnx.rewrite.irutil import forget_matches, opset

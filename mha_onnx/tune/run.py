@@ -45,7 +45,8 @@ def candidates(original: onnx.ModelProto
     each mask kind the model's blocks have (FormPolicy.candidates), each verified against
     the original (a form that fails verification is left out, said in the notes)."""
     from mha_onnx.rewrite import FormPolicy, fuse_model
-    from mha_onnx.rewrite.check.verify import verification_cases, verify
+    from mha_onnx.rewrite.check.cases import verification_cases
+    from mha_onnx.rewrite.check.verify import verify
 
     fused, results, _ = fuse_model(original)
     kinds = {r.mask for r in results if r.status == "fused"}

@@ -149,7 +149,7 @@ def test_a_mask_over_raw_samples_keeps_the_floor_in_every_row():
 
 
 def test_input_lengths_at_which_computed_keys_cross_a_switch():
-    from mha_onnx.rewrite.check.verify import input_length
+    from mha_onnx.rewrite.check.cases import input_length
 
     assert input_length("((sequence_length//10)) - 1", 1025) == ("sequence_length", 10260)
     assert input_length("2*x", 7) == ("x", 4)
@@ -163,7 +163,7 @@ def test_verification_runs_where_computed_keys_cross_each_switch():
     switches are in samples that give that many frames, not that many samples."""
     from types import SimpleNamespace
 
-    from mha_onnx.rewrite.check.verify import verification_cases
+    from mha_onnx.rewrite.check.cases import verification_cases
     from mha_onnx.rewrite.forms import Form, either
 
     form = either("T < 128", "MHA key_padding_mask", Form("Loop"), switch_at=(128,))

@@ -100,7 +100,7 @@ def test_float16_windows_take_gqa_when_no_key_is_padded(decoders):
     right-padded batch: such blocks take GQA when no key is padded (the common batch of one,
     or of equal lengths) and the general form otherwise. Verified with and without padding,
     S beyond the window."""
-    from mha_onnx.rewrite.check.verify import verification_cases
+    from mha_onnx.rewrite.check.cases import verification_cases
 
     model = decoders("mistral", "eager", 18, "float16")
     fused, results = fused_and_checked(model)

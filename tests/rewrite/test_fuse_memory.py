@@ -9,7 +9,8 @@ from onnx import TensorProto, helper
 
 from mha_onnx.graph.files import read_model, write_model
 from mha_onnx.rewrite import fuse_model
-from mha_onnx.rewrite.check.verify import verification_cases, verify
+from mha_onnx.rewrite.check.cases import verification_cases
+from mha_onnx.rewrite.check.verify import verify
 
 pytestmark = pytest.mark.models
 

@@ -132,8 +132,10 @@ def _gqa_runs(path, feeds) -> int:
 @pytest.mark.models
 def test_an_optimum_llama_left_padded_batch_stays_on_gqa(tmp_path):
     """The Optimum Llama export with --kv-cache shared: a left-padded prompt and a step after
-    it run GQA in both layers (a batch with holes takes the general form), and validate's
-    decode chains through the per-row buffers match the appended export."""
+    it run GQA in both layers (a batch with holes takes the general form), so does a
+    prompt's later chunk in one row (its past padded or not; in a batch of four, the general
+    form), and validate's decode chains through the per-row buffers match the appended
+    export."""
     from click.testing import CliRunner
 
     from mha_onnx.cli import main
@@ -147,13 +149,15 @@ def test_an_optimum_llama_left_padded_batch_stays_on_gqa(tmp_path):
     assert kv.row_layout(fused) == {"input": "attention_mask", "zero_is_padded": True}
     assert not kv.takes_length(fused)  # GenAI's contract: the cached length from the shapes
     specs, pairs = kv.shared_view(fused)
-    for past, new, padding, gqa in [(0, 12, "left", 2), (12, 1, "left", 2), (0, 12, "some", 0)]:
-        dims = case_for(specs, "x", 4, [new]).dims
+    for batch, past, new, padding, gqa in [
+            (4, 0, 12, "left", 2), (4, 12, 1, "left", 2), (4, 0, 12, "some", 0),
+            (1, 12, 5, "none", 2), (1, 12, 5, "front", 2), (4, 12, 5, "none", 0)]:
+        dims = case_for(specs, "x", batch, [new]).dims
         dims.update({s.dims[2]: past for s in specs if s.name in pairs})
-        feeds = make_inputs(specs, ShapeCase("x", dims, padding))
+        feeds = make_inputs(specs, ShapeCase("x", dims, padding, pad_fraction=0.25))
         shared = kv.to_shared(feeds, specs, pairs, rows=kv.row_layout(fused),
                               length_input=kv.takes_length(fused))
-        assert _gqa_runs(out, shared) == gqa, (past, new, padding)
+        assert _gqa_runs(out, shared) == gqa, (batch, past, new, padding)
     result = CliRunner().invoke(main, ["validate", str(out), "--reference", str(src)])
     assert result.exit_code == 0 and "decode step 16" in result.output, result.output
     # validate says which kernels the steps ran: left-padded or not, GQA in both layers

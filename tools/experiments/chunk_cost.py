@@ -8,11 +8,10 @@ sees while a request joins.
 MODEL: a shared-cache decoder (``fuse --kv-cache shared``, quantized or not). Each figure is
 the median over ``--repeats`` runs of one chunk of that many tokens at batch 1
 (mha_onnx.serve.rows.SharedRows, as the engine runs it): a first chunk (no past: the prompt
-form) and a chunk after ``past`` cached positions of the same row (on ONNX Runtime's CPU the
-exact general form: its GroupQueryAttention takes no batch > 1 with a past and a chunk of
-more than one token, and the fused graph decides on the form without the batch's size).
-``--max-length``: the cache buffers' positions (tools/bench_serve's servers: 1400); the
-general form's cost grows with it.
+form) and a chunk after ``past`` cached positions of the same row (the rows form's branch
+for one row: GroupQueryAttention after the row's kept keys; files fused before it had that
+branch run the exact general form there, whose cost grows with ``--max-length``).
+``--max-length``: the cache buffers' positions (tools/bench_serve's servers: 1400).
 """
 
 from __future__ import annotations

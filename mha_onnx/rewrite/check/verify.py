@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +15,15 @@ import onnx
 
 from mha_onnx.errors import FuseBug, FusionError, MhaOnnxError, ModelFileError, VerifyError
 from mha_onnx.graph.cache import SharedCache, cache_pairs, is_shared, row_layout
-from mha_onnx.graph.expressions import evaluate, symbols
 from mha_onnx.graph.files import write_model
 from mha_onnx.graph.inputs import (
     ShapeCase,
-    case_for,
     case_of_feeds,
     default_cases,
     input_specs,
     iter_feeds,
-    split_dims,
 )
-from mha_onnx.graph.roles import length_limit
 from mha_onnx.rewrite.check.routes import chosen_as_inputs, chosen_as_outputs, routes
-from mha_onnx.rewrite.forms import COUNTED, LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED
 from mha_onnx.runtime.ort import OrtRunner
 from mha_onnx.stats import ErrorStats, compare
 
@@ -267,101 +262,6 @@ def _fuse_bug(what: str, exc: Exception) -> FusionError:
     nor outputs that differ (1)."""
     return FuseBug(f"the fused graph {what}: {exc}; nothing was written",
                        hint="please report this model (fuse --no-verify writes it anyway)")
-
-
-def input_length(keys: str, n: int, limit: int = 1 << 24) -> tuple[str, int] | None:
-    """(input dim, its least value at which ``keys``, an expression of that one dim, is at
-    least ``n``), or None where it has other symbols or never gets there (keys grow with
-    the input: doubling, then bisecting)."""
-    names = symbols(keys)
-    if len(names) != 1:
-        return None
-    name = names.pop()
-
-    def reaches(length: int) -> bool:
-        value = evaluate(keys, {name: length})
-        return value is not None and value >= n
-
-    high = 1
-    while not reaches(high):
-        high *= 2
-        if high > limit:
-            return None
-    low = high // 2  # does not reach (or 0)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if reaches(mid) else (mid, high)
-    return name, high
-
-
-def _cache_and_new_lengths(specs) -> tuple[set[str], set[str]]:
-    """The dims of the caches' lengths and of the new positions (the query's seq_q, a
-    decoder's input_ids). A length that is also a whole 2-D input's (T5's encoder keys, with
-    their encoder_attention_mask) is a memory of fixed length, which no prompt starts empty."""
-    fixed = {s.dims[1] for s in specs if len(s.dims) == 2}
-    cache = {s.dims[2] for s in specs if len(s.dims) == 4 and isinstance(s.dims[2], str)
-             and s.dims[2] not in fixed}
-    new = {s.dims[1] for s in specs if len(s.dims) in (2, 3) and s.role != "mask"
-           and isinstance(s.dims[1], str)}
-    return cache, new
-
-
-def verification_cases(original: onnx.ModelProto, results: Sequence[Any]) -> list[ShapeCase]:
-    """The default cases, plus every kind of run a branch of a chosen form takes: key lengths
-    at which a guard first picks its other branch, a prompt without past, decode steps and
-    unpadded batches (read from each form's fields, never from its label). ``results``: the
-    fuse report's blocks (each with its ``chosen`` form, None where left)."""
-    specs = input_specs(original)
-    table = length_limit(original)  # past and new positions both count against a table
-    cases = default_cases(specs, max_len=max(1, min(64, table // 2)) if table else 64)
-    forms = [r.chosen for r in results if r.chosen is not None]
-    thresholds = {(n, form.keys) for form in forms for n in form.switches()}
-    kinds = {c for form in forms for c in form.all_cases()}
-    for n, keys in sorted(thresholds):
-        case = case_for(specs, f"past a form threshold ({n})", 2, [n + 1, n], "some")
-        crossing = input_length(keys, n) if keys else None
-        if crossing is not None:  # keys computed from an input dim: where they reach n
-            name, length = crossing
-            case = replace(case, label=f"past a form threshold ({n} keys)",
-                           dims={**case.dims, name: length})
-        cases.append(replace(case, optional=True))
-    odd = cases[1]
-    branches = [odd]
-    steps = []  # a prompt, and one step after a past
-    cache, new = _cache_and_new_lengths(specs)
-    prompt = None
-    if NO_PAST in kinds:  # a KV-cache model's prompt
-        prompt = ShapeCase("no past (prompt)", {**odd.dims, **dict.fromkeys(cache, 0)}, "some")
-        cases.append(prompt)
-        steps.append(prompt)
-    if ONE_TOKEN in kinds:  # its decode steps
-        cases.append(ShapeCase("one new token (decode)", {**odd.dims, **dict.fromkeys(new, 1)},
-                               "some"))
-        branches.append(cases[-1])
-        steps.append(cases[-1])
-    if UNPADDED in kinds:  # the branch only unpadded runs take (a prompt's too)
-        cases += [replace(c, label=f"{c.label}, no key padded", padding="none")
-                  for c in branches + ([prompt] if prompt is not None else [])]
-    for window in sorted({w for form in forms for w in form.reaches()} & set(range(513))):
-        longer, label = window + 3, f"past the window ({window})"  # (sizes a position table
-        if not steps:  # may refuse: optional)
-            cases.append(replace(case_for(specs, label, 2, [longer]), optional=True))
-        for case in steps:  # the prompt: more new positions; a step: more cached ones
-            axes = new if case is prompt else cache
-            cases.append(replace(case, label=f"{case.label}, {label}", optional=True,
-                                 dims={**case.dims, **dict.fromkeys(axes, longer)}))
-    if COUNTED in kinds:  # position ids a generation loop counts up (rotary_fold.py)
-        counted = tuple(sorted({f.positions for form in forms for f in form.chain()
-                                if f.positions}))
-        cases += [replace(c, label=f"{c.label}, positions counted{how}", counted=counted,
-                          padding=padding)
-                  for c in steps or [odd] for how, padding in (("", c.padding),
-                                                               (", no key padded", "none"))]
-    if LEFT_PADDED in kinds:  # per-row lengths: rows padded before their first key, batch 4
-        batch = {n: 4 for n in split_dims(specs)[0]}
-        cases += [replace(c, label=f"{c.label}, left-padded rows", padding="left",
-                          dims={**c.dims, **batch}) for c in steps]
-    return cases
 
 
 def verify_on_openvino(original: onnx.ModelProto, fused: onnx.ModelProto, on_ort: Verification,

@@ -17,6 +17,9 @@ At run time an ``If`` picks the form:
   one back), GQA on that as right padding; queries before a row's first kept key (left
   padding) get what the original gives them, computed from its mask's rows (only when a
   row is left-padded);
+- a chunk after a past in one row whose new positions are all kept (a prompt run in
+  chunks, as ``serve --prefill-chunk`` runs it; ORT's CPU GQA takes no batch > 1 there):
+  GQA after the row's kept keys (with a window or in half precision: no key padded);
 - otherwise: the cache's kept keys put back at their logical positions (and the padded ones
   behind them), the original mask as a dense bias over past ++ new, and the new positions
   written at ``[n_b, n_b + S)``: exact, not fast.
@@ -29,7 +32,15 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from mha_onnx.rewrite.forms import LEFT_PADDED, NO_PAST, ONE_TOKEN, UNPADDED, Form, either
+from mha_onnx.rewrite.forms import (
+    CHUNK,
+    LEFT_PADDED,
+    NO_PAST,
+    ONE_TOKEN,
+    UNPADDED,
+    Form,
+    either,
+)
 from mha_onnx.rewrite.forms import SHARED as SHARED_RUN
 from mha_onnx.rewrite.irutil import const_scalar
 from mha_onnx.rewrite.lower.common import (
@@ -122,22 +133,51 @@ def lower_rows(op, info: SdpaInfo, q3: ir.Value, key, value, past: ir.Value
                                         none_padded(ops, info)))
         return if_forms(ops, info, cond,
                         lambda o: _prompt(o, info, q3, k3, v3, key, value, keep, seqlens),
+                        chunk_or_general, "rows_prompt", outputs=3)
+
+    def chunk_or_general(ops: TapeOps):
+        cond = _one_row_keeps_new(ops, keep, past)
+        if narrow or info.window:  # (a window counts kept keys: none padded, none skipped)
+            cond = ops.And(cond, none_padded(ops, info))
+        return if_forms(ops, info, cond,
+                        lambda o: gqa_with_past(o, info, q3, k3, v3, key.past, value.past,
+                                                seqlens, total),
                         lambda o: _general(o, info, q3, key, value, keep, past),
-                        "rows_prompt", outputs=3)
+                        "rows_chunk", outputs=3)
 
     outs = if_forms(op, info, decoding, gqa, prompt_or_general, "rows", outputs=3)
+    return list(outs), _rows_form(info, narrow)
+
+
+def _rows_form(info: SdpaInfo, narrow: bool) -> Form:
+    """What lower_rows' Ifs choose from, as a Form (``narrow``: prompts on GQA unpadded)."""
     guard = "no past, no key padded" if narrow else \
         "no past, one run of kept keys per row" + (
             ", within the window or no key padded" if info.window and info.softcap else "")
-    prompt = either(guard, "GroupQueryAttention on rows gathered kept-first",
-                    f"{general_kernel(info)} over the cache's kept keys",
+    chunk = either("one row, every new position kept" + (
+        ", no key padded" if narrow or info.window else ""),
+        "GroupQueryAttention after the row's kept keys",
+        f"{general_kernel(info)} over the cache's kept keys", cases=(CHUNK,))
+    prompt = either(guard, "GroupQueryAttention on rows gathered kept-first", chunk,
                     cases=(NO_PAST, UNPADDED) if narrow
                     or (info.window and info.softcap) else (NO_PAST,))
     step = "one new token, kept in every row" + (
         ", no padding inside the window" if info.window else "")
-    return list(outs), either(step, "GroupQueryAttention on a shared cache buffer (per-row "
-                              f"lengths{kernel_extras(info)})", prompt,
-                              cases=(SHARED_RUN, ONE_TOKEN, LEFT_PADDED), reach=info.window)
+    return either(step, "GroupQueryAttention on a shared cache buffer (per-row "
+                  f"lengths{kernel_extras(info)})", prompt,
+                  cases=(SHARED_RUN, ONE_TOKEN, LEFT_PADDED), reach=info.window)
+
+
+def _one_row_keeps_new(ops, keep: ir.Value, past: ir.Value) -> ir.Value:
+    """bool scalar: one row (ORT's CPU GQA takes a chunk after a past at batch 1 only), and
+    it keeps every new position (so each new query sees its row's kept past and the new
+    keys up to itself, as GQA's causal count over the row's kept keys gives it)."""
+    one = int_const(ops, 1)
+    single = ops.Equal(ops.Reshape(seq_dim(ops, keep, 0), scalar_shape(ops)), one)
+    new = ops.Slice(keep, ops.Reshape(past, int_const(ops, [1])), int_const(ops, [2 ** 62]),
+                    int_const(ops, [1]))
+    return ops.And(single, ops.Equal(ops.ReduceMin(new, keepdims=0),
+                                     int_const(ops, 1, np.int32)))
 
 
 def _window_unbroken(ops, keep: ir.Value, window: int) -> ir.Value:
