@@ -23,6 +23,9 @@ import click
               help="Prompt positions run between two decode steps (0: a whole prompt in one "
                    "run); smaller chunks keep the running streams moving while a long prompt "
                    "joins.")
+@click.option("--mixed-steps/--no-mixed-steps", default=True, show_default=True,
+              help="A joining prompt's chunk and the running rows' step in one run, where "
+                   "the file allows it (the weights read once for both).")
 @click.option("--request-timeout", type=float, default=None,
               help="Seconds a request may take (504 past it; default: none).")
 @click.option("--grace", type=float, default=30.0, show_default=True,
@@ -42,7 +45,7 @@ import click
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_command(model, host, port, name, max_batch, max_length, max_queue, prefill_chunk,
-                  request_timeout,
+                  mixed_steps, request_timeout,
                   grace, batch_window, tokenizer_dir, threads, prompt_as_written, replicas,
                   log_level):
     """Serve a decoder (OpenAI's /v1/completions and /v1/chat/completions, continuous
@@ -55,6 +58,7 @@ def serve_command(model, host, port, name, max_batch, max_length, max_queue, pre
     config = ServeConfig(EngineConfig(max_batch=max_batch, max_length=max_length,
                                       max_queue=max_queue, timeout=request_timeout,
                                       threads=threads, prefill_chunk=prefill_chunk,
+                                      mixed_steps=mixed_steps,
                                       float_prompt=False if prompt_as_written else None),
                          name=name, grace=grace, window=batch_window, tokenizer=tokenizer_dir)
     if replicas:

@@ -50,10 +50,11 @@ class Generator:
 
     def __init__(self, model: str | Path, *, provider: str = "cpu", threads: int | None = None,
                  interface: DecoderInterface | None = None,
-                 float_prompt: bool | None = None) -> None:
+                 float_prompt: bool | None = None, quiet: bool = False) -> None:
         """``float_prompt``: a quantized file's long prompts in float compute (prompt.py;
         None: where the CPU has no int8 dot-product instructions); False: every run through
-        the file as written, one session."""
+        the file as written, one session. ``quiet``: the session's pool threads do not spin
+        past a run (another session runs between its runs: serve's mixed steps)."""
         from mha_onnx.graph.decoder import read_interface
         from mha_onnx.graph.files import read_model
         from mha_onnx.graph.metadata import session_options
@@ -72,7 +73,7 @@ class Generator:
         # 1.45x after a decode graph's steps whose threads spun on)
         self.runner = OrtRunner(str(model) if steps is None else steps.SerializeToString(),
                                 provider, threads=threads, optimization=level,
-                                initializers=shared, stop_spinning=made is not None,
+                                initializers=shared, stop_spinning=made is not None or quiet,
                                 external_data_dir=None if steps is None else made.folder)
         if steps is not None:
             self.runner.session  # noqa: B018 (made now, then the bytes let go)

@@ -12,8 +12,10 @@ step (a step reads every weight whatever its batch).
 One thread (the engine's) runs every ONNX Runtime call. Each turn of its loop: requests that
 were cancelled, timed out or ended leave the batch (their rows freed), at most one waiting
 request's prompt runs alone into a free row (so that the running rows keep stepping while
-prompts arrive), then one decode step runs for every row. A prompt runs through the session
-``generate`` would run it through, and each row's step reads its own cache only, so a
+prompts arrive), then one decode step runs for every row. Where the file allows it
+(mixed.py), a prompt's chunk and the step are one run, which reads the weights once for
+both. A prompt runs through the session ``generate`` would run it through (or one with the
+same kernels, checked at start), and each row's step reads its own cache only, so a
 request's greedy tokens are those of ``mha-onnx generate`` on it alone.
 """
 
@@ -58,7 +60,9 @@ class EngineConfig:
     in one run, the run ``generate`` makes; smaller chunks bound how long the running rows
     wait for a joining prompt, at the cost of the joining request's first token: on the
     16-layer int4 Llama at 16 clients, chunks of 64 cut the streams' p99 gap from 1.8 s to
-    0.23 s and put the median first token at 10.5 s instead of 2.0 s; docs/serve.md)."""
+    0.23 s and put the median first token at 10.5 s instead of 2.0 s; docs/serve.md);
+    ``mixed_steps``: a chunk and the running rows' step in one run where the file allows it
+    (serve/mixed.py: the weights read once for both), else one after the other."""
 
     max_batch: int = 16
     max_length: int | None = None
@@ -67,6 +71,7 @@ class EngineConfig:
     threads: int | None = None
     float_prompt: bool | None = None
     prefill_chunk: int = 512
+    mixed_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -100,7 +105,8 @@ class Engine(Worker):
         self.config, self.path = config, Path(model)
         self.observer = observer or Observer()
         self.generator = Generator(model, threads=config.threads,
-                                   float_prompt=config.float_prompt)
+                                   float_prompt=config.float_prompt,
+                                   quiet=config.mixed_steps and config.max_batch > 1)
         self.interface = iface = self.generator.interface
         self.max_length = self._length(config.max_length)
         self.rows, self.notes = self._rows()
@@ -146,6 +152,10 @@ class Engine(Worker):
         slots = 1 if alone else batch
         rows = SharedRows(self.generator, slots, self.max_length) if iface.shared \
             else AppendedRows(self.generator, slots)
+        if iface.shared and slots > 1 and self.config.mixed_steps:
+            from mha_onnx.serve.mixing import mixed_runner
+
+            rows.mixer = mixed_runner(self.generator)
         return rows, ((f"requests run one at a time: {alone}",) if alone and batch > 1 else ())
 
     # -- the caller's side -------------------------------------------------------------------
@@ -219,6 +229,8 @@ class Engine(Worker):
             self._lock.notify_all()
         self._thread.join(30.0)
         self.generator.close()
+        if self.rows.mixer is not None:
+            self.rows.mixer.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -241,6 +253,9 @@ class Engine(Worker):
                     self.observer.admitted(self._filling)
             filling = self._filling
             try:
+                if filling is not None and self._running and self.rows.mixer is not None:
+                    self._mixed(filling)
+                    continue
                 if filling is not None:
                     self._prefill(filling)
                 if self._running:
@@ -300,6 +315,30 @@ class Engine(Worker):
         self.rows.leave(row)
         self._end(handle, reason, error)
 
+    def _mixed(self, handle: Handle) -> None:
+        """A step of the running rows and the next chunk of ``handle``'s prompt in one run
+        (serve/mixed.py); where that run fails, each again on its own (a failure is then
+        the request's that caused it)."""
+        prompt, chunk = list(handle.request.prompt), self.config.prefill_chunk
+        upto = len(prompt) if not chunk else min(len(prompt), self._filled + chunk)
+        order = list(self.rows.order)
+        started = time.perf_counter()
+        try:
+            step, logits = self.rows.mixed(np.array([self._next[r] for r in order], np.int64),
+                                           handle.id, prompt, upto)
+        except MhaOnnxError as exc:
+            log.warning("a step with a prompt's chunk failed, each runs alone: %s", exc)
+            self._prefill(handle)
+            self._step()
+            return
+        self.steps += 1
+        self.observer.step(len(order), time.perf_counter() - started)
+        self._filled = upto
+        for n, row in enumerate(order):
+            self._emit(row, step[n:n + 1])
+        if logits is not None:
+            self._joined(handle, logits)
+
     def _prefill(self, handle: Handle) -> None:
         """The next chunk of ``handle``'s prompt (all of it without --prefill-chunk); at its
         end the row joins the batch with its first token."""
@@ -314,8 +353,11 @@ class Engine(Worker):
             self._end(handle, ERROR, str(exc))
             return
         self._filled = upto
-        if logits is None:
-            return
+        if logits is not None:
+            self._joined(handle, logits)
+
+    def _joined(self, handle: Handle, logits: np.ndarray) -> None:
+        """``handle``'s prompt has run: its row joins the batch with its first token."""
         with self._lock:
             self._running[handle.id] = handle
             self._filling = None

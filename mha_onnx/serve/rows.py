@@ -55,6 +55,7 @@ class _Rows:
         kind = next(o.type for o in self.session.get_outputs() if o.name == LOGITS)
         self.logits_dtype = np.float16 if kind == "tensor(float16)" else np.float32
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.mixer = None  # a runner of a step and a chunk in one run (mixed.py), or None
 
     @property
     def rows(self) -> int:
@@ -124,13 +125,15 @@ class SharedRows(_Rows):
     def cache_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())
 
-    def _bind_cache(self, binding, first: int, rows: int) -> None:
-        """Slots ``[first, first + rows)`` of every buffer as past and present."""
+    def _bind_cache(self, binding, first: int, rows: int, named=lambda name: name) -> None:
+        """Slots ``[first, first + rows)`` of every buffer as past and present (the inputs
+        and outputs ``named`` gives of each past's and present's name)."""
         for past, buffer in self.buffers.items():
             shape = [rows, *buffer.shape[1:]]
             address = buffer.ctypes.data + first * buffer.strides[0]
-            binding.bind_input(past, "cpu", 0, buffer.dtype, shape, address)
-            binding.bind_output(self.presents[past], "cpu", 0, buffer.dtype, shape, address)
+            binding.bind_input(named(past), "cpu", 0, buffer.dtype, shape, address)
+            binding.bind_output(named(self.presents[past]), "cpu", 0, buffer.dtype, shape,
+                                address)
 
     def _bind_outputs(self, session, binding, logits: np.ndarray) -> None:
         for name in (o.name for o in session.get_outputs()):
@@ -213,6 +216,45 @@ class SharedRows(_Rows):
         for r in self.order:
             self.length[r] += 1
         return logits[:, 0].astype(np.float32)
+
+    def mixed(self, tokens: np.ndarray, row: int, prompt: list[int], upto: int
+              ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One step of the running rows (``tokens``, in batch order) and ``row``'s prompt
+        positions up to ``upto`` in one run of the mixed graph (serve/mixed.py): the step's
+        float32 [rows, vocab] logits, and the row's last logits once its prompt has run (it
+        joins then; None before)."""
+        from mha_onnx.serve import mixed as mx
+
+        done = self.pending.get(row, 0)
+        if not 0 <= done < upto <= len(prompt):
+            raise ValueError(f"row {row}: positions {done}..{upto} of {len(prompt)}")
+        rows, n = len(self.order), np.array([self.length[r] for r in self.order], np.int64)
+        session = self.mixer.session
+        dtypes = self.iface.dtypes
+        feeds = {IDS: np.concatenate([tokens, prompt[done:upto]])[None].astype(dtypes[IDS]),
+                 POSITIONS: np.concatenate([n, np.arange(done, upto)])[None].astype(
+                     dtypes[POSITIONS]),
+                 mx.STEP_LENGTHS: n.astype(np.int32), mx.STEP_TOTAL: np.array(
+                     n.max() + 1, np.int32), mx.CHUNK_LENGTHS: np.array([upto - 1], np.int32),
+                 mx.CHUNK_TOTAL: np.array(upto, np.int32),
+                 mx.LAST: np.append(np.arange(rows), rows + upto - done - 1).astype(np.int64)}
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        self._bind_cache(binding, 0, rows)
+        self._bind_cache(binding, self._slot_of(row), 1, mx.chunk_name)
+        logits = np.empty((1, rows + 1, self.iface.vocab), self.logits_dtype)
+        binding.bind_output(LOGITS, "cpu", 0, logits.dtype, list(logits.shape),
+                            logits.ctypes.data)  # (its other outputs: the presents, bound)
+        _run(session, binding)
+        for r in self.order:
+            self.length[r] += 1
+        if upto < len(prompt):
+            self.pending[row] = upto
+            return logits[0, :rows].astype(np.float32), None
+        self.pending.pop(row, None)
+        self._joined(row, len(prompt))
+        return logits[0, :rows].astype(np.float32), logits[0, rows].astype(np.float32)
 
     def leave(self, row: int) -> None:
         """The row's slot given to the last row (its cached positions copied)."""

@@ -58,6 +58,8 @@ def test_requests_joining_and_leaving_get_their_tokens_alone(tmp_path, family, f
     with Engine(model, EngineConfig(max_batch=4)) as engine:
         shared_step = engine.rows.slots > 1
         assert bool(engine.notes) is (family == "gemma3")
+        if form == "shared" and weights is None:  # (chunks ran with the steps: mixed.py)
+            assert engine.rows.mixer is not None
     if shared_step:  # (rows shared steps: fewer steps than tokens one at a time)
         assert steps < sum(len(w) for w in want) - len(want)
 
@@ -112,15 +114,23 @@ def test_bad_requests_are_refused_before_they_wait(llama):
 
 
 def test_the_model_failing_on_one_request_fails_that_request_only(llama, monkeypatch):
+    """A prompt ORT fails on, alone or in a run with the running rows' step (mixed.py: then
+    each runs again alone, and only the prompt's request fails)."""
     with Engine(llama, EngineConfig(max_batch=2)) as engine:
-        prefill = engine.rows.prefill
+        prefill, mixed = engine.rows.prefill, engine.rows.mixed
 
         def failing(row, prompt, upto):
             if prompt[0] == 13:
                 raise ModelFileError("onnxruntime failed to run the model: boom")
             return prefill(row, prompt, upto)
 
+        def failing_mixed(tokens, row, prompt, upto):
+            if prompt[0] == 13:
+                raise ModelFileError("onnxruntime failed to run the model: boom")
+            return mixed(tokens, row, prompt, upto)
+
         monkeypatch.setattr(engine.rows, "prefill", failing)
+        monkeypatch.setattr(engine.rows, "mixed", failing_mixed)
         good = engine.submit(Request((5, 6, 7), 20, eos=()))
         bad = engine.submit(Request((13, 6, 7), 20, eos=()))
         assert bad.result(30).finish_reason == ERROR and "boom" in bad.result().error
@@ -137,3 +147,29 @@ def test_a_seed_repeats_a_sampled_request_whatever_runs_beside_it(llama):
         again = engine.submit(sampled).result(30).tokens
         [h.result(30) for h in others]
     assert one == again
+
+
+def test_a_step_and_a_chunk_in_one_run_give_what_each_gives_alone(llama):
+    """The mixed graph (serve/mixed.py) on the shared Llama: the running rows' step logits
+    and a joining prompt's chunks equal the step and the chunks run one after the other;
+    with mixed_steps off no mixed session is made."""
+    from mha_onnx.generate.loop import Generator
+    from mha_onnx.serve.mixed import mixed_graph
+    from mha_onnx.serve.mixing import _agrees, mixed_runner
+    from mha_onnx.serve.rows import SharedRows
+
+    generator = Generator(llama)
+    runner = mixed_runner(generator)
+    assert runner is not None and _agrees(generator, runner)
+    names = {v.name for v in mixed_graph(__import__("onnx").load(llama)).graph.input}
+    assert "attention_mask" not in names and "mixed_chunk.past_key_values.0.key" in names
+    rows, alone = SharedRows(generator, 4, 40), SharedRows(generator, 4, 40)
+    for store in (rows, alone):
+        store.join(0, [5, 6, 7, 8])
+    rows.mixer = runner
+    step, first = rows.mixed(np.array([9]), 1, list(range(10, 22)), 12)
+    np.testing.assert_allclose(step, alone.step(np.array([9])), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(first, alone.join(1, list(range(10, 22))), rtol=1e-4, atol=1e-4)
+    assert rows.order == alone.order == [0, 1] and rows.length == alone.length
+    with Engine(llama, EngineConfig(max_batch=4, mixed_steps=False)) as engine:
+        assert engine.rows.mixer is None
