@@ -53,6 +53,11 @@ def servers(folder: Path, threads: int) -> dict[str, tuple[list[str], str]]:
                 w8a8 + ["--max-batch", "16", "--prefill-chunk", "64"], "ours"),
             "mha-onnx serve, w8a8 (continuous, --prefill-chunk 16)": (
                 w8a8 + ["--max-batch", "16", "--prefill-chunk", "16"], "ours"),
+            "mha-onnx serve, w8a8 (continuous, --prefill-chunk 8)": (
+                w8a8 + ["--max-batch", "16", "--prefill-chunk", "8"], "ours"),
+            "mha-onnx serve, w8a8 (continuous, --prefill-chunk 16, --no-mixed-steps)": (
+                w8a8 + ["--max-batch", "16", "--prefill-chunk", "16", "--no-mixed-steps"],
+                "ours"),
             "mha-onnx serve, w8a8 --max-batch 1": (w8a8 + ["--max-batch", "1"], "ours"),
             "ORT GenAI generator (one at a time)": (genai + ["--mode", "generator"], "ours"),
             "ORT GenAI engine (static batching, 16)": (genai + ["--mode", "engine",
@@ -67,6 +72,9 @@ SHORT = {"ours": "mha-onnx serve (continuous, --max-batch 16)",
          "ours-w8a8": "mha-onnx serve, w8a8 (continuous, --max-batch 16)",
          "ours-w8a8-c64": "mha-onnx serve, w8a8 (continuous, --prefill-chunk 64)",
          "ours-w8a8-c16": "mha-onnx serve, w8a8 (continuous, --prefill-chunk 16)",
+         "ours-w8a8-c8": "mha-onnx serve, w8a8 (continuous, --prefill-chunk 8)",
+         "ours-w8a8-c16-apart": "mha-onnx serve, w8a8 (continuous, --prefill-chunk 16, "
+                                "--no-mixed-steps)",
          "ours-w8a8-b1": "mha-onnx serve, w8a8 --max-batch 1",
          "genai": "ORT GenAI generator (one at a time)",
          "genai-engine": "ORT GenAI engine (static batching, 16)",
