@@ -58,8 +58,8 @@ def test_requests_joining_and_leaving_get_their_tokens_alone(tmp_path, family, f
     with Engine(model, EngineConfig(max_batch=4)) as engine:
         shared_step = engine.rows.slots > 1
         assert bool(engine.notes) is (family == "gemma3")
-        if form == "shared" and weights is None:  # (chunks ran with the steps: mixed.py)
-            assert engine.rows.mixer is not None
+        if form == "shared":  # chunks ran with the steps (mixed.py), but for float prompts
+            assert (engine.rows.mixer is not None) is (engine.generator.float_prompt is None)
     if shared_step:  # (rows shared steps: fewer steps than tokens one at a time)
         assert steps < sum(len(w) for w in want) - len(want)
 
