@@ -25,7 +25,6 @@ inputs (:data:`STEP_LENGTHS` ...) where the step reads them from its mask.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
@@ -33,6 +32,7 @@ import onnx_ir.passes.common as common_passes
 from mha_onnx.generate.decode import GUARD, decode_graph
 from mha_onnx.graph.decoder import LOGITS
 from mha_onnx.rewrite.irutil import MS_DOMAIN
+from mha_onnx.rewrite.lower.common import TapeOps, int_const
 
 STEP_LENGTHS = "mixed_step_seqlens"  # int32 [R]: each running row's kept keys - 1, after it
 STEP_TOTAL = "mixed_step_total"  # int32 []: the step's mask length (longest row + 1)
@@ -92,22 +92,18 @@ def _input(graph: ir.Graph, name: str, dtype: ir.DataType, shape: list) -> ir.Va
     return value
 
 
-def _const(tape: ir.tape.Tape, values) -> ir.Value:
-    return tape.op("Constant", [], {"value": ir.tensor(np.array(values, np.int64))})
-
-
 def _split(graph: ir.Graph, node: ir.Node, fed: dict[str, ir.Value]) -> None:
     """``node`` (a step's GQA over [1, R + S] positions) as the running rows' GQA over the
     first R and the chunk row's over the last S, its output both joined again."""
-    tape = ir.tape.Tape()
-    rows = tape.op("Shape", [node.inputs[3]], {"start": 0, "end": 1})  # [1]: R
-    axis, zero, end = _const(tape, [1]), _const(tape, [0]), _const(tape, [_WIDE])
+    ops = TapeOps()
+    rows = ops.Shape(node.inputs[3], start=0, end=1)  # [1]: R
+    axis = int_const(ops, [1])
 
     def step_part(x, shape):  # [1, R, C] -> [R, 1, C] (or [1, R] -> [R, 1])
-        return tape.op("Reshape", [tape.op("Slice", [x, zero, rows, axis]), _const(tape, shape)])
+        return ops.Reshape(ops.Slice(x, int_const(ops, [0]), rows, axis), int_const(ops, shape))
 
     def chunk_part(x):
-        return tape.op("Slice", [x, rows, end, axis])
+        return ops.Slice(x, rows, int_const(ops, [_WIDE]), axis)
 
     inputs = list(node.inputs)
     step_in, chunk_in = list(inputs), list(inputs)
@@ -123,13 +119,10 @@ def _split(graph: ir.Graph, node: ir.Node, fed: dict[str, ir.Value]) -> None:
         chunk_in[i] = _input(graph, chunk_name(past.name), past.type.dtype,
                              [1, *list(past.shape)[1:]])
     attrs = {a.name: a for a in node.attributes.values()}
-    step = tape.op_multi_out("GroupQueryAttention", step_in, attributes=attrs, num_outputs=3,
-                             domain=MS_DOMAIN)
-    chunk = tape.op_multi_out("GroupQueryAttention", chunk_in, attributes=attrs,
-                              num_outputs=3, domain=MS_DOMAIN)
-    joined = tape.op("Concat", [tape.op("Reshape", [step[0], _const(tape, [1, -1, 0])]),
-                                chunk[0]], {"axis": 1})
-    graph.insert_before(node, tape.nodes)
+    step = ops.GroupQueryAttention(*step_in, _domain=MS_DOMAIN, _outputs=3, **attrs)
+    chunk = ops.GroupQueryAttention(*chunk_in, _domain=MS_DOMAIN, _outputs=3, **attrs)
+    joined = ops.Concat(ops.Reshape(step[0], int_const(ops, [1, -1, 0])), chunk[0], axis=1)
+    graph.insert_before(node, ops.tape.nodes)
     out, present_key, present_value = node.outputs
     out.replace_all_uses_with(joined)
     for old, new, chunk_present in ((present_key, step[1], chunk[1]),
@@ -201,12 +194,12 @@ def _read_last(graph: ir.Graph, last: ir.Value) -> bool:
     if hidden is None:
         return False
     users = list(hidden.uses())  # (before the Gather reads it too)
-    tape = ir.tape.Tape()
-    picked = tape.op("Gather", [hidden, last], {"axis": 1})
+    ops = TapeOps()
+    picked = ops.Gather(hidden, last, axis=1)
     if hidden.producer() is not None:
-        graph.insert_after(hidden.producer(), tape.nodes)
+        graph.insert_after(hidden.producer(), ops.tape.nodes)
     else:  # (a graph input)
-        graph.insert_before(next(iter(graph)), tape.nodes)
+        graph.insert_before(next(iter(graph)), ops.tape.nodes)
     for user, index in users:
         user.replace_input_with(index, picked)
     logits.shape = ir.Shape([1, "last", *(list(logits.shape)[2:] if logits.shape else [])])
