@@ -112,8 +112,8 @@ class SharedRows(_Rows):
         iface = self.iface
         self.max_length = max_length
         # written through once here (np.full, not np.zeros' untouched pages): a slot's first
-        # prompt run would otherwise take its page faults, 40-110 ms a slot on the 16-layer
-        # bench model, in the gap every running stream waits through
+        # prompt run would otherwise take its page faults, several times a later run's time,
+        # in the gap every running stream waits through
         self.buffers = {past: np.full((slots, iface.kv_heads_of(past), max_length,
                                        iface.head_of(past)), 0, iface.kv_dtype)
                         for past, _ in iface.pasts}
