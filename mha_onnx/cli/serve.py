@@ -20,9 +20,10 @@ import click
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for a row; past it, 429.")
 @click.option("--prefill-chunk", type=int, default=512, show_default=True,
-              help="Prompt positions run between two decode steps (0: a whole prompt in one "
-                   "run); smaller chunks keep the running streams moving while a long prompt "
-                   "joins.")
+              help="Prompt positions run between two decode steps while rows stream (0: a "
+                   "whole prompt in one run); smaller chunks keep the running streams moving "
+                   "while a long prompt joins. A turn holds at most --max-batch + this many "
+                   "positions: the chunk takes what the running rows leave.")
 @click.option("--mixed-steps/--no-mixed-steps", default=True, show_default=True,
               help="A joining prompt's chunk and the running rows' step in one run, where "
                    "the file allows it (the weights read once for both).")
@@ -51,7 +52,7 @@ def serve_command(model, host, port, name, max_batch, max_length, max_queue, pre
     """Serve a decoder (OpenAI's /v1/completions and /v1/chat/completions, continuous
     batching) or an encoder (/v1/embeddings, dynamic batching) over HTTP, with /health,
     /ready and /metrics."""
-    from mha_onnx.serve.engine import EngineConfig
+    from mha_onnx.serve.config import EngineConfig
     from mha_onnx.serve.server import run_server
     from mha_onnx.serve.service import ServeConfig, Service
 

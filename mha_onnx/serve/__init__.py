@@ -9,7 +9,8 @@ batched engine (engine.py, rows.py) that a user may embed without HTTP:
 model repository is ``package``'s (mha_onnx.package).
 """
 
-from mha_onnx.serve.engine import Engine, EngineConfig, Observer
+from mha_onnx.serve.config import EngineConfig, Observer
+from mha_onnx.serve.engine import Engine
 from mha_onnx.serve.requests import Completion, Handle, NotAdmitting, QueueFull, Request
 
 __all__ = ["Completion", "Engine", "EngineConfig", "Handle", "NotAdmitting", "Observer",

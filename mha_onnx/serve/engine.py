@@ -11,8 +11,9 @@ step (a step reads every weight whatever its batch).
 
 One thread (the engine's) runs every ONNX Runtime call. Each turn of its loop: requests that
 were cancelled, timed out or ended leave the batch (their rows freed), at most one waiting
-request's prompt runs alone into a free row (so that the running rows keep stepping while
-prompts arrive), then one decode step runs for every row. Where the file allows it
+request's prompt runs alone into a free row (in chunks while rows stream, so that they keep
+stepping while prompts arrive: a turn holds at most max_batch + prefill_chunk positions),
+then one decode step runs for every row. Where the file allows it
 (mixed.py), a prompt's chunk and the step are one run, which reads the weights once for
 both. A prompt runs through the session ``generate`` would run it through (or one with the
 same kernels, checked at start), and each row's step reads its own cache only, so a
@@ -25,13 +26,13 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from mha_onnx.errors import ConfigError, MhaOnnxError
 from mha_onnx.generate.sampling import next_tokens
+from mha_onnx.serve.config import EngineConfig, Observer
 from mha_onnx.serve.requests import (
     ERROR,
     LENGTH,
@@ -49,67 +50,30 @@ log = logging.getLogger(__name__)
 DEFAULT_LENGTH = 4096  # a row's positions when the model's context is longer or unknown
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """``max_batch``: rows decoded together; ``max_length``: positions a row may hold
-    (prompt + new tokens; default the model's context, at most 4096); ``max_queue``:
-    requests that may wait for a row (past it, :class:`QueueFull`); ``timeout``: seconds a
-    request may take from submission (None: no limit); ``threads``: ORT's intra-op threads;
-    ``float_prompt``: as ``generate`` (None: by the CPU; False: the file as written);
-    ``prefill_chunk``: a prompt's positions run between two decode steps (0: a whole prompt
-    in one run, the run ``generate`` makes; smaller chunks bound how long the running rows
-    wait for a joining prompt, at the cost of the joining request's first token: on the
-    16-layer int4 Llama at 16 clients, chunks of 64 cut the streams' p99 gap from 1.8 s to
-    0.23 s and put the median first token at 10.5 s instead of 2.0 s; docs/serve.md);
-    ``mixed_steps``: a chunk and the running rows' step in one run where the file allows it
-    (serve/mixed.py: the weights read once for both), else one after the other."""
-
-    max_batch: int = 16
-    max_length: int | None = None
-    max_queue: int = 64
-    timeout: float | None = None
-    threads: int | None = None
-    float_prompt: bool | None = None
-    prefill_chunk: int = 512
-    mixed_steps: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise ConfigError(f"--max-batch must be >= 1, got {self.max_batch}")
-        if self.max_length is not None and self.max_length < 2:
-            raise ConfigError(f"--max-length must be >= 2, got {self.max_length}")
-        if self.max_queue < 0:
-            raise ConfigError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.timeout is not None and not self.timeout > 0:
-            raise ConfigError(f"--request-timeout must be > 0 seconds, got {self.timeout}")
-        if self.prefill_chunk < 0:
-            raise ConfigError(f"--prefill-chunk must be >= 0, got {self.prefill_chunk}")
-
-
-class Observer:
-    """What the engine reports as it runs (the server's metrics implement it; no-ops here)."""
-
-    def admitted(self, handle: Handle) -> None: ...
-    def token(self, handle: Handle, now: float) -> None: ...
-    def step(self, rows: int, seconds: float) -> None: ...
-    def finished(self, handle: Handle) -> None: ...
-
-
 class Engine(Worker):
     """A decoder file served to many requests at once (module doc)."""
 
     def __init__(self, model: str | Path, config: EngineConfig = EngineConfig(), *,
                  observer: Observer | None = None) -> None:
         from mha_onnx.generate.loop import Generator
+        from mha_onnx.graph.decoder import read_interface
+        from mha_onnx.graph.files import read_model
 
         self.config, self.path = config, Path(model)
         self.observer = observer or Observer()
-        self.generator = Generator(model, threads=config.threads,
-                                   float_prompt=config.float_prompt,
-                                   quiet=config.mixed_steps and config.max_batch > 1)
-        self.interface = iface = self.generator.interface
+        proto = read_model(model, load_external_data=False)
+        self.interface = iface = read_interface(proto, model)
+        alone = _alone(iface, proto)
+        mixed = None
+        if iface.shared and not alone and config.max_batch > 1 and config.mixed_steps:
+            from mha_onnx.serve.mixed import mixed_graph
+
+            mixed = mixed_graph(proto)
+        # (the step session's threads spin past its runs unless a mixed session runs between)
+        self.generator = Generator(model, threads=config.threads, interface=iface,
+                                   float_prompt=config.float_prompt, quiet=mixed is not None)
         self.max_length = self._length(config.max_length)
-        self.rows, self.notes = self._rows()
+        self.rows, self.notes = self._rows(alone, mixed)
         self.eos = iface.tokens.eos
         self._queue: collections.deque[Handle] = collections.deque()
         self._running: dict[int, Handle] = {}  # row id (the handle's id) -> handle
@@ -133,29 +97,19 @@ class Engine(Worker):
             return asked
         return min([DEFAULT_LENGTH, *limits])
 
-    def _rows(self):
-        """The store of the running rows, and a note where rows cannot share a step."""
-        from mha_onnx.graph.cache import row_layout
-        from mha_onnx.graph.files import read_model
+    def _rows(self, alone: str | None, mixed):
+        """The store of the running rows (one slot where rows cannot share a step, ``alone``
+        says why), with the ``mixed`` graph's runner where it agrees; and the notes."""
         from mha_onnx.serve.rows import AppendedRows, SharedRows
 
-        iface, batch = self.interface, self.config.max_batch
-        alone = None
-        if not iface.has_positions:
-            alone = ("it takes no position_ids: its positions come from the mask's length, so a "
-                     "row's tokens would depend on its place in the batch (export --model "
-                     "writes position_ids)")
-        elif iface.shared and row_layout(read_model(self.path, load_external_data=False)) \
-                is None:
-            alone = ("its shared cache holds one length for every row (no per-row layout; "
-                     "fuse --kv-cache shared writes one)")
+        batch = self.config.max_batch
         slots = 1 if alone else batch
-        rows = SharedRows(self.generator, slots, self.max_length) if iface.shared \
+        rows = SharedRows(self.generator, slots, self.max_length) if self.interface.shared \
             else AppendedRows(self.generator, slots)
-        if iface.shared and slots > 1 and self.config.mixed_steps:
+        if mixed is not None:
             from mha_onnx.serve.mixing import mixed_runner
 
-            rows.mixer = mixed_runner(self.generator)
+            rows.mixer = mixed_runner(self.generator, mixed)
         return rows, ((f"requests run one at a time: {alone}",) if alone and batch > 1 else ())
 
     # -- the caller's side -------------------------------------------------------------------
@@ -315,12 +269,20 @@ class Engine(Worker):
         self.rows.leave(row)
         self._end(handle, reason, error)
 
+    def _upto(self, handle: Handle) -> int:
+        """Where this turn's run of ``handle``'s prompt ends: at its end where no row streams
+        (nobody waits on the run), else after what the running rows leave of the turn's
+        max_batch + prefill_chunk positions (at least prefill_chunk)."""
+        n, chunk = len(handle.request.prompt), self.config.prefill_chunk
+        if not chunk or not self._running:
+            return n
+        return min(n, self._filled + chunk + self.config.max_batch - len(self._running))
+
     def _mixed(self, handle: Handle) -> None:
         """A step of the running rows and the next chunk of ``handle``'s prompt in one run
         (serve/mixed.py); where that run fails, each again on its own (a failure is then
         the request's that caused it)."""
-        prompt, chunk = list(handle.request.prompt), self.config.prefill_chunk
-        upto = len(prompt) if not chunk else min(len(prompt), self._filled + chunk)
+        prompt, upto = list(handle.request.prompt), self._upto(handle)
         order = list(self.rows.order)
         started = time.perf_counter()
         try:
@@ -342,8 +304,7 @@ class Engine(Worker):
     def _prefill(self, handle: Handle) -> None:
         """The next chunk of ``handle``'s prompt (all of it without --prefill-chunk); at its
         end the row joins the batch with its first token."""
-        prompt, chunk = list(handle.request.prompt), self.config.prefill_chunk
-        upto = len(prompt) if not chunk else min(len(prompt), self._filled + chunk)
+        prompt, upto = list(handle.request.prompt), self._upto(handle)
         try:
             logits = self.rows.prefill(handle.id, prompt, upto)
         except MhaOnnxError as exc:
@@ -395,3 +356,17 @@ class Engine(Worker):
         self.observer.step(len(order), time.perf_counter() - started)
         for n, row in enumerate(order):
             self._emit(row, logits[n:n + 1])
+
+
+def _alone(iface, proto) -> str | None:
+    """Why the file's rows cannot share a step (each then runs alone), or None."""
+    from mha_onnx.graph.cache import row_layout
+
+    if not iface.has_positions:
+        return ("it takes no position_ids: its positions come from the mask's length, so a "
+                "row's tokens would depend on its place in the batch (export --model "
+                "writes position_ids)")
+    if iface.shared and row_layout(proto) is None:
+        return ("its shared cache holds one length for every row (no per-row layout; "
+                "fuse --kv-cache shared writes one)")
+    return None

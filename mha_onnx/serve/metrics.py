@@ -8,7 +8,7 @@ import collections
 import threading
 import time
 
-from mha_onnx.serve.engine import Observer
+from mha_onnx.serve.config import Observer
 from mha_onnx.serve.requests import Handle
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,

@@ -20,18 +20,20 @@ from mha_onnx.serve.mixed import (
 )
 
 
-def mixed_runner(generator: Any) -> Any | None:
-    """An ONNX Runtime runner of the mixed graph of ``generator``'s file (on the CPU, its
-    threads and optimization level), or None where the graph cannot be made, takes other
-    inputs than these, or a chunk runs through another session than a step (a quantized
-    file's prompts in float compute, generate/prompt.py: a chunk there gives other numbers)."""
+def mixed_runner(generator: Any, made: Any = None) -> Any | None:
+    """An ONNX Runtime runner of the mixed graph of ``generator``'s file (``made``, else made
+    here; on the CPU, its threads and optimization level), or None where the graph cannot be
+    made, takes other inputs than these, or a chunk runs through another session than a step
+    (a quantized file's prompts in float compute, generate/prompt.py: a chunk there gives
+    other numbers)."""
     from mha_onnx.graph.decoder import IDS, POSITIONS
     from mha_onnx.graph.files import read_model
     from mha_onnx.runtime.ort import OrtRunner
 
     if generator.float_prompt is not None or generator.runner.provider != "cpu":
         return None
-    made = mixed_graph(read_model(generator.path, load_external_data=False))
+    if made is None:
+        made = mixed_graph(read_model(generator.path, load_external_data=False))
     if made is None:
         return None
     pasts = [past for past, _ in generator.interface.pasts]

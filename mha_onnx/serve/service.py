@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mha_onnx.errors import ConfigError, ModelFileError
-from mha_onnx.serve.engine import EngineConfig
+from mha_onnx.serve.config import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,9 @@ def test_requests_joining_and_leaving_get_their_tokens_alone(tmp_path, family, f
         assert bool(engine.notes) is (family == "gemma3")
         if form == "shared":  # chunks ran with the steps (mixed.py), but for float prompts
             assert (engine.rows.mixer is not None) is (engine.generator.float_prompt is None)
+        # the step session's threads spin past its runs unless another session runs between
+        assert engine.generator.runner.stop_spinning is (
+            engine.rows.mixer is not None or engine.generator.float_prompt is not None)
     if shared_step:  # (rows shared steps: fewer steps than tokens one at a time)
         assert steps < sum(len(w) for w in want) - len(want)
 
@@ -173,3 +176,34 @@ def test_a_step_and_a_chunk_in_one_run_give_what_each_gives_alone(llama):
     assert rows.order == alone.order == [0, 1] and rows.length == alone.length
     with Engine(llama, EngineConfig(max_batch=4, mixed_steps=False)) as engine:
         assert engine.rows.mixer is None
+
+
+def test_a_prompt_runs_whole_with_no_stream_and_in_what_a_turn_leaves_with_some(llama):
+    """--prefill-chunk bounds a turn while rows stream: a turn holds max_batch +
+    prefill_chunk positions, the chunk what the running rows leave (4 + 3 - 1 = 6 beside one
+    row); with no row streaming, nobody waits, and the prompt runs in one run. Tokens stay
+    those `generate` gives each request alone."""
+    from mha_onnx.generate import GenerationConfig, Generator
+
+    a, b = list(range(10, 30)), list(range(40, 60))
+    runs: list[tuple[int, int, int]] = []
+    with Engine(llama, EngineConfig(max_batch=4, prefill_chunk=3)) as engine:
+        rows = engine.rows
+        for name in ("prefill", "mixed"):
+            run = getattr(rows, name)
+
+            def recorded(*args, _run=run):
+                row, upto = args[-3], args[-1]
+                runs.append((row, rows.pending.get(row, 0), upto))
+                return _run(*args)
+            setattr(rows, name, recorded)
+        first = engine.submit(Request(tuple(a), 30, eos=()))
+        next(iter(first))  # (a streams now)
+        second = engine.submit(Request(tuple(b), 8, eos=()))
+        got = [list(h.result(60).tokens) for h in (first, second)]
+    assert runs[0] == (first.id, 0, 20)
+    assert [(done, upto) for row, done, upto in runs if row == second.id] == [
+        (0, 6), (6, 12), (12, 18), (18, 20)]
+    with Generator(llama) as generator:
+        assert got == [list(generator.generate([p], GenerationConfig(n, eos=())).sequences[0])
+                       for p, n in ((a, 30), (b, 8))]
