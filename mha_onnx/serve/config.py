@@ -24,9 +24,8 @@ class EngineConfig:
     the running rows wait for a joining prompt, at the cost of the joining request's first
     token: on the 16-layer int4 Llama at 16 clients, chunks of 64 cut the streams' p99 gap
     from 1.8 s to 0.23 s and put the median first token at 10.5 s instead of 2.0 s;
-    docs/guide/serve.md). A turn holds at most ``max_batch + prefill_chunk`` positions: the
-    chunk takes what the running rows leave of them, and with no row streaming (nobody
-    waits on it) the rest of the prompt runs in one run;
+    docs/guide/serve.md). With no row streaming (nobody waits on the run) the rest of a
+    prompt runs in one run;
     ``mixed_steps``: a chunk and the running rows' step in one run where the file allows it
     (serve/mixed.py: the weights read once for both), else one after the other."""
 

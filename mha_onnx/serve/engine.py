@@ -12,8 +12,8 @@ step (a step reads every weight whatever its batch).
 One thread (the engine's) runs every ONNX Runtime call. Each turn of its loop: requests that
 were cancelled, timed out or ended leave the batch (their rows freed), at most one waiting
 request's prompt runs alone into a free row (in chunks while rows stream, so that they keep
-stepping while prompts arrive: a turn holds at most max_batch + prefill_chunk positions),
-then one decode step runs for every row. Where the file allows it
+stepping while prompts arrive; whole while none does), then one decode step runs for every
+row. Where the file allows it
 (mixed.py), a prompt's chunk and the step are one run, which reads the weights once for
 both. A prompt runs through the session ``generate`` would run it through (or one with the
 same kernels, checked at start), and each row's step reads its own cache only, so a
@@ -270,13 +270,10 @@ class Engine(Worker):
         self._end(handle, reason, error)
 
     def _upto(self, handle: Handle) -> int:
-        """Where this turn's run of ``handle``'s prompt ends: at its end where no row streams
-        (nobody waits on the run), else after what the running rows leave of the turn's
-        max_batch + prefill_chunk positions (at least prefill_chunk)."""
+        """Where this turn's run of ``handle``'s prompt ends: a chunk further while rows
+        stream, else at its end (nobody waits on the run)."""
         n, chunk = len(handle.request.prompt), self.config.prefill_chunk
-        if not chunk or not self._running:
-            return n
-        return min(n, self._filled + chunk + self.config.max_batch - len(self._running))
+        return n if not chunk or not self._running else min(n, self._filled + chunk)
 
     def _mixed(self, handle: Handle) -> None:
         """A step of the running rows and the next chunk of ``handle``'s prompt in one run

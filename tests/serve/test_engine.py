@@ -178,11 +178,10 @@ def test_a_step_and_a_chunk_in_one_run_give_what_each_gives_alone(llama):
         assert engine.rows.mixer is None
 
 
-def test_a_prompt_runs_whole_with_no_stream_and_in_what_a_turn_leaves_with_some(llama):
-    """--prefill-chunk bounds a turn while rows stream: a turn holds max_batch +
-    prefill_chunk positions, the chunk what the running rows leave (4 + 3 - 1 = 6 beside one
-    row); with no row streaming, nobody waits, and the prompt runs in one run. Tokens stay
-    those `generate` gives each request alone."""
+def test_a_prompt_runs_whole_with_no_stream_and_in_chunks_beside_streams(llama):
+    """--prefill-chunk bounds a turn's prompt positions while rows stream; with no row
+    streaming, nobody waits, and the prompt runs in one run. Tokens stay those `generate`
+    gives each request alone."""
     from mha_onnx.generate import GenerationConfig, Generator
 
     a, b = list(range(10, 30)), list(range(40, 60))
@@ -203,7 +202,7 @@ def test_a_prompt_runs_whole_with_no_stream_and_in_what_a_turn_leaves_with_some(
         got = [list(h.result(60).tokens) for h in (first, second)]
     assert runs[0] == (first.id, 0, 20)
     assert [(done, upto) for row, done, upto in runs if row == second.id] == [
-        (0, 6), (6, 12), (12, 18), (18, 20)]
+        (0, 3), (3, 6), (6, 9), (9, 12), (12, 15), (15, 18), (18, 20)]
     with Generator(llama) as generator:
         assert got == [list(generator.generate([p], GenerationConfig(n, eos=())).sequences[0])
                        for p, n in ((a, 30), (b, 8))]
