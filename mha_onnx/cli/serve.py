@@ -22,7 +22,8 @@ import click
 @click.option("--prefill-chunk", type=int, default=512, show_default=True,
               help="Prompt positions run between two decode steps while rows stream (0: a "
                    "whole prompt in one run); smaller chunks keep the running streams moving "
-                   "while a long prompt joins. With no row streaming, a prompt runs whole.")
+                   "while a long prompt joins. With no row streaming, a run takes 512 if "
+                   "that is more.")
 @click.option("--mixed-steps/--no-mixed-steps", default=True, show_default=True,
               help="A joining prompt's chunk and the running rows' step in one run, where "
                    "the file allows it (the weights read once for both).")

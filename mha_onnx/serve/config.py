@@ -11,6 +11,8 @@ from mha_onnx.errors import ConfigError
 if TYPE_CHECKING:
     from mha_onnx.serve.requests import Handle
 
+IDLE_CHUNK = 512  # a prompt's positions a run takes while no row streams (and the default)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,8 +26,8 @@ class EngineConfig:
     the running rows wait for a joining prompt, at the cost of the joining request's first
     token: on the 16-layer int4 Llama at 16 clients, chunks of 64 cut the streams' p99 gap
     from 1.8 s to 0.23 s and put the median first token at 10.5 s instead of 2.0 s;
-    docs/guide/serve.md). With no row streaming (nobody waits on the run) the rest of a
-    prompt runs in one run;
+    docs/guide/serve.md). With no row streaming (nobody waits on the run) a run takes
+    ``IDLE_CHUNK`` positions if that is more (the default's bound on a prompt run's memory);
     ``mixed_steps``: a chunk and the running rows' step in one run where the file allows it
     (serve/mixed.py: the weights read once for both), else one after the other."""
 
@@ -35,7 +37,7 @@ class EngineConfig:
     timeout: float | None = None
     threads: int | None = None
     float_prompt: bool | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int = IDLE_CHUNK
     mixed_steps: bool = True
 
     def __post_init__(self) -> None:

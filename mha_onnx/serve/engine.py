@@ -12,8 +12,8 @@ step (a step reads every weight whatever its batch).
 One thread (the engine's) runs every ONNX Runtime call. Each turn of its loop: requests that
 were cancelled, timed out or ended leave the batch (their rows freed), at most one waiting
 request's prompt runs alone into a free row (in chunks while rows stream, so that they keep
-stepping while prompts arrive; whole while none does), then one decode step runs for every
-row. Where the file allows it
+stepping while prompts arrive; in chunks of at least IDLE_CHUNK while none does), then one
+decode step runs for every row. Where the file allows it
 (mixed.py), a prompt's chunk and the step are one run, which reads the weights once for
 both. A prompt runs through the session ``generate`` would run it through (or one with the
 same kernels, checked at start), and each row's step reads its own cache only, so a
@@ -32,7 +32,7 @@ import numpy as np
 
 from mha_onnx.errors import ConfigError, MhaOnnxError
 from mha_onnx.generate.sampling import next_tokens
-from mha_onnx.serve.config import EngineConfig, Observer
+from mha_onnx.serve.config import IDLE_CHUNK, EngineConfig, Observer
 from mha_onnx.serve.requests import (
     ERROR,
     LENGTH,
@@ -271,9 +271,11 @@ class Engine(Worker):
 
     def _upto(self, handle: Handle) -> int:
         """Where this turn's run of ``handle``'s prompt ends: a chunk further while rows
-        stream, else at its end (nobody waits on the run)."""
+        stream, else at least IDLE_CHUNK further (nobody waits on the run)."""
         n, chunk = len(handle.request.prompt), self.config.prefill_chunk
-        return n if not chunk or not self._running else min(n, self._filled + chunk)
+        if not chunk:
+            return n
+        return min(n, self._filled + (chunk if self._running else max(chunk, IDLE_CHUNK)))
 
     def _mixed(self, handle: Handle) -> None:
         """A step of the running rows and the next chunk of ``handle``'s prompt in one run

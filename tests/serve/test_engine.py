@@ -180,8 +180,8 @@ def test_a_step_and_a_chunk_in_one_run_give_what_each_gives_alone(llama):
 
 def test_a_prompt_runs_whole_with_no_stream_and_in_chunks_beside_streams(llama):
     """--prefill-chunk bounds a turn's prompt positions while rows stream; with no row
-    streaming, nobody waits, and the prompt runs in one run. Tokens stay those `generate`
-    gives each request alone."""
+    streaming, nobody waits, and a run takes IDLE_CHUNK (here the whole prompt). Tokens stay
+    those `generate` gives each request alone."""
     from mha_onnx.generate import GenerationConfig, Generator
 
     a, b = list(range(10, 30)), list(range(40, 60))
