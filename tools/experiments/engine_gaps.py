@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                                 rng.integers(128, 257, args.requests), strict=True)]
     turns: dict[str, list[float]] = {"step": [], "chunk": [], "mixed": []}
     config = EngineConfig(max_batch=args.rows, prefill_chunk=args.chunk, max_length=1400,
+                          max_queue=args.requests,
                           threads=args.threads, mixed_steps=not args.apart)
     with Engine(args.model, config) as engine:
         for kind, name in (("step", "_step"), ("chunk", "_prefill"), ("mixed", "_mixed")):
