@@ -72,16 +72,25 @@ class _Rows:
         """Runs ``prompt``'s next positions, up to ``upto``, for ``row`` (not in the batch
         until its whole prompt has run: then it joins, and its last logits come back; None
         before). The first run has no past; the next ones run after what the row holds."""
+        done = self._done(row, prompt, upto)
+        logits = self._prompt_run(row, prompt[done:upto], done)
+        return logits if self._ran(row, prompt, upto) else None
+
+    def _done(self, row: int, prompt: list[int], upto: int) -> int:
+        """The positions of ``row``'s prompt run so far, checked against the next run's end."""
         done = self.pending.get(row, 0)
         if not 0 <= done < upto <= len(prompt):
             raise ValueError(f"row {row}: positions {done}..{upto} of {len(prompt)}")
-        logits = self._prompt_run(row, prompt[done:upto], done)
+        return done
+
+    def _ran(self, row: int, prompt: list[int], upto: int) -> bool:
+        """``row``'s prompt has run up to ``upto``: at its end the row joins the batch (True)."""
         if upto < len(prompt):
             self.pending[row] = upto
-            return None
+            return False
         self.pending.pop(row, None)
         self._joined(row, len(prompt))
-        return logits
+        return True
 
     def abort(self, row: int) -> None:
         """A row whose prompt had not run to its end: its place freed."""
@@ -225,9 +234,7 @@ class SharedRows(_Rows):
         joins then; None before)."""
         from mha_onnx.serve import mixed as mx
 
-        done = self.pending.get(row, 0)
-        if not 0 <= done < upto <= len(prompt):
-            raise ValueError(f"row {row}: positions {done}..{upto} of {len(prompt)}")
+        done = self._done(row, prompt, upto)
         rows, n = len(self.order), np.array([self.length[r] for r in self.order], np.int64)
         session = self.mixer.session
         dtypes = self.iface.dtypes
@@ -249,12 +256,8 @@ class SharedRows(_Rows):
         _run(session, binding)
         for r in self.order:
             self.length[r] += 1
-        if upto < len(prompt):
-            self.pending[row] = upto
-            return logits[0, :rows].astype(np.float32), None
-        self.pending.pop(row, None)
-        self._joined(row, len(prompt))
-        return logits[0, :rows].astype(np.float32), logits[0, rows].astype(np.float32)
+        step = logits[0, :rows].astype(np.float32)
+        return step, logits[0, rows].astype(np.float32) if self._ran(row, prompt, upto) else None
 
     def leave(self, row: int) -> None:
         """The row's slot given to the last row (its cached positions copied)."""
