@@ -77,6 +77,14 @@ def fast_int8(cpuinfo: str | None = None) -> bool:
     return cpu_vendor(text) == "AuthenticAMD" and cpu_isa(text) == "AVX-512 VNNI"
 
 
+def floats_prompts(model: onnx.ModelProto, wanted: bool | None) -> bool:
+    """Whether a CPU generator runs ``model``'s prompts in float compute: its MatMulNBits
+    compute in int8 (accuracy level 2 or more) and ``wanted`` says so, or (None) the CPU has
+    no fast int8 (:func:`fast_int8`)."""
+    floated = wanted if wanted is not None else not fast_int8()
+    return floated and any(attr(n, "accuracy_level", 0) >= 2 for n in _quantized(model))
+
+
 def float_prompt(path: str | Path, read: onnx.ModelProto | None = None) -> FloatPrompt | None:
     """For a file whose MatMulNBits compute in int8 (accuracy level 2 or more), its float
     prompt session's model and shared initializers; None for any other file. The model is
@@ -119,8 +127,7 @@ def sessions(model: str | Path, proto: Any, shared: bool, second: bool,
     step no faster and its first token 1.45x slower (pool threads; docs/history/bench-notebook.md)."""
     from mha_onnx.generate.decode import decode_graph
 
-    floated = wanted if wanted is not None else not fast_int8()
-    if not second or not floated:
+    if not second or not floats_prompts(proto, wanted):
         return None, None
     made = float_prompt(model, proto)
     return made, decode_graph(proto) if made is not None and shared else None

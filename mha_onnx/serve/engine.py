@@ -56,6 +56,7 @@ class Engine(Worker):
     def __init__(self, model: str | Path, config: EngineConfig = EngineConfig(), *,
                  observer: Observer | None = None) -> None:
         from mha_onnx.generate.loop import Generator
+        from mha_onnx.generate.prompt import floats_prompts
         from mha_onnx.graph.decoder import read_interface
         from mha_onnx.graph.files import read_model
 
@@ -64,8 +65,9 @@ class Engine(Worker):
         proto = read_model(model, load_external_data=False)
         self.interface = iface = read_interface(proto, model)
         alone = _alone(iface, proto)
-        mixed = None
-        if iface.shared and not alone and config.max_batch > 1 and config.mixed_steps:
+        mixed = None  # (none where prompts run in float compute: their chunks give other numbers)
+        if iface.shared and not alone and config.max_batch > 1 and config.mixed_steps \
+                and not floats_prompts(proto, config.float_prompt):
             from mha_onnx.serve.mixed import mixed_graph
 
             mixed = mixed_graph(proto)
