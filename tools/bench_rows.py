@@ -31,7 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     from mha_onnx.serve.rows import AppendedRows, SharedRows
 
     generator = Generator(args.model, threads=args.threads)
-    vocab = generator.interface.vocab
     rng = np.random.default_rng(0)
     print(f"`python -m tools.bench_rows {' '.join(sys.argv[1:] if argv is None else argv)}`\n")
     print("| rows | step ms (median) | ms per row | tokens/s of the steps |\n|---|---|---|---|")
@@ -39,20 +38,29 @@ def main(argv: list[str] | None = None) -> int:
     for batch in (int(b) for b in args.batches.split(",")):
         rows = SharedRows(generator, batch, args.prompt + args.steps + 8) \
             if generator.interface.shared else AppendedRows(generator, batch)
-        tokens = np.array([int(rows.join(r, [int(t) for t in rng.integers(3, vocab,
-                                                                          args.prompt)]).argmax())
-                           for r in range(batch)])
-        times = []
-        for _ in range(args.steps):
-            started = time.perf_counter()
-            tokens = rows.step(tokens).argmax(-1)
-            times.append(time.perf_counter() - started)
-        step = float(np.median(times[3:]))
+        step = timed_steps(rows, args.prompt, args.steps, rng)
         base = base or step
         print(f"| {batch} | {1e3 * step:.2f} | {1e3 * step / batch:.2f} | {batch / step:.0f} "
               f"({batch * base / step:.2f}x of one row) |")
     generator.close()
     return 0
+
+
+def timed_steps(rows, prompt: int, steps: int, rng, session=None) -> float:
+    """The median seconds of a greedy step of every slot of ``rows`` (serve/rows.py), each
+    joined first with ``prompt`` random tokens, over ``steps`` steps (the first 3 not
+    counted); ``session``: the one the steps run through, if not the joins'."""
+    vocab = rows.iface.vocab
+    tokens = np.array([int(rows.join(r, [int(t) for t in rng.integers(3, vocab, prompt)])
+                           .argmax()) for r in range(rows.slots)])
+    if session is not None:
+        rows.session = session
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        tokens = rows.step(tokens).argmax(-1)
+        times.append(time.perf_counter() - started)
+    return float(np.median(times[3:]))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ as the generator's does; the decode graph's session packs the weights once more.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from mha_onnx.graph.files import read_model
     from mha_onnx.runtime.ort import OrtRunner
     from mha_onnx.serve.rows import SharedRows
+    from tools.bench_rows import timed_steps
 
     generator = Generator(args.model, threads=args.threads)
     if generator.steps_only or not generator.interface.shared:
@@ -52,18 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, session in sessions.items():
             for batch in (int(b) for b in args.batches.split(",")):
                 rows = SharedRows(generator, batch, args.prompt + args.steps + 8)
-                rng = np.random.default_rng(0)
-                tokens = np.array([int(rows.join(r, [int(t) for t in rng.integers(
-                    3, generator.interface.vocab, args.prompt)]).argmax())
-                    for r in range(batch)])
-                rows.session = session  # (the joins ran through the file as written)
-                times = []
-                for _ in range(args.steps):
-                    started = time.perf_counter()
-                    tokens = rows.step(tokens).argmax(-1)
-                    times.append(time.perf_counter() - started)
-                print(f"| {n + 1} | {name} | {batch} | {1e3 * np.median(times[3:]):.2f} |",
-                      flush=True)
+                step = timed_steps(rows, args.prompt, args.steps, np.random.default_rng(0),
+                                   session)  # (the joins through the file as written)
+                print(f"| {n + 1} | {name} | {batch} | {1e3 * step:.2f} |", flush=True)
     return 0
 
 
