@@ -196,8 +196,9 @@ def test_a_prompt_runs_whole_with_no_stream_and_in_chunks_beside_streams(llama):
                 runs.append((row, rows.pending.get(row, 0), upto))
                 return _run(*args)
             setattr(rows, name, recorded)
+        # both at once: the first's prompt runs alone, then it streams (30 tokens, one a
+        # turn) through every chunk of the second's (7 turns), whatever the machine's load
         first = engine.submit(Request(tuple(a), 30, eos=()))
-        next(iter(first))  # (a streams now)
         second = engine.submit(Request(tuple(b), 8, eos=()))
         got = [list(h.result(60).tokens) for h in (first, second)]
     assert runs[0] == (first.id, 0, 20)
